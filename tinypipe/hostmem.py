@@ -1,0 +1,84 @@
+"""Host memory per parameter under each layout (DESIGN §1.2), as formulas in one place.
+
+`replicated` (what peers do): an fp32 master (4 B), a pinned compute-dtype copy for upload (2 B),
+a full-size fp32 gradient buffer (4 B), AdamW moments m and v (4 + 4 B), and the pinned caching
+allocator's rounding of each pinned block up to a power of two (on the upload copy and the
+gradient buffer). 18 B/param plus rounding.
+
+`compact` (tinypipe): the fp32 master stored as two 16-bit planes in one pinned slab — the high
+plane is the bf16 value that is uploaded, the low plane restores fp32 for the optimizer (4 B) —
+AdamW moments (8 B), and a small pinned ring of gradient slots instead of a model-sized buffer.
+12 B/param plus the ring; no rounding (one slab).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinypipe.model import DTYPE_BYTES, ModelSpec
+
+# Measured on 2 CPU threads for 64M parameters (DESIGN §1.2): joining the planes into fp32 with a
+# strided copy 0.044 s, splitting back 0.056 s, one fused CPU AdamW step 0.042 s.
+PLANE_JOIN_S_PER_64M = 0.044
+PLANE_SPLIT_S_PER_64M = 0.056
+ADAMW_S_PER_64M = 0.042
+# Optimizer time of the compact layout relative to a plain fused AdamW step when join, update and
+# split are three separate passes over memory (what the backend runs today).
+COMPACT_OPTIM_FACTOR = (PLANE_JOIN_S_PER_64M + ADAMW_S_PER_64M + PLANE_SPLIT_S_PER_64M) / ADAMW_S_PER_64M
+
+DEFAULT_GRAD_RING_SLOTS = 4
+
+
+def next_pow2(n: int) -> int:
+    """The block size PyTorch's pinned caching allocator hands out for a request of n bytes."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """Host bytes by purpose for one model under one layout."""
+
+    layout: str
+    params: int
+    master_bytes: int
+    upload_copy_bytes: int
+    grad_bytes: int
+    optim_state_bytes: int
+    pinned_rounding_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.master_bytes + self.upload_copy_bytes + self.grad_bytes + self.optim_state_bytes
+                + self.pinned_rounding_bytes)
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total_bytes / max(1, self.params)
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("fp32 master", self.master_bytes), ("upload copy", self.upload_copy_bytes),
+                ("gradients", self.grad_bytes), ("AdamW moments", self.optim_state_bytes),
+                ("pinned rounding", self.pinned_rounding_bytes)]
+
+
+def host_bytes(model: ModelSpec, layout: str, *, compute_dtype: str = "bf16",
+               grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, layers: tuple[int, ...] | None = None) -> HostBytes:
+    """Host bytes to train `model` (or only `layers` of it) with an fp32 master and AdamW."""
+    chosen = [model.layers[i] for i in layers] if layers is not None else list(model.layers)
+    n = sum(x.params for x in chosen)
+    cd = DTYPE_BYTES[compute_dtype]
+    if layout == "replicated":
+        upload = [x.params * cd for x in chosen]
+        grads = [x.params * 4 for x in chosen]
+        rounding = sum(next_pow2(b) - b for b in upload + grads if b)
+        return HostBytes(layout, n, 4 * n, sum(upload), sum(grads), 8 * n, rounding)
+    if layout == "compact":
+        biggest = max((x.params for x in chosen), default=0)
+        ring = grad_ring_slots * biggest * 4 if chosen else 0
+        return HostBytes(layout, n, 4 * n, 0, ring, 8 * n, 0)
+    raise ValueError(f"unknown host memory layout {layout!r}")
+
+
+def optimizer_time_factor(layout: str) -> float:
+    """How much longer the CPU optimizer takes per parameter under `layout` than a fused AdamW."""
+    return COMPACT_OPTIM_FACTOR if layout == "compact" else 1.0

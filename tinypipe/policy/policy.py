@@ -1,0 +1,162 @@
+"""Policy: a frozen description of how to pack, map, swap, hold host memory and step the optimizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from tinypipe.errors import InputError
+from tinypipe.jsonio import Fields, load_json
+
+SWAP_MODES = ("pack", "layer")
+HOST_LAYOUTS = ("replicated", "compact")
+OPTIMIZER_MODES = ("sync", "async")
+ACT_HOMES = ("gpu", "host")
+PACKERS = ("uniform", "balanced", "mobius", "holistic", "per-gpu")
+MAPPERS = ("round-robin", "cross")
+RESIDENT_MODES = ("none", "all", "auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """How a model is run through the pipeline. Invariants are checked on construction.
+
+    packing: a packer name (`uniform` with `pack_size` layers per pack, `balanced` by time into
+      `num_packs` packs, `mobius`, `holistic`, `per-gpu`: one pack per GPU) or explicit pack
+      sizes (layers per pack, in order; they must sum to the model's layer count).
+    mapping: `round-robin`, `cross` (neighbouring packs on GPUs sharing the least PCIe path),
+      or an explicit GPU per pack.
+    swap: `pack` (whole packs load and evict) or `layer` (layer by layer within a pack).
+    prefetch_depth: packs (pack mode) or layers (layer mode) uploaded ahead of use.
+    resident: `none`, `all` (every layer stays on its GPU), `auto` (keep the layers used again
+      soon, the last pack's forward then backward, when memory allows) or explicit layer indices.
+    """
+
+    name: str = "custom"
+    packing: str | tuple[int, ...] = "holistic"
+    pack_size: int = 0  # for packing="uniform": layers per pack (0: choose)
+    num_packs: int = 0  # for packing="balanced": number of packs (0: choose)
+    mapping: str | tuple[int, ...] = "round-robin"
+    swap: str = "layer"
+    prefetch_depth: int = 1
+    resident: str | tuple[int, ...] = "none"
+    host_memory: str = "compact"
+    microbatches: int = 4
+    microbatch_size: int = 1  # sequences per microbatch
+    recompute: bool = True
+    optimizer: str = "sync"
+    activation_home: str = "gpu"
+
+    def __post_init__(self) -> None:
+        def bad(field_: str, why: str) -> InputError:
+            return InputError(f"policy {self.name!r}: {field_}: {why}")
+
+        if isinstance(self.packing, str):
+            if self.packing not in PACKERS:
+                raise bad("packing", f"unknown packer {self.packing!r}; expected one of {', '.join(PACKERS)} "
+                          "or a list of pack sizes")
+        else:
+            object.__setattr__(self, "packing", tuple(self.packing))
+            if not self.packing or any(not isinstance(k, int) or isinstance(k, bool) or k < 1
+                                       for k in self.packing):
+                raise bad("packing", "pack sizes must be a non-empty list of integers >= 1")
+        if isinstance(self.mapping, str):
+            if self.mapping not in MAPPERS:
+                raise bad("mapping", f"unknown mapper {self.mapping!r}; expected one of {', '.join(MAPPERS)} "
+                          "or a list of GPU indices")
+        else:
+            object.__setattr__(self, "mapping", tuple(self.mapping))
+            if not self.mapping or any(not isinstance(g, int) or isinstance(g, bool) or g < 0
+                                       for g in self.mapping):
+                raise bad("mapping", "explicit mapping must be a non-empty list of GPU indices >= 0")
+        if isinstance(self.resident, str):
+            if self.resident not in RESIDENT_MODES:
+                raise bad("resident", f"must be one of {', '.join(RESIDENT_MODES)} or a list of layers")
+        else:
+            object.__setattr__(self, "resident", tuple(self.resident))
+            if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in self.resident):
+                raise bad("resident", "layer indices must be integers >= 0")
+        for name, choices in (("swap", SWAP_MODES), ("host_memory", HOST_LAYOUTS),
+                              ("optimizer", OPTIMIZER_MODES), ("activation_home", ACT_HOMES)):
+            v = getattr(self, name)
+            if v not in choices:
+                raise bad(name, f"must be one of {', '.join(choices)}; got {v!r}")
+        for name, lo in (("prefetch_depth", 0), ("microbatches", 1), ("microbatch_size", 1),
+                         ("pack_size", 0), ("num_packs", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise bad(name, f"must be an integer >= {lo}; got {v!r}")
+        if not isinstance(self.recompute, bool):
+            raise bad("recompute", "must be true or false")
+        if not self.recompute and self.activation_home == "host":
+            raise bad("activation_home", "host needs recompute (only layer inputs are offloaded)")
+
+    def replace(self, **changes: Any) -> Policy:
+        return replace(self, **changes)
+
+    # ---- JSON ----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("packing", "mapping", "resident"):
+            if isinstance(d[k], tuple):
+                d[k] = list(d[k])
+        return d
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "policy") -> Policy:
+        f = Fields(obj, where)
+        known = {fl.name for fl in fields(cls)}
+        unknown = sorted(set(f.obj) - known)
+        if unknown:
+            raise InputError(f"{where}: unknown field {unknown[0]!r}; known fields: {', '.join(sorted(known))}")
+        kw: dict[str, Any] = {}
+        for fl in fields(cls):
+            if not f.has(fl.name):
+                continue
+            v = f.raw(fl.name)
+            if fl.name in ("packing", "mapping", "resident") and isinstance(v, list):
+                if any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+                    raise InputError(f"{where}: {fl.name}: expected a list of integers")
+                v = tuple(v)
+            elif fl.name in ("packing", "mapping", "resident"):
+                v = f.str(fl.name)
+            elif fl.name == "recompute":
+                v = f.bool(fl.name)
+            elif fl.name in ("pack_size", "num_packs", "prefetch_depth", "microbatches", "microbatch_size"):
+                v = f.int(fl.name)
+            else:
+                v = f.str(fl.name)
+            kw[fl.name] = v
+        try:
+            return cls(**kw)
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from None
+
+
+PRESETS: dict[str, Policy] = {
+    # GPipe-style: one pack per GPU, every layer stays resident; OOMs on big models by design.
+    "resident": Policy(name="resident", packing="per-gpu", mapping="round-robin", swap="pack",
+                       prefetch_depth=0, resident="all", host_memory="replicated", recompute=True),
+    # Mobius (ASPLOS'23): whole packs swapped, one pack prefetched, MILP partition, cross mapping,
+    # replicated host copies.
+    "mobius": Policy(name="mobius", packing="mobius", mapping="cross", swap="pack", prefetch_depth=1,
+                     resident="none", host_memory="replicated", recompute=True),
+    # tinypipe: holistic packing, layer-wise swapping, compact host memory, turnaround layers resident.
+    "tinypipe": Policy(name="tinypipe", packing="holistic", mapping="cross", swap="layer", prefetch_depth=2,
+                       resident="auto", host_memory="compact", recompute=True),
+}
+
+
+def load_policy(name_or_path: str) -> Policy:
+    """A preset name (`resident`, `mobius`, `tinypipe`) or a path to a policy JSON file."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    p = Path(name_or_path)
+    if not p.suffix and not p.exists():
+        raise InputError(f"unknown policy {name_or_path!r}; presets: {', '.join(PRESETS)}, or a policy JSON file")
+    return Policy.from_json(load_json(p), str(p))

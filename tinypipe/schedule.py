@@ -1,0 +1,335 @@
+"""The schedule IR: Actions on per-resource ordered lists, with dependencies and memory effects.
+
+Execution semantics (shared by the simulator and the real backend, like CUDA streams + events):
+each resource runs its actions in list order; an action starts when the previous action on its
+resource and every action in `deps` have finished. Memory effects: `allocs` are taken when an
+action starts, `frees` are returned when it ends.
+
+Resources: per GPU `i`: `g{i}.compute` (FWD, BWD, EVICT), `g{i}.h2d` (LOAD, FETCH_ACT),
+`g{i}.d2h` (GRAD_OUT, OFFLOAD_ACT), `g{i}.p2p` (SEND, RECV); on the host: `host.optim` (OPT_STEP).
+Memory devices: `g{i}` and `host`.
+
+What each kind means:
+- LOAD L: upload layer L's weights (compute dtype) host -> GPU; `nbytes` moved.
+- EVICT L: drop layer L's weights from the GPU; takes no time.
+- FWD L m / BWD L m: forward / backward of layer L for microbatch m (BWD recomputes the forward
+  first when `Schedule.recompute`).
+- SEND / RECV: the two halves of one GPU -> GPU copy of a boundary activation (forward) or of
+  its gradient (backward); `peer` is the other GPU. A pair moves as one copy, started when both
+  halves are ready; pairs between two GPUs match in list order.
+- OFFLOAD_ACT / FETCH_ACT: a saved activation GPU -> host after FWD, host -> GPU before BWD.
+- GRAD_OUT L: layer L's accumulated gradients GPU -> host (fp32 or compute dtype, see nbytes).
+- OPT_STEP L: the CPU optimizer step for layer L.
+
+Text form, one action per line (round-trips exactly through `Schedule.dumps` / `Schedule.loads`):
+`12 g0.compute FWD L3 P1 m2 i0 B=1024 >g1 deps=3,7 +g0:act.L3.m2=1024 -g0:x.L2.m2=512`
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tinypipe.errors import InputError
+
+
+class Kind(str, Enum):
+    """Action kinds; the value is the printed name."""
+
+    LOAD = "LOAD"
+    EVICT = "EVICT"
+    FWD = "FWD"
+    BWD = "BWD"
+    SEND = "SEND"
+    RECV = "RECV"
+    OFFLOAD_ACT = "OFFLOAD_ACT"
+    FETCH_ACT = "FETCH_ACT"
+    GRAD_OUT = "GRAD_OUT"
+    OPT_STEP = "OPT_STEP"
+
+
+# The stream each kind runs on ("host" for host.optim).
+KIND_STREAM: dict[Kind, str] = {
+    Kind.LOAD: "h2d",
+    Kind.FETCH_ACT: "h2d",
+    Kind.EVICT: "compute",
+    Kind.FWD: "compute",
+    Kind.BWD: "compute",
+    Kind.SEND: "p2p",
+    Kind.RECV: "p2p",
+    Kind.OFFLOAD_ACT: "d2h",
+    Kind.GRAD_OUT: "d2h",
+    Kind.OPT_STEP: "optim",
+}
+GPU_STREAMS = ("compute", "h2d", "d2h", "p2p")
+HOST_OPTIM = "host.optim"
+
+
+def gpu_resource(gpu: int, stream: str) -> str:
+    """`g{gpu}.{stream}`, e.g. `g1.h2d`."""
+    return f"g{gpu}.{stream}"
+
+
+def resource_device(resource: str) -> str:
+    """The memory device a resource belongs to: `g1.h2d` -> `g1`, `host.optim` -> `host`."""
+    return resource.split(".", 1)[0]
+
+
+def resource_gpu(resource: str) -> int | None:
+    """The GPU index of a resource, or None for host resources."""
+    dev = resource_device(resource)
+    return int(dev[1:]) if dev.startswith("g") else None
+
+
+@dataclass(frozen=True, slots=True)
+class Mem:
+    """A memory effect: `nbytes` of buffer `buffer` on `device` (`g0`, `host`)."""
+
+    device: str
+    buffer: str
+    nbytes: int
+
+    def text(self) -> str:
+        return f"{self.device}:{self.buffer}={self.nbytes}"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One unit of work on one resource. `id` is its index in `Schedule.actions`."""
+
+    id: int
+    kind: Kind
+    resource: str
+    layer: int | None = None
+    pack: int | None = None
+    microbatch: int | None = None
+    iteration: int = 0
+    nbytes: int = 0
+    peer: int | None = None  # the other GPU of a SEND / RECV
+    deps: tuple[int, ...] = ()
+    allocs: tuple[Mem, ...] = ()  # taken at start
+    frees: tuple[Mem, ...] = ()  # returned at end
+
+    def __str__(self) -> str:
+        """Short form for people: `g1.h2d LOAD L12`, `g0.compute FWD L3 m2`, `g0.p2p SEND L3 m0 >g1`."""
+        parts = [self.resource, self.kind.value]
+        if self.layer is not None:
+            parts.append(f"L{self.layer}")
+        if self.microbatch is not None:
+            parts.append(f"m{self.microbatch}")
+        if self.peer is not None:
+            parts.append(f">g{self.peer}")
+        return " ".join(parts)
+
+    @property
+    def label(self) -> str:
+        """Compact cell label for the grid: `F3.2` (FWD L3 m2), `LD12`, `S3.0>1`."""
+        short = {Kind.LOAD: "LD", Kind.EVICT: "EV", Kind.FWD: "F", Kind.BWD: "B", Kind.SEND: "S",
+                 Kind.RECV: "R", Kind.OFFLOAD_ACT: "OA", Kind.FETCH_ACT: "FA", Kind.GRAD_OUT: "GO",
+                 Kind.OPT_STEP: "OPT"}[self.kind]
+        s = short + ("" if self.layer is None else str(self.layer))
+        if self.microbatch is not None:
+            s += f".{self.microbatch}"
+        return s
+
+    def text(self) -> str:
+        """The full one-line text form (see the module docstring)."""
+        parts = [str(self.id), self.resource, self.kind.value]
+        if self.layer is not None:
+            parts.append(f"L{self.layer}")
+        if self.pack is not None:
+            parts.append(f"P{self.pack}")
+        if self.microbatch is not None:
+            parts.append(f"m{self.microbatch}")
+        parts.append(f"i{self.iteration}")
+        if self.nbytes:
+            parts.append(f"B={self.nbytes}")
+        if self.peer is not None:
+            parts.append(f">g{self.peer}")
+        if self.deps:
+            parts.append("deps=" + ",".join(map(str, self.deps)))
+        parts += ["+" + m.text() for m in self.allocs]
+        parts += ["-" + m.text() for m in self.frees]
+        return " ".join(parts)
+
+
+_MEM_RE = re.compile(r"^([+-])([A-Za-z0-9_]+):([^=\s]+)=(\d+)$")
+
+
+def parse_action(line: str, where: str = "schedule") -> Action:
+    """Parse one line of the text form back into an Action; errors name `where`."""
+    toks = line.split()
+    if len(toks) < 3:
+        raise InputError(f"{where}: expected `ID RESOURCE KIND ...`, got {line!r}")
+    try:
+        aid = int(toks[0])
+        kind = Kind(toks[2])
+    except ValueError:
+        raise InputError(f"{where}: bad action id or kind in {line!r}") from None
+    kw: dict = {"id": aid, "kind": kind, "resource": toks[1]}
+    deps: tuple[int, ...] = ()
+    allocs: list[Mem] = []
+    frees: list[Mem] = []
+    try:
+        for t in toks[3:]:
+            if t[0] == "L":
+                kw["layer"] = int(t[1:])
+            elif t[0] == "P":
+                kw["pack"] = int(t[1:])
+            elif t[0] == "m":
+                kw["microbatch"] = int(t[1:])
+            elif t[0] == "i":
+                kw["iteration"] = int(t[1:])
+            elif t.startswith("B="):
+                kw["nbytes"] = int(t[2:])
+            elif t.startswith(">g"):
+                kw["peer"] = int(t[2:])
+            elif t.startswith("deps="):
+                deps = tuple(int(x) for x in t[5:].split(","))
+            elif (m := _MEM_RE.match(t)) is not None:
+                (allocs if m[1] == "+" else frees).append(Mem(m[2], m[3], int(m[4])))
+            else:
+                raise ValueError(t)
+    except ValueError as exc:
+        raise InputError(f"{where}: cannot parse token {exc} in {line!r}") from None
+    return Action(deps=deps, allocs=tuple(allocs), frees=tuple(frees), **kw)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A compiled schedule: all actions (ids = positions) plus what the executors need to know.
+
+    Per-resource order is the order of `actions` filtered by resource. `static_bytes` is memory
+    held for the whole run outside any action (host: master weights, optimizer state, pinned
+    buffers; a GPU: nothing unless the policy keeps state there).
+    """
+
+    actions: tuple[Action, ...]
+    num_gpus: int
+    num_layers: int
+    iterations: int
+    microbatches: int
+    tokens_per_microbatch: int
+    recompute: bool
+    pack_layers: tuple[tuple[int, ...], ...]  # layers of each pack, in order
+    pack_gpu: tuple[int, ...]  # GPU of each pack
+    host_memory: str = "replicated"  # host layout: sets the CPU optimizer's cost (hostmem)
+    compute_dtype: str = "bf16"
+    static_bytes: tuple[tuple[str, int], ...] = ()  # (device, bytes)
+    meta: tuple[tuple[str, str], ...] = ()  # free-form provenance: model, hardware, policy name
+    _by_resource: dict[str, tuple[int, ...]] = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        for i, a in enumerate(self.actions):
+            if a.id != i:
+                raise ValueError(f"action at position {i} has id {a.id}; ids must equal positions")
+
+    @property
+    def resources(self) -> tuple[str, ...]:
+        """All resources in a stable order: per GPU compute, h2d, d2h, p2p; then host.optim."""
+        names = [gpu_resource(g, s) for g in range(self.num_gpus) for s in GPU_STREAMS] + [HOST_OPTIM]
+        return tuple(names)
+
+    def by_resource(self) -> dict[str, tuple[int, ...]]:
+        """Action ids per resource, in execution order (cached)."""
+        if self._by_resource is None:
+            d: dict[str, list[int]] = defaultdict(list)
+            for a in self.actions:
+                d[a.resource].append(a.id)
+            object.__setattr__(self, "_by_resource", {r: tuple(d.get(r, ())) for r in self.resources})
+        return self._by_resource
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.microbatches * self.tokens_per_microbatch
+
+    def static(self, device: str) -> int:
+        return sum(b for d, b in self.static_bytes if d == device)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Number of actions per (resource, kind)."""
+        out: dict[tuple[str, str], int] = defaultdict(int)
+        for a in self.actions:
+            out[(a.resource, a.kind.value)] += 1
+        return dict(out)
+
+    # ---- text round trip -------------------------------------------------------------------
+    def dumps(self) -> str:
+        head = [
+            "# tinypipe schedule v1",
+            f"# gpus={self.num_gpus} layers={self.num_layers} iterations={self.iterations} "
+            f"microbatches={self.microbatches} tokens_per_microbatch={self.tokens_per_microbatch} "
+            f"recompute={int(self.recompute)} host_memory={self.host_memory} compute_dtype={self.compute_dtype}",
+            "# packs=" + ";".join(",".join(map(str, p)) for p in self.pack_layers),
+            "# pack_gpu=" + ",".join(map(str, self.pack_gpu)),
+            "# static=" + ",".join(f"{d}={b}" for d, b in self.static_bytes),
+        ]
+        head += [f"# meta {k}={v}" for k, v in self.meta]
+        return "\n".join(head + [a.text() for a in self.actions]) + "\n"
+
+    @classmethod
+    def loads(cls, text: str, where: str = "schedule") -> Schedule:
+        hdr: dict[str, str] = {}
+        meta: list[tuple[str, str]] = []
+        actions: list[Action] = []
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("# meta "):
+                k, _, v = line[7:].partition("=")
+                meta.append((k, v))
+            elif line.startswith("#"):
+                for tok in line[1:].split():
+                    if "=" in tok:
+                        k, _, v = tok.partition("=")
+                        hdr[k] = v
+            else:
+                actions.append(parse_action(line, f"{where}: line {n}"))
+        try:
+            packs = tuple(tuple(int(x) for x in p.split(",")) for p in hdr["packs"].split(";") if p)
+            static = tuple((d, int(b)) for d, _, b in (s.partition("=") for s in hdr["static"].split(",") if s))
+            return cls(
+                actions=tuple(actions), num_gpus=int(hdr["gpus"]), num_layers=int(hdr["layers"]),
+                iterations=int(hdr["iterations"]), microbatches=int(hdr["microbatches"]),
+                tokens_per_microbatch=int(hdr["tokens_per_microbatch"]), recompute=hdr["recompute"] == "1",
+                pack_layers=packs, pack_gpu=tuple(int(x) for x in hdr["pack_gpu"].split(",") if x),
+                host_memory=hdr["host_memory"], compute_dtype=hdr["compute_dtype"],
+                static_bytes=static, meta=tuple(meta),
+            )
+        except (KeyError, ValueError) as exc:
+            raise InputError(f"{where}: bad or missing header field {exc}") from None
+
+
+def grid(schedule: Schedule, *, max_steps: int | None = 40, mark: int | None = None,
+         resources: tuple[str, ...] | None = None) -> str:
+    """Steps x resources for people: column r lists resource r's actions in order, one per row.
+
+    Row k holds each resource's k-th action; `mark` (an action id) is shown as `>>label<<`.
+    """
+    res = [r for r in (resources or schedule.resources) if schedule.by_resource().get(r)]
+    cols = [[schedule.actions[i] for i in schedule.by_resource()[r]] for r in res]
+    depth = max((len(c) for c in cols), default=0)
+    rows = range(depth)
+    if mark is not None:
+        a = schedule.actions[mark]
+        k = schedule.by_resource()[a.resource].index(mark)
+        lo = max(0, k - (max_steps or depth) // 2)
+        rows = range(lo, min(depth, lo + (max_steps or depth)))
+    elif max_steps is not None:
+        rows = range(min(depth, max_steps))
+
+    def cell(c: list[Action], k: int) -> str:
+        if k >= len(c):
+            return ""
+        a = c[k]
+        return f">>{a.label}<<" if a.id == mark else a.label
+
+    table = [["step"] + res] + [[str(k)] + [cell(c, k) for c in cols] for k in rows]
+    widths = [max(len(r[j]) for r in table) for j in range(len(table[0]))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in table]
+    if rows and rows[-1] < depth - 1:
+        lines.append(f"... ({depth - rows[-1] - 1} more steps)")
+    return "\n".join(lines)
