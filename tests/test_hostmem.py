@@ -1,0 +1,42 @@
+"""Host bytes per parameter under each layout (DESIGN §1.2)."""
+
+from __future__ import annotations
+
+from tinypipe.hostmem import COMPACT_OPTIM_FACTOR, host_bytes, next_pow2, optimizer_time_factor
+from tinypipe.model import LayerKind, LayerSpec, ModelSpec
+
+
+def _model(sizes: list[int]) -> ModelSpec:
+    layers = tuple(LayerSpec(i, LayerKind.BLOCK, f"block.{i}", n, n, 2.0 * n, 0.0, 8, 4) for i, n in enumerate(sizes))
+    return ModelSpec("m", "llama", layers, 4, 16, len(sizes), False, 64, "test")
+
+
+def test_next_pow2() -> None:
+    """The pinned allocator's rounding: requests round up to the next power of two."""
+    assert [next_pow2(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]
+
+
+def test_replicated_is_18_bytes_plus_rounding() -> None:
+    """replicated: 4 master + 2 upload + 4 grad + 8 moments, plus power-of-two rounding of pinned blocks."""
+    h = host_bytes(_model([1000, 1024]), "replicated")
+    assert h.params == 2024
+    assert (h.master_bytes, h.upload_copy_bytes, h.grad_bytes, h.optim_state_bytes) == (8096, 4048, 8096, 16192)
+    # upload 2000 -> 2048, 2048 -> 2048; grads 4000 -> 4096, 4096 -> 4096
+    assert h.pinned_rounding_bytes == 48 + 96
+    assert h.total_bytes == 8096 + 4048 + 8096 + 16192 + 144
+
+
+def test_compact_is_12_bytes_plus_ring() -> None:
+    """compact: master planes 4 + moments 8 per parameter, and a 4-slot fp32 ring of the largest layer."""
+    h = host_bytes(_model([1000, 1024]), "compact")
+    assert (h.master_bytes, h.upload_copy_bytes, h.grad_bytes, h.optim_state_bytes, h.pinned_rounding_bytes) == (
+        8096, 0, 4 * 1024 * 4, 16192, 0)
+    big = host_bytes(_model([10**6] * 100), "compact")
+    assert 12.0 < big.bytes_per_param < 12.2
+
+
+def test_optimizer_factor_from_the_design_measurements() -> None:
+    """Unfused join + AdamW + split costs (0.044 + 0.042 + 0.056) / 0.042 of a fused AdamW."""
+    assert optimizer_time_factor("replicated") == 1.0
+    assert abs(COMPACT_OPTIM_FACTOR - 0.142 / 0.042) < 1e-12
+    assert optimizer_time_factor("compact") == COMPACT_OPTIM_FACTOR

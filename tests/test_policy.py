@@ -1,0 +1,90 @@
+"""Policy: invariants on construction, JSON round-trip, presets, loading errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tinypipe.errors import InputError
+from tinypipe.policy import PRESETS, Policy, load_policy
+from tinypipe.policy.policy import ACT_HOMES, HOST_LAYOUTS, MAPPERS, OPTIMIZER_MODES, PACKERS, SWAP_MODES
+
+policies = st.builds(
+    Policy,
+    packing=st.sampled_from(PACKERS) | st.lists(st.integers(1, 8), min_size=1, max_size=6).map(tuple),
+    mapping=st.sampled_from(MAPPERS) | st.lists(st.integers(0, 7), min_size=1, max_size=6).map(tuple),
+    swap=st.sampled_from(SWAP_MODES), prefetch_depth=st.integers(0, 4),
+    resident=st.sampled_from(("none", "all", "auto")) | st.lists(st.integers(0, 9), max_size=3).map(tuple),
+    host_memory=st.sampled_from(HOST_LAYOUTS), microbatches=st.integers(1, 16), microbatch_size=st.integers(1, 8),
+    recompute=st.just(True), optimizer=st.sampled_from(OPTIMIZER_MODES), activation_home=st.sampled_from(ACT_HOMES),
+)
+
+
+@given(policies)
+def test_json_round_trip(p: Policy) -> None:
+    """Every valid policy survives to_json -> JSON text -> from_json unchanged."""
+    assert Policy.from_json(json.loads(p.dumps())) == p
+
+
+def test_presets_are_what_the_design_says() -> None:
+    """resident keeps all layers; mobius swaps whole packs, replicated; tinypipe swaps layers, compact."""
+    r, m, t = PRESETS["resident"], PRESETS["mobius"], PRESETS["tinypipe"]
+    assert (r.resident, r.packing) == ("all", "per-gpu")
+    assert (m.swap, m.prefetch_depth, m.host_memory, m.packing, m.mapping) == ("pack", 1, "replicated", "mobius", "cross")
+    assert (t.swap, t.host_memory, t.packing) == ("layer", "compact", "holistic")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"swap": "page"}, "swap: must be one of pack, layer"),
+    ({"microbatches": 0}, "microbatches: must be an integer >= 1"),
+    ({"packing": (3, 0)}, "packing: pack sizes"),
+    ({"packing": "greedy"}, "packing: unknown packer 'greedy'"),
+    ({"mapping": (-1,)}, "mapping: explicit mapping"),
+    ({"recompute": False, "activation_home": "host"}, "activation_home: host needs recompute"),
+])
+def test_invariants(kw: dict, msg: str) -> None:
+    """Invalid combinations are refused on construction with a message naming the field."""
+    with pytest.raises(InputError, match=msg):
+        Policy(**kw)
+
+
+def test_load_policy_errors(tmp_path) -> None:
+    """Unknown names, unknown fields and wrong types are one-line InputErrors naming the file."""
+    with pytest.raises(InputError, match="unknown policy 'fastest'"):
+        load_policy("fastest")
+    f = tmp_path / "p.json"
+    f.write_text('{"swap": "layer", "speed": 3}')
+    with pytest.raises(InputError, match=r"p.json: unknown field 'speed'"):
+        load_policy(str(f))
+    f.write_text('{"microbatches": "four"}')
+    with pytest.raises(InputError, match=r"p.json: microbatches: expected an integer"):
+        load_policy(str(f))
+    f.write_text('{"microbatches": 4')
+    with pytest.raises(InputError, match=r"p.json: malformed JSON"):
+        load_policy(str(f))
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                    max_leaves=10))
+def test_arbitrary_json_only_input_errors(obj: object) -> None:
+    """Arbitrary JSON values give a Policy or an InputError, nothing else."""
+    try:
+        Policy.from_json(obj)
+    except InputError:
+        pass
+
+
+@given(st.sampled_from(list(Policy().to_json())), st.none() | st.booleans() | st.integers(-3, 3)
+       | st.text(max_size=4) | st.lists(st.integers(-1, 3), max_size=2) | st.floats())
+def test_mutated_field_only_input_errors(key: str, value: object) -> None:
+    """Setting any field of a valid policy to any value gives a Policy or an InputError."""
+    d = PRESETS["tinypipe"].to_json()
+    d[key] = value
+    try:
+        Policy.from_json(d)
+    except InputError:
+        pass
