@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 from collections.abc import Mapping
@@ -57,7 +58,7 @@ class Fields:
             return default
         return self.obj[key]
 
-    def int(self, key: str, default: Any = ..., *, minimum: int | None = None) -> int:
+    def int(self, key: builtins.str, default: Any = ..., *, minimum: builtins.int | None = None) -> builtins.int:
         v = self.raw(key, default)
         if v is default and default is not ...:
             return v  # type: ignore[no-any-return]
@@ -70,7 +71,8 @@ class Fields:
             raise InputError(f"{self._at(key)}: must be >= {minimum}, got {v}")
         return v
 
-    def float(self, key: str, default: Any = ..., *, minimum: float | None = None, positive: bool = False) -> float:
+    def float(self, key: builtins.str, default: Any = ..., *, minimum: builtins.float | None = None,
+              positive: builtins.bool = False) -> builtins.float:
         v = self.raw(key, default)
         if v is default and default is not ...:
             return v  # type: ignore[no-any-return]
@@ -85,7 +87,8 @@ class Fields:
             raise InputError(f"{self._at(key)}: must be >= {minimum}, got {v}")
         return v
 
-    def str(self, key: str, default: Any = ..., *, choices: tuple[str, ...] | None = None) -> str:
+    def str(self, key: builtins.str, default: Any = ..., *,
+            choices: tuple[builtins.str, ...] | None = None) -> builtins.str:
         v = self.raw(key, default)
         if v is default and default is not ...:
             return v  # type: ignore[no-any-return]
@@ -95,17 +98,17 @@ class Fields:
             raise InputError(f"{self._at(key)}: must be one of {', '.join(choices)}; got {v!r}")
         return v
 
-    def bool(self, key: str, default: Any = ...) -> bool:
+    def bool(self, key: builtins.str, default: Any = ...) -> builtins.bool:
         v = self.raw(key, default)
         if not isinstance(v, bool):
             raise InputError(f"{self._at(key)}: expected true or false, got {_kind(v)}")
         return v
 
-    def obj_(self, key: str, default: Any = ...) -> Fields:
+    def obj_(self, key: builtins.str, default: Any = ...) -> Fields:
         v = self.raw(key, default)
         return Fields(v, self._at(key))
 
-    def list(self, key: str, default: Any = ..., *, nonempty: bool = False) -> list[Any]:
+    def list(self, key: builtins.str, default: Any = ..., *, nonempty: builtins.bool = False) -> builtins.list[Any]:
         v = self.raw(key, default)
         if not isinstance(v, list):
             raise InputError(f"{self._at(key)}: expected a list, got {_kind(v)}")
@@ -113,7 +116,7 @@ class Fields:
             raise InputError(f"{self._at(key)}: must not be empty")
         return v
 
-    def items(self, key: str, *, nonempty: bool = False) -> list[Fields]:
+    def items(self, key: builtins.str, *, nonempty: builtins.bool = False) -> builtins.list[Fields]:
         """A list of JSON objects, each wrapped as Fields named `key[i]`."""
         return [Fields(x, f"{self._at(key)}[{i}]") for i, x in enumerate(self.list(key, nonempty=nonempty))]
 

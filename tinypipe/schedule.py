@@ -219,7 +219,7 @@ class Schedule:
     compute_dtype: str = "bf16"
     static_bytes: tuple[tuple[str, int], ...] = ()  # (device, bytes)
     meta: tuple[tuple[str, str], ...] = ()  # free-form provenance: model, hardware, policy name
-    _by_resource: dict[str, tuple[int, ...]] = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+    _by_resource: dict[str, tuple[int, ...]] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for i, a in enumerate(self.actions):
@@ -234,12 +234,14 @@ class Schedule:
 
     def by_resource(self) -> dict[str, tuple[int, ...]]:
         """Action ids per resource, in execution order (cached)."""
-        if self._by_resource is None:
-            d: dict[str, list[int]] = defaultdict(list)
-            for a in self.actions:
-                d[a.resource].append(a.id)
-            object.__setattr__(self, "_by_resource", {r: tuple(d.get(r, ())) for r in self.resources})
-        return self._by_resource
+        if self._by_resource is not None:
+            return self._by_resource
+        d: dict[str, list[int]] = defaultdict(list)
+        for a in self.actions:
+            d[a.resource].append(a.id)
+        out = {r: tuple(d.get(r, ())) for r in self.resources}
+        object.__setattr__(self, "_by_resource", out)
+        return out
 
     @property
     def tokens_per_iteration(self) -> int:
