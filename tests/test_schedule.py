@@ -33,8 +33,9 @@ def test_text_round_trip_literal() -> None:
 
 kinds = st.sampled_from(list(Kind))
 opt_int = st.none() | st.integers(0, 1000)
-mems = st.lists(st.builds(Mem, st.sampled_from(["g0", "g1", "host"]), st.from_regex(r"[a-z]\.L[0-9]{1,2}", fullmatch=True),
-                          st.integers(0, 10**12)), max_size=3).map(tuple)
+buffers = st.from_regex(r"[a-z]\.L[0-9]{1,2}", fullmatch=True)
+mems = st.lists(st.builds(Mem, st.sampled_from(["g0", "g1", "host"]), buffers, st.integers(0, 10**12)),
+                max_size=3).map(tuple)
 
 
 @given(st.lists(st.tuples(kinds, st.sampled_from(["g0.compute", "g1.p2p", "host.optim"]), opt_int, opt_int,

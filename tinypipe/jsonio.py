@@ -78,7 +78,10 @@ class Fields:
             return v  # type: ignore[no-any-return]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise InputError(f"{self._at(key)}: expected a number, got {_kind(v)}")
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:
+            raise InputError(f"{self._at(key)}: number too large") from None
         if not math.isfinite(v):
             raise InputError(f"{self._at(key)}: must be finite, got {v}")
         if positive and v <= 0:

@@ -1,0 +1,209 @@
+"""ProfileTrace: measured (or analytic) per-layer-kind times and sizes for one GPU type and workload.
+
+A measured trace comes from `tinypipe profile` (shipped ones live in `traces/profiles/`); where none
+matches, `analytic_trace` stands in and says so. The analytic model, per layer kind, for one
+microbatch of T = microbatch_size x seq_len tokens:
+
+    fwd_s = T * fwd_flops_per_token(seq_len) / (MATMUL_FRACTION * gpu.matmul_flops)
+          + bytes_moved / (MEM_FRACTION * gpu.mem_gbps * 1e9)
+    bytes_moved = weight bytes read (all of them; the embedding reads only the T rows it gathers)
+                + T * (2 * saved_act_bytes_per_token + 2 * boundary_bytes_per_token)
+                  (every saved tensor written once and read once; the input read, the output written)
+    bwd_s = 2 * fwd_s;  recompute_bwd_s = fwd_s + bwd_s
+    saved_act_bytes = T * saved_act_bytes_per_token
+    saved_act_bytes_recompute = T * boundary_bytes_per_token (the layer input; 0 for the embedding,
+                                whose input is the token ids)
+    workspace_bytes = WORKSPACE_FRACTION * saved_act_bytes
+
+The compute and memory terms add rather than overlap: the memory term stands for the norms, RoPE,
+activations and residual adds, which run as separate bandwidth-bound kernels between the GEMMs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import tinypipe.traces as shipped
+from tinypipe.errors import InputError
+from tinypipe.hardware import GPU
+from tinypipe.jsonio import Fields, load_json
+from tinypipe.model import DTYPE_BYTES, LayerKind, LayerSpec, ModelSpec
+
+# Fraction of the GPU's achieved large-GEMM rate (`GPU.matmul_flops`) that a layer's mix of
+# smaller GEMMs and causal flash attention reaches. Calibrated once against the measured H200
+# Llama-3.1-8B block (DESIGN.md section 8, 1x2048 tokens: forward 1.96 ms); see tests/test_trace.py.
+MATMUL_FRACTION = 0.7
+# Fraction of the spec memory bandwidth that streaming elementwise kernels reach.
+MEM_FRACTION = 0.8
+# Transient peak on top of the saved activations while a layer computes (backward holds gradients
+# of about half of the saved tensors at once, e.g. of the MLP's intermediates). An estimate; the
+# measured H200 Llama-3.1-8B block shows 0.68 x at 4-8 x 2048 tokens, 2.2 x at 2048 tokens.
+WORKSPACE_FRACTION = 0.5
+
+KIND_NAMES = tuple(k.value for k in LayerKind)
+
+
+@dataclass(frozen=True)
+class KindProfile:
+    """Times and sizes of one layer kind for one microbatch (microbatch_size x seq_len tokens).
+
+    With recompute the backward re-creates the forward's activations, so while it runs the layer
+    transiently holds saved_act_bytes + workspace_bytes.
+    """
+
+    fwd_s: float
+    bwd_s: float  # backward with the forward's activations kept
+    recompute_bwd_s: float  # forward recomputed from the saved input, then backward
+    saved_act_bytes: int  # kept from forward to backward without recompute
+    saved_act_bytes_recompute: int  # kept with recompute (the layer input)
+    workspace_bytes: int  # transient peak while the layer computes, on top of saved_act_bytes
+
+    def scaled(self, factor: float) -> KindProfile:
+        """Every time and size times `factor` (linear in tokens)."""
+        return KindProfile(fwd_s=self.fwd_s * factor, bwd_s=self.bwd_s * factor,
+                           recompute_bwd_s=self.recompute_bwd_s * factor,
+                           saved_act_bytes=round(self.saved_act_bytes * factor),
+                           saved_act_bytes_recompute=round(self.saved_act_bytes_recompute * factor),
+                           workspace_bytes=round(self.workspace_bytes * factor))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, f: Fields) -> KindProfile:
+        return cls(fwd_s=f.float("fwd_s", minimum=0.0), bwd_s=f.float("bwd_s", minimum=0.0),
+                   recompute_bwd_s=f.float("recompute_bwd_s", minimum=0.0),
+                   saved_act_bytes=f.int("saved_act_bytes", minimum=0),
+                   saved_act_bytes_recompute=f.int("saved_act_bytes_recompute", minimum=0),
+                   workspace_bytes=f.int("workspace_bytes", minimum=0))
+
+
+@dataclass(frozen=True)
+class ProfileTrace:
+    gpu_model: str
+    dtype: str
+    microbatch_size: int  # sequences per microbatch
+    seq_len: int
+    kinds: dict[str, KindProfile]  # keyed by LayerKind value: "embed", "block", "head"
+    analytic: bool  # True when computed from FLOPs over a rate rather than measured
+    source: str
+    model: str = ""  # model name the trace was profiled on ("" for analytic traces)
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.microbatch_size * self.seq_len
+
+    def layer(self, layer: LayerSpec) -> KindProfile:
+        return self.kinds[layer.kind.value]
+
+    def scaled_to(self, microbatch_size: int) -> ProfileTrace:
+        """This trace at another microbatch size, every time and size scaled linearly in tokens.
+
+        Linear scaling ignores fixed costs: the measured H200 block's per-token forward time falls
+        by ~10% from 1 to 8 sequences per microbatch, so scaling up from a small microbatch
+        overestimates a little and scaling down underestimates.
+        """
+        if microbatch_size < 1:
+            raise InputError(f"microbatch_size: must be >= 1, got {microbatch_size}")
+        if microbatch_size == self.microbatch_size:
+            return self
+        factor = microbatch_size / self.microbatch_size
+        return replace(self, microbatch_size=microbatch_size,
+                       kinds={k: p.scaled(factor) for k, p in self.kinds.items()},
+                       source=f"{self.source}; scaled linearly in tokens from microbatch_size "
+                              f"{self.microbatch_size} to {microbatch_size}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu_model": self.gpu_model, "model": self.model, "dtype": self.dtype,
+                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len, "analytic": self.analytic,
+                "source": self.source, "kinds": {k: p.to_json() for k, p in self.kinds.items()}}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "trace") -> ProfileTrace:
+        f = Fields(obj, where)
+        kinds_f = f.obj_("kinds")
+        for key in kinds_f.obj:
+            if key not in KIND_NAMES:
+                raise InputError(f"{kinds_f.where}: unknown layer kind {key!r}; "
+                                 f"expected {', '.join(KIND_NAMES)}")
+        return cls(gpu_model=f.str("gpu_model"), model=f.str("model", ""),
+                   dtype=f.str("dtype", choices=tuple(DTYPE_BYTES)),
+                   microbatch_size=f.int("microbatch_size", minimum=1), seq_len=f.int("seq_len", minimum=1),
+                   kinds={k: KindProfile.from_json(kinds_f.obj_(k)) for k in KIND_NAMES},
+                   analytic=f.bool("analytic"), source=f.str("source"))
+
+
+def _kind_profile(layer: LayerSpec, gpu: GPU, tokens: int, seq_len: int, dtype: str) -> KindProfile:
+    flops = tokens * layer.fwd_flops_per_token(seq_len)
+    weight_bytes = (tokens * layer.boundary_bytes_per_token if layer.kind is LayerKind.EMBED
+                    else layer.param_bytes(dtype))
+    act_bytes = tokens * 2 * (layer.saved_act_bytes_per_token + layer.boundary_bytes_per_token)
+    fwd_s = (flops / (MATMUL_FRACTION * gpu.matmul_flops)
+             + (weight_bytes + act_bytes) / (MEM_FRACTION * gpu.mem_gbps * 1e9))
+    saved = tokens * layer.saved_act_bytes_per_token
+    # recompute keeps the layer input; the embedding's input is the token ids, which are input data
+    kept = 0 if layer.kind is LayerKind.EMBED else tokens * layer.boundary_bytes_per_token
+    return KindProfile(fwd_s=fwd_s, bwd_s=2 * fwd_s, recompute_bwd_s=3 * fwd_s, saved_act_bytes=saved,
+                       saved_act_bytes_recompute=kept,
+                       workspace_bytes=math.ceil(WORKSPACE_FRACTION * saved))
+
+
+def analytic_trace(model: ModelSpec, gpu: GPU, *, microbatch_size: int, seq_len: int,
+                   dtype: str = "bf16") -> ProfileTrace:
+    """FLOPs over an achieved rate plus bytes over bandwidth, per layer kind (formula: module docstring).
+
+    Each kind's profile is that of its first layer in `model` (all blocks share one shape).
+    """
+    if microbatch_size < 1 or seq_len < 1:
+        raise InputError(f"microbatch_size and seq_len must be >= 1, got {microbatch_size} and {seq_len}")
+    if dtype not in DTYPE_BYTES:
+        raise InputError(f"dtype: must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
+    tokens = microbatch_size * seq_len
+    kinds: dict[str, KindProfile] = {}
+    for layer in model.layers:
+        if layer.kind.value not in kinds:
+            kinds[layer.kind.value] = _kind_profile(layer, gpu, tokens, seq_len, dtype)
+    return ProfileTrace(
+        gpu_model=gpu.model, dtype=dtype, microbatch_size=microbatch_size, seq_len=seq_len, kinds=kinds,
+        analytic=True,
+        source=(f"analytic: {model.name} on {gpu.model}, FLOPs / ({MATMUL_FRACTION} x {gpu.matmul_flops:.3g} "
+                f"FLOP/s) + bytes / ({MEM_FRACTION} x {gpu.mem_gbps:g} GB/s); backward 2 x forward; "
+                f"workspace {WORKSPACE_FRACTION} x saved activations"))
+
+
+def shipped_traces() -> list[str]:
+    """Names of the measured traces in `traces/profiles/`, sorted."""
+    return shipped.names("profiles")
+
+
+def load_trace(path: str) -> ProfileTrace:
+    """A shipped trace by name (`h200-llama-3.1-8b-mb1-seq2048`) or a path to a trace JSON file."""
+    found = shipped.path("profiles", path) if "/" not in path else None
+    if found is not None:
+        return ProfileTrace.from_json(load_json(found), where=f"{path}.json")
+    p = Path(path)
+    if not p.exists() and p.suffix != ".json" and "/" not in path:
+        raise InputError(f"unknown trace {path!r}: not a file, nor a shipped trace "
+                         f"({', '.join(shipped_traces())})")
+    return ProfileTrace.from_json(load_json(p), where=path)
+
+
+@lru_cache(maxsize=1)
+def _measured() -> tuple[ProfileTrace, ...]:
+    return tuple(load_trace(name) for name in shipped_traces())
+
+
+def trace_for(model: ModelSpec, hardware_gpu: GPU, microbatch_size: int, seq_len: int,
+              dtype: str = "bf16") -> ProfileTrace:
+    """The shipped measured trace for this GPU model, model name, microbatch size, sequence length
+    and dtype (names compared case-insensitively), else `analytic_trace`."""
+    for t in _measured():
+        if (t.gpu_model.casefold() == hardware_gpu.model.casefold()
+                and t.model.casefold() == model.name.casefold()
+                and t.microbatch_size == microbatch_size and t.seq_len == seq_len and t.dtype == dtype):
+            return t
+    return analytic_trace(model, hardware_gpu, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype)
