@@ -64,12 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", help="write a Chrome trace (Perfetto) of the first policy")
     sim.add_argument("--plot", help="write a PNG timeline of the first policy")
 
-    try:
-        from tinypipe.search_cli import add_search_parser
-    except ImportError:  # pragma: no cover - search not built yet
-        pass
-    else:
-        add_search_parser(sub)
+    se = sub.add_parser("search", help="find the fastest policy that fits (simulated), and the Pareto front")
+    se.add_argument("--model", default="llama-3.1-8b", help="shipped model name or config.json path")
+    se.add_argument("--hardware", default="rtx4090x8-pcie4", help="shipped hardware name or JSON path")
+    se.add_argument("--seq-len", type=int, default=2048)
+    se.add_argument("--batch-tokens", type=int, default=65536, help="tokens per optimizer step (default 65536)")
+    se.add_argument("--gpu-mem", help="tighter limit per GPU, e.g. 20GiB")
+    se.add_argument("--host-mem", help="tighter host DRAM limit, e.g. 128GiB")
+    se.add_argument("--workers", type=int, default=0, help="processes evaluating candidates (default: all cores)")
+    se.add_argument("--top", type=int, default=10)
+    se.add_argument("--out", help="write the winning policy JSON here (simulate and run accept it)")
+    se.add_argument("--plot", help="write the Pareto front as a PNG")
+    se.add_argument("--json", action="store_true")
 
     run = sub.add_parser("run", help="train through the compiled schedule (PyTorch)")
     try:
@@ -247,43 +253,132 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     names = args.policy or ["resident", "mobius", "tinypipe"]
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
     host_mem = parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None
-    results = []
+    rows: list[dict[str, Any]] = []
     first = None
     for name in names:
         model, hw, policy, trace = _workload(args, name)
         try:
             sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
         except InputError as exc:
-            results.append({"policy": policy.name, "fits": False, "why": str(exc)})
+            rows.append({"policy": policy.name, "fits": False, "why": str(exc)})
             continue
         res = simulate(sched, model, hw, trace, gpu_mem_bytes=gpu_mem, host_mem_bytes=host_mem, on_capacity="record")
-        row = {"policy": policy.name, **res.to_json()}
-        results.append(row)
+        rows.append({"policy": policy.name, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
+                     "peak_gpu_bytes": res.peak_gpu_bytes, "peak_host_bytes": res.peak_host_bytes,
+                     "host_bytes_per_param": res.host_bytes_per_param, "fits": res.fits,
+                     "why": res.violation or "", "bottleneck": res.critical_path.bottleneck,
+                     "packs": len(sched.pack_layers), "detail": res.to_json()})
         if first is None:
-            first = (sched, res)
-    if first is not None and (args.trace or args.plot):
-        tl = first[1].timeline
-        if args.trace:
-            _write_new(Path(args.trace), json.dumps(tl.to_chrome_trace()))
-        if args.plot:
-            from tinypipe.plot import plot_timeline
+            first = res
+    if first is not None and args.trace:
+        _write_new(Path(args.trace), json.dumps(first.timeline.to_chrome_trace()))
+    if first is not None and args.plot:
+        from tinypipe.plot import plot_timeline
 
-            plot_timeline(tl, args.plot)
+        plot_timeline(first.timeline, args.plot)
     if args.json:
         return _print_json({"model": args.model, "hardware": args.hardware, "seq_len": args.seq_len,
-                            "results": results})
-    print(f"{args.model} on {args.hardware}, seq {args.seq_len}\n")
-    rows = []
-    for r in results:
+                            "results": rows})
+    print(f"{args.model} on {args.hardware}, seq {args.seq_len}, {args.iterations} iterations simulated\n")
+    out = []
+    for r in rows:
         if "tokens_per_s" not in r:
-            rows.append([r["policy"], "-", "-", "-", "-", "-", "no: " + r["why"]])
+            out.append([r["policy"], "-", "-", "-", "-", "-", "-", "-", "no: " + r["why"]])
             continue
-        rows.append([r["policy"], round(r["tokens_per_s"]), round(r["iteration_s"], 3),
-                     table.gib(r["peak_gpu_bytes"]), table.gib(r["peak_host_bytes"]),
-                     round(r["host_bytes_per_param"], 2), "yes" if r["fits"] else "no: " + r["why"]])
-    print(table.render(["policy", "tokens/s", "iteration s", "peak GPU", "peak host", "host B/param", "fits"],
-                       rows, align="lrrrrrl"))
+        out.append([r["policy"], round(r["tokens_per_s"]), round(r["iteration_s"], 3), r["packs"],
+                    table.gib(r["peak_gpu_bytes"]), table.gib(r["peak_host_bytes"]),
+                    round(r["host_bytes_per_param"], 2), r["bottleneck"], "yes" if r["fits"] else "no: " + r["why"]])
+    print(table.render(["policy", "tokens/s", "iteration s", "packs", "peak GPU", "peak host", "host B/param",
+                        "bottleneck", "fits"], out, align="lrrrrrrll"))
     return 0
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    import os
+
+    from tinypipe import table
+    from tinypipe.hardware import load_hardware
+    from tinypipe.model import load_model
+    from tinypipe.search import Workload, search
+    from tinypipe.sim.evaluate import SimEvaluator
+    from tinypipe.units import parse_bytes
+
+    _positive("--seq-len", args.seq_len)
+    _positive("--batch-tokens", args.batch_tokens)
+    if args.batch_tokens % args.seq_len:
+        raise InputError(f"--batch-tokens: {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
+    model = load_model(args.model)
+    hw = load_hardware(args.hardware)
+    w = Workload(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
+                 gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+                 host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None)
+    workers = args.workers or (os.cpu_count() or 1)
+    bar = None if args.json else _Progress("search")
+    result = search(w, SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes),
+                    workers=workers, progress=bar)
+    if bar is not None:
+        bar.close()
+    if args.out and result.winner is not None:
+        _write_new(Path(args.out), result.winner.policy.replace(name="searched").dumps())
+    if args.plot:
+        from tinypipe.plot import plot_pareto
+
+        plot_pareto(result, args.plot)
+    if args.json:
+        return _print_json({"model": model.name, "hardware": hw.name, "seq_len": w.seq_len,
+                            "batch_sequences": w.batch_sequences, "considered": result.considered,
+                            "pruned": result.pruned, "evaluated": len(result.ranked),
+                            "winner": result.winner.to_json() if result.winner else None,
+                            "top": [e.to_json() for e in result.ranked[:args.top]],
+                            "pareto": [e.to_json() for e in result.pareto()], "advice": result.advice})
+    print(f"{model.name} on {hw.name}: {w.batch_sequences} x {w.seq_len} tokens per step; "
+          f"{result.considered} candidates, {len(result.ranked)} evaluated, {result.pruned} pruned by bounds\n")
+    if result.winner is None:
+        print("nothing fits:")
+        for line in result.advice:
+            print("  - " + line)
+        return 1
+
+    def rows(evals: list[Any]) -> list[list[Any]]:
+        return [[i + 1, round(e.tokens_per_s), table.gib(e.peak_gpu_bytes), table.gib(e.peak_host_bytes),
+                 _describe(e.policy)] for i, e in enumerate(evals)]
+
+    print("top candidates:")
+    print(table.render(["#", "tokens/s", "peak GPU", "peak host", "policy"],
+                       rows([e for e in result.ranked if e.fits][:args.top]), align="rrrrl"))
+    print("\nPareto front (tokens/s vs peak GPU vs peak host):")
+    print(table.render(["#", "tokens/s", "peak GPU", "peak host", "policy"], rows(result.pareto()), align="rrrrl"))
+    if args.out:
+        print(f"\nwrote the winner to {args.out}")
+    return 0
+
+
+def _describe(p: Any) -> str:
+    """A policy in one short line for tables."""
+    pk = p.packing if isinstance(p.packing, str) else "sizes " + "/".join(map(str, p.packing))
+    if p.packing == "uniform":
+        pk = f"uniform {p.pack_size}"
+    return (f"{pk}, {p.mapping}, swap {p.swap} d{p.prefetch_depth}, resident {p.resident}, "
+            f"{p.microbatches}x{p.microbatch_size} mb, {'recompute' if p.recompute else 'keep acts'}"
+            f"{', acts on host' if p.activation_home == 'host' else ''}, {p.host_memory}, {p.optimizer}")
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only when it is a terminal)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.tty and total:
+            n = int(30 * done / total)
+            sys.stderr.write(f"\r{self.what} [{'#' * n}{'.' * (30 - n)}] {done}/{total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -292,12 +387,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from tinypipe.backends.run import run_main
 
     return run_main(args)
-
-
-def _cmd_search(args: argparse.Namespace) -> int:
-    from tinypipe.search_cli import search_main
-
-    return search_main(args)
 
 
 _HANDLERS: dict[str | None, Callable[[argparse.Namespace], int]] = {
