@@ -20,7 +20,7 @@ def test_short_strings() -> None:
     """Actions print like PyTorch pipelining's: resource, kind, layer, microbatch, peer."""
     assert str(Action(0, Kind.LOAD, "g1.h2d", layer=12)) == "g1.h2d LOAD L12"
     assert str(Action(0, Kind.FWD, "g0.compute", layer=3, microbatch=2)) == "g0.compute FWD L3 m2"
-    assert str(Action(0, Kind.SEND, "g0.p2p", layer=3, microbatch=0, peer=1)) == "g0.p2p SEND L3 m0 >g1"
+    assert str(Action(0, Kind.SEND, "g0.send", layer=3, microbatch=0, peer=1)) == "g0.send SEND L3 m0 >g1"
 
 
 def test_text_round_trip_literal() -> None:
@@ -38,7 +38,7 @@ mems = st.lists(st.builds(Mem, st.sampled_from(["g0", "g1", "host"]), buffers, s
                 max_size=3).map(tuple)
 
 
-@given(st.lists(st.tuples(kinds, st.sampled_from(["g0.compute", "g1.p2p", "host.optim"]), opt_int, opt_int,
+@given(st.lists(st.tuples(kinds, st.sampled_from(["g0.compute", "g1.recv", "host.optim"]), opt_int, opt_int,
                           opt_int, st.integers(0, 5), st.integers(0, 10**10), st.none() | st.integers(0, 7),
                           st.lists(st.integers(0, 50), max_size=3).map(tuple), mems, mems), max_size=20))
 def test_dumps_loads_identity(rows: list) -> None:

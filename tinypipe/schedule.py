@@ -6,7 +6,9 @@ resource and every action in `deps` have finished. Memory effects: `allocs` are 
 action starts, `frees` are returned when it ends.
 
 Resources: per GPU `i`: `g{i}.compute` (FWD, BWD, EVICT), `g{i}.h2d` (LOAD, FETCH_ACT),
-`g{i}.d2h` (GRAD_OUT, OFFLOAD_ACT), `g{i}.p2p` (SEND, RECV); on the host: `host.optim` (OPT_STEP).
+`g{i}.d2h` (GRAD_OUT, OFFLOAD_ACT), `g{i}.send` (SEND), `g{i}.recv` (RECV); on the host: `host.optim`
+(OPT_STEP). Sends and receives have a stream each so that a GPU in the middle of the pipeline can
+receive microbatch m+1 while it sends microbatch m on (one shared stream serialises the pipeline).
 Memory devices: `g{i}` and `host`.
 
 What each kind means:
@@ -57,13 +59,13 @@ KIND_STREAM: dict[Kind, str] = {
     Kind.EVICT: "compute",
     Kind.FWD: "compute",
     Kind.BWD: "compute",
-    Kind.SEND: "p2p",
-    Kind.RECV: "p2p",
+    Kind.SEND: "send",
+    Kind.RECV: "recv",
     Kind.OFFLOAD_ACT: "d2h",
     Kind.GRAD_OUT: "d2h",
     Kind.OPT_STEP: "optim",
 }
-GPU_STREAMS = ("compute", "h2d", "d2h", "p2p")
+GPU_STREAMS = ("compute", "h2d", "d2h", "send", "recv")
 HOST_OPTIM = "host.optim"
 
 
@@ -113,7 +115,7 @@ class Action:
     frees: tuple[Mem, ...] = ()  # returned at end
 
     def __str__(self) -> str:
-        """Short form for people: `g1.h2d LOAD L12`, `g0.compute FWD L3 m2`, `g0.p2p SEND L3 m0 >g1`."""
+        """Short form for people: `g1.h2d LOAD L12`, `g0.compute FWD L3 m2`, `g0.send SEND L3 m0 >g1`."""
         parts = [self.resource, self.kind.value]
         if self.layer is not None:
             parts.append(f"L{self.layer}")
@@ -228,7 +230,7 @@ class Schedule:
 
     @property
     def resources(self) -> tuple[str, ...]:
-        """All resources in a stable order: per GPU compute, h2d, d2h, p2p; then host.optim."""
+        """All resources in a stable order: per GPU compute, h2d, d2h, send, recv; then host.optim."""
         names = [gpu_resource(g, s) for g in range(self.num_gpus) for s in GPU_STREAMS] + [HOST_OPTIM]
         return tuple(names)
 

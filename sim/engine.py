@@ -1,0 +1,275 @@
+"""The simulator: one SimPy process per schedule resource runs its actions in order (stream + event semantics).
+
+An action starts when the previous action on its resource and all its dependencies have finished.
+Costs follow docs/schedule-contract.md: FWD / BWD take the trace's times (BWD with recompute when
+the schedule recomputes), EVICT takes no time, OPT_STEP runs on `host.optim` at the host's AdamW rate
+slowed by the host layout's factor (`hostmem.optimizer_time_factor`), and copies (LOAD, FETCH_ACT,
+OFFLOAD_ACT, GRAD_OUT, SEND/RECV) are fluid flows over the hardware route (sim/network.py). A SEND
+and its RECV rendezvous: the copy starts when both halves are ready and both end when it ends; each
+half's record starts when its own stream reached it (as a CUDA event recorded before it would).
+Memory effects go through the ledgers (sim/memory.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import simpy
+
+from tinypipe.errors import InputError, ScheduleError
+from tinypipe.hardware import Hardware
+from tinypipe.hostmem import optimizer_time_factor
+from tinypipe.model import ModelSpec
+from tinypipe.schedule import Kind, Schedule, resource_gpu
+from tinypipe.timeline import Record, Timeline
+from tinypipe.trace import ProfileTrace
+
+from .memory import Memory
+from .network import Network
+from .rendezvous import pair_sends
+from .result import SimResult, build_result
+
+HOST = "host"  # the host memory node of every Hardware
+HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
+_TIMED, _COPY, _PAIR = 0, 1, 2
+_HOST_TO_GPU = (Kind.LOAD, Kind.FETCH_ACT)
+_GPU_TO_HOST = (Kind.OFFLOAD_ACT, Kind.GRAD_OUT)
+
+Copy = tuple[float, float, tuple[str, ...]]  # bytes, latency_s, capacities crossed
+
+
+def edge_name(u: str, v: str) -> str:
+    """Name of the directed edge u -> v as a capacity and in `SimResult.link_bytes`."""
+    return f"{u}->{v}"
+
+
+def link_capacities(hardware: Hardware) -> dict[str, float]:
+    """Bytes/s of every directed edge (each link, both directions) and of the host DMA cap."""
+    cap = {HOST_DMA: hardware.host.dma_gbps * 1e9}
+    for link in hardware.links:
+        cap[edge_name(link.a, link.b)] = link.gbps * 1e9
+        cap[edge_name(link.b, link.a)] = link.gbps * 1e9
+    return cap
+
+
+class Engine:
+    """One simulation run of one schedule; `run()` returns the Timeline."""
+
+    def __init__(self, schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+                 memory: Memory) -> None:
+        self.schedule = schedule
+        self.env = simpy.Environment()
+        self.memory = memory
+        self.network = Network(self.env, link_capacities(hardware))
+        self.partner = pair_sends(schedule)
+        n = len(schedule.actions)
+        self.start_s = [0.0] * n
+        self.end_s = [-1.0] * n  # -1: not finished
+        self._waiters: dict[int, simpy.Event] = {}  # action id -> event fired when it ends
+        self._rendezvous: dict[int, simpy.Event] = {}  # half that arrived first -> its wake-up event
+        self._mode, self._cost = _costs(schedule, model, hardware, trace, self.partner)
+        for ids in schedule.by_resource().values():
+            if ids:
+                self.env.process(self._run(ids))
+
+    def run(self) -> Timeline:
+        self.env.run()
+        stuck = [i for i, e in enumerate(self.end_s) if e < 0]
+        if stuck:
+            raise ScheduleError(self._deadlock_message(stuck))
+        labels: dict[tuple[Kind, int | None, int | None], tuple[str, str]] = {}
+        records = []
+        for a, t0, t1 in zip(self.schedule.actions, self.start_s, self.end_s):
+            key = (a.kind, a.layer, a.microbatch)
+            kl = labels.get(key)
+            if kl is None:
+                kl = labels[key] = (a.kind.value, a.label)
+            records.append(Record(a.id, a.resource, kl[0], kl[1], a.layer, a.microbatch, a.iteration, t0, t1))
+        return Timeline(tuple(records), self.memory.samples(), "sim", dict(self.schedule.meta))
+
+    @property
+    def events(self) -> int:
+        """SimPy events scheduled so far (SimPy numbers them from 0; read after the run). 0 if unknown."""
+        eid = getattr(self.env, "_eid", None)
+        return int(next(eid)) if eid is not None else 0
+
+    def _run(self, ids: Sequence[int]) -> Generator[simpy.Event, Any, None]:
+        env, actions, end_s, start_s = self.env, self.schedule.actions, self.end_s, self.start_s
+        mode, cost, waiters, memory, net = self._mode, self._cost, self._waiters, self.memory, self.network
+        for aid in ids:
+            a = actions[aid]
+            for d in a.deps:
+                if end_s[d] < 0:
+                    ev = waiters.get(d)
+                    if ev is None:
+                        ev = waiters[d] = env.event()
+                    yield ev
+            t0 = env.now
+            start_s[aid] = t0
+            if a.allocs:
+                memory.alloc(a, t0)
+            m = mode[aid]
+            if m == _TIMED:
+                dur = cost[aid]
+                if dur > 0:
+                    yield env.timeout(dur)
+            elif m == _COPY:
+                nbytes, lat, links = cost[aid]
+                yield net.copy(nbytes, lat, links)
+            else:
+                other = self._rendezvous.pop(self.partner[aid], None)
+                if other is None:  # first half here: wait for the other to start the copy
+                    mine = self._rendezvous[aid] = env.event()
+                    done = yield mine
+                else:
+                    nbytes, lat, links = cost[aid]
+                    done = net.copy(nbytes, lat, links)
+                    other.succeed(done)
+                yield done
+            t1 = env.now
+            if a.frees:
+                memory.free(a, t1)
+            end_s[aid] = t1
+            ev = waiters.pop(aid, None)
+            if ev is not None:
+                ev.succeed()
+
+    def _deadlock_message(self, stuck: list[int]) -> str:
+        acts = self.schedule.actions
+        lines = []
+        for ids in self.schedule.by_resource().values():
+            first = next((i for i in ids if self.end_s[i] < 0), None)
+            if first is None:
+                continue
+            a = acts[first]
+            waits = [f"`{acts[d]}` (action {d})" for d in a.deps if self.end_s[d] < 0]
+            if a.kind in (Kind.SEND, Kind.RECV) and not waits:
+                p = self.partner[first]
+                waits = [f"its other half `{acts[p]}` (action {p})"]
+            lines.append(f"`{a}` (action {first}) waits for " + (", ".join(waits) or "its predecessor"))
+        return (f"schedule deadlocks: {len(stuck)} of {len(acts)} actions never run; "
+                + "; ".join(lines[:8]) + ("; ..." if len(lines) > 8 else ""))
+
+
+def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+           partner: dict[int, int]) -> tuple[list[int], list[Any]]:
+    """Per action: how it runs (timed / copy / pair) and its duration in s or its Copy."""
+    if len(model.layers) != schedule.num_layers:
+        raise InputError(f"schedule has {schedule.num_layers} layers but model {model.name!r} has "
+                         f"{len(model.layers)}; compile the schedule for this model")
+    if schedule.num_gpus > len(hardware.gpus):
+        raise InputError(f"schedule uses {schedule.num_gpus} GPUs but hardware {hardware.name!r} has "
+                         f"{len(hardware.gpus)}")
+    if trace.tokens_per_microbatch != schedule.tokens_per_microbatch:
+        raise InputError(f"trace was profiled at {trace.tokens_per_microbatch} tokens per microbatch but the "
+                         f"schedule uses {schedule.tokens_per_microbatch}; use a trace for this microbatch size "
+                         "(ProfileTrace.scaled_to scales one linearly)")
+    cap = link_capacities(hardware)
+    routes: dict[tuple[str, str], tuple[float, tuple[str, ...]]] = {}
+
+    def route(src: str, dst: str) -> tuple[float, tuple[str, ...]]:
+        if (src, dst) not in routes:
+            r = hardware.route(src, dst)
+            # The DMA cap counts every pass through host memory: once for host<->GPU, twice for a
+            # GPU -> host -> GPU copy staged in host memory.
+            dma = sum(1 for u, v in r.edges if HOST in (u, v)) if r.through_host else 0
+            links = tuple(edge_name(u, v) for u, v in r.edges) + (HOST_DMA,) * max(dma, int(r.through_host))
+            missing = [x for x in links if x not in cap]
+            if missing:
+                raise InputError(f"hardware {hardware.name!r}: route {src} -> {dst} crosses {missing[0]}, "
+                                 "which is not a link")
+            routes[(src, dst)] = (r.latency_s, links)
+        return routes[(src, dst)]
+
+    opt_s_per_param = optimizer_time_factor(schedule.host_memory) / hardware.host.adam_params_per_s
+    gpu_node = [g.name for g in hardware.gpus]
+    gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
+    profiles = {}
+    mode: list[int] = []
+    cost: list[Any] = []
+    n = len(schedule.actions)
+    for a in schedule.actions:
+        for d in a.deps:
+            if not 0 <= d < n or d == a.id:
+                raise ScheduleError(f"`{a}` (action {a.id}) depends on action {d}, which "
+                                    + ("is itself" if d == a.id else f"does not exist (ids are 0..{n - 1})"))
+        k = a.kind
+        if k is Kind.FWD or k is Kind.BWD or k is Kind.OPT_STEP:
+            if a.layer is None or not 0 <= a.layer < len(model.layers):
+                raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
+            layer = model.layers[a.layer]
+            if k is Kind.OPT_STEP:
+                mode.append(_TIMED)
+                cost.append(layer.params * opt_s_per_param)
+                continue
+            if a.layer not in profiles:
+                try:
+                    profiles[a.layer] = trace.layer(layer)
+                except KeyError:
+                    raise InputError(f"trace has no profile for layer kind {layer.kind.value!r} "
+                                     f"(layer {a.layer}); it has {', '.join(trace.kinds)}") from None
+            p = profiles[a.layer]
+            mode.append(_TIMED)
+            cost.append(p.fwd_s if k is Kind.FWD else (p.recompute_bwd_s if schedule.recompute else p.bwd_s))
+        elif k is Kind.EVICT:
+            mode.append(_TIMED)
+            cost.append(0.0)
+        else:
+            g = gpu_of.get(a.resource)
+            if g is None:
+                raise ScheduleError(f"`{a}` (action {a.id}) is a copy and must run on a GPU stream")
+            if k in _HOST_TO_GPU:
+                src, dst = "host", gpu_node[g]
+                nbytes = a.nbytes
+            elif k in _GPU_TO_HOST:
+                src, dst = gpu_node[g], "host"
+                nbytes = a.nbytes
+            else:  # SEND / RECV: one copy sender -> receiver, of the SEND's bytes
+                send = a if k is Kind.SEND else schedule.actions[partner[a.id]]
+                sg = gpu_of.get(send.resource)
+                assert sg is not None and send.peer is not None
+                src, dst = gpu_node[sg], gpu_node[send.peer]
+                nbytes = send.nbytes
+            lat, links = route(src, dst)
+            mode.append(_PAIR if k in (Kind.SEND, Kind.RECV) else _COPY)
+            cost.append((float(nbytes), lat, links))
+    return mode, cost
+
+
+def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
+             gpu_mem_bytes: int | Sequence[int] | None = None, host_mem_bytes: int | None = None,
+             on_capacity: str = "raise") -> SimResult:
+    """Simulate `schedule` on `hardware` with compute times from `trace`; return its SimResult.
+
+    Capacities are the hardware's memory sizes unless `gpu_mem_bytes` (one value for every GPU, or
+    one per GPU) or `host_mem_bytes` replace them (e.g. a 24 GiB limit on an 80 GiB card).
+    `on_capacity="raise"` raises CapacityError at the first allocation that does not fit;
+    `"record"` lets the run finish and returns `fits=False` with the first violation.
+    """
+    if on_capacity not in ("raise", "record"):
+        raise InputError(f"on_capacity must be 'raise' or 'record', got {on_capacity!r}")
+    n = schedule.num_gpus
+    if n > len(hardware.gpus):
+        raise InputError(f"schedule uses {n} GPUs but hardware {hardware.name!r} has {len(hardware.gpus)}")
+    if gpu_mem_bytes is None:
+        gpu_cap = [hardware.gpus[g].memory_bytes for g in range(n)]
+    elif isinstance(gpu_mem_bytes, int):
+        gpu_cap = [gpu_mem_bytes] * n
+    else:
+        gpu_cap = list(gpu_mem_bytes)
+        if len(gpu_cap) != n:
+            raise InputError(f"gpu_mem_bytes lists {len(gpu_cap)} GPUs; the schedule uses {n}")
+    capacity = {f"g{g}": gpu_cap[g] for g in range(n)}
+    capacity["host"] = hardware.host.memory_bytes if host_mem_bytes is None else host_mem_bytes
+    static = {d: schedule.static(d) for d in capacity}
+    wall0 = time.perf_counter()
+    memory = Memory(capacity, static, on_capacity=on_capacity)
+    engine = Engine(schedule, model, hardware, trace, memory)
+    timeline = engine.run()
+    wall_s = time.perf_counter() - wall0
+    return build_result(schedule, timeline, partner=engine.partner, params=model.params,
+                        capacity_bytes=capacity, peak_bytes=memory.peaks(),
+                        link_bytes=dict(engine.network.bytes_moved), violation=memory.violation,
+                        events=engine.events, wall_s=wall_s)

@@ -1,0 +1,44 @@
+"""The simulator as a search evaluator: Policy -> Evaluation (compile, validate nothing, simulate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinypipe.compile import compile_schedule
+from tinypipe.sim.engine import simulate
+
+from tinypipe.errors import TinypipeError
+from tinypipe.hardware import Hardware
+from tinypipe.model import ModelSpec
+from tinypipe.policy import Policy
+from tinypipe.search import Evaluation
+from tinypipe.trace import trace_for
+
+
+@dataclass(frozen=True)
+class SimEvaluator:
+    """Picklable, so a process pool can run it; `iterations` compiled and simulated per candidate."""
+
+    model: ModelSpec
+    hardware: Hardware
+    seq_len: int
+    gpu_mem_bytes: int | None = None
+    host_mem_bytes: int | None = None
+    iterations: int = 2
+
+    def __call__(self, policy: Policy) -> Evaluation:
+        trace = trace_for(self.model, self.hardware.gpus[0], microbatch_size=policy.microbatch_size,
+                          seq_len=self.seq_len)
+        try:
+            sched = compile_schedule(policy, self.model, self.hardware, trace, iterations=self.iterations)
+        except TinypipeError as exc:
+            return Evaluation(policy, False, why=str(exc))
+        res = simulate(sched, self.model, self.hardware, trace, gpu_mem_bytes=self.gpu_mem_bytes,
+                       host_mem_bytes=self.host_mem_bytes, on_capacity="record")
+        gpu_short = max((res.peak_bytes[d] - res.capacity_bytes[d] for d in res.peak_bytes if d != "host"),
+                        default=0)
+        host_short = res.peak_bytes.get("host", 0) - res.capacity_bytes.get("host", 0)
+        return Evaluation(policy, res.fits, tokens_per_s=res.tokens_per_s, iteration_s=res.iteration_s,
+                          peak_gpu_bytes=res.peak_gpu_bytes, peak_host_bytes=res.peak_host_bytes,
+                          why=res.violation or "", gpu_short_bytes=max(0, gpu_short),
+                          host_short_bytes=max(0, host_short))

@@ -1,0 +1,563 @@
+"""The simulator's engine: stream + event semantics, costs per kind, memory ledgers, results (sim/engine.py).
+
+Exact tests use a hand-built two-GPU machine (one root complex, 25 GB/s PCIe per GPU with 5 µs per
+copy, 100 GB/s DRAM, a 40 GB/s DMA cap, GPU peer-to-peer through the root complex) and hand-built
+schedules, and assert literal event logs: `<start µs> <end µs> <action>` in start order.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from tinypipe.sim import SimResult, simulate
+from tinypipe.sim.engine import link_capacities
+
+from tinypipe.compile import compile_schedule
+from tinypipe.errors import CapacityError, InputError, ScheduleError, TinypipeError
+from tinypipe.hardware import GPU, Hardware, Host, Link
+from tinypipe.hostmem import COMPACT_OPTIM_FACTOR
+from tinypipe.model import LayerKind, LayerSpec, ModelSpec, load_model
+from tinypipe.policy import PRESETS
+from tinypipe.schedule import Action, Kind, Mem, Schedule
+from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace
+
+MS = 1e-3
+
+
+def tiny_hardware(*, pcie_gbps: float | tuple[float, ...] = 25.0, dma_gbps: float = 40.0, gpus: int = 2,
+                  mem_gbps: float = 100.0, latency_s: float = 5e-6) -> Hardware:
+    """GPUs under one root complex; `pcie_gbps` for all GPU links or one per GPU."""
+    pcie = pcie_gbps if isinstance(pcie_gbps, tuple) else (pcie_gbps,) * gpus
+    return Hardware(
+        name="tiny", provenance="spec", source="test fixture",
+        host=Host(memory_bytes=10**9, dma_gbps=dma_gbps, cpu_cores=2, adam_params_per_s=1e9),
+        gpus=tuple(GPU(f"gpu{i}", "T", 10**9, 1e12, 1000.0) for i in range(len(pcie))),
+        switches=("rc0",),
+        links=(Link("host", "rc0", "mem", mem_gbps, 0.0),
+               *(Link("rc0", f"gpu{i}", "pcie", g, latency_s) for i, g in enumerate(pcie))),
+    )
+
+
+def tiny_model() -> ModelSpec:
+    kinds = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
+    params = (1_000_000, 2_000_000, 1_000_000)
+    layers = tuple(LayerSpec(i, k, f"{k.value}{i}", p, p, 2.0 * p, 0.0, 64, 32)
+                   for i, (k, p) in enumerate(zip(kinds, params)))
+    return ModelSpec("tiny", "llama", layers, hidden_size=16, vocab_size=100, num_blocks=1,
+                     tied_embeddings=False, max_seq_len=16, source="test fixture")
+
+
+def tiny_trace(scale: float = 1.0) -> ProfileTrace:
+    def kp(fwd_ms: float) -> KindProfile:
+        return KindProfile(fwd_ms * MS * scale, 2 * fwd_ms * MS * scale, 3 * fwd_ms * MS * scale, 1024, 512, 256)
+
+    return ProfileTrace("T", "bf16", 1, 16, {"embed": kp(1), "block": kp(2), "head": kp(1)}, analytic=True,
+                        source="test fixture")
+
+
+class Builder:
+    """Actions appended in order (ids = positions); `kind` by name, the rest as Action fields."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+
+    def __call__(self, kind: str, resource: str, **kw: Any) -> int:
+        i = len(self.actions)
+        self.actions.append(Action(i, Kind[kind], resource, **kw))
+        return i
+
+    def schedule(self, *, gpus: int = 2, iterations: int = 1, recompute: bool = True,
+                 host_memory: str = "replicated", static: tuple[tuple[str, int], ...] = ()) -> Schedule:
+        return Schedule(tuple(self.actions), num_gpus=gpus, num_layers=3, iterations=iterations, microbatches=1,
+                        tokens_per_microbatch=16, recompute=recompute, pack_layers=((0,), (1,), (2,)),
+                        pack_gpu=(0, 0, 1), host_memory=host_memory, static_bytes=static)
+
+
+def sim(s: Schedule, hw: Hardware | None = None, **kw: Any) -> SimResult:
+    return simulate(s, tiny_model(), hw or tiny_hardware(), tiny_trace(), **kw)
+
+
+def log(r: SimResult) -> list[str]:
+    s = sorted(r.timeline.records, key=lambda x: (x.start_s, x.id))
+    return [f"{x.start_s * 1e6:.3f} {x.end_s * 1e6:.3f} {x.resource} {x.label}" for x in s]
+
+
+def test_compute_runs_strictly_in_order_and_waits_for_deps() -> None:
+    """A compute stream runs its list in order; an action also waits for a dependency on another stream.
+
+    LOAD L1 (100 MB at 25 GB/s + 5 µs = 4005 µs) gates FWD L1 after FWD L0 (1000 µs); FWD L2 m0 then
+    follows FWD L1 m1 although its own LOAD ended long before.
+    """
+    b = Builder()
+    ld1 = b("LOAD", "g0.h2d", layer=1, nbytes=100_000_000)
+    b("FWD", "g0.compute", layer=0, microbatch=0)
+    b("FWD", "g0.compute", layer=1, microbatch=0, deps=(ld1,))
+    b("FWD", "g0.compute", layer=1, microbatch=1)
+    ld2 = b("LOAD", "g0.h2d", layer=2, nbytes=2_000_000)
+    b("FWD", "g0.compute", layer=2, microbatch=0, deps=(ld2,))
+    assert log(sim(b.schedule())) == [
+        "0.000 4005.000 g0.h2d LD1",
+        "0.000 1000.000 g0.compute F0.0",
+        "4005.000 6005.000 g0.compute F1.0",
+        "4005.000 4090.000 g0.h2d LD2",
+        "6005.000 8005.000 g0.compute F1.1",
+        "8005.000 9005.000 g0.compute F2.0",
+    ]
+
+
+def test_send_recv_rendezvous_into_one_copy() -> None:
+    """RECV posted at 0 waits for its SEND (ready after FWD at 1000 µs); one copy of 1 MB over
+    gpu0 -> rc0 -> gpu1 (10 µs + 40 µs) ends both halves at 1050 µs; the receiver's FWD follows."""
+    b = Builder()
+    f = b("FWD", "g0.compute", layer=0, microbatch=0)
+    b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000, deps=(f,))
+    rv = b("RECV", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000)
+    b("FWD", "g1.compute", layer=1, microbatch=0, deps=(rv,))
+    r = sim(b.schedule())
+    assert log(r) == [
+        "0.000 1000.000 g0.compute F0.0",
+        "0.000 1050.000 g1.recv R1.0",
+        "1000.000 1050.000 g0.send S1.0",
+        "1050.000 3050.000 g1.compute F1.0",
+    ]
+    assert r.link_bytes == {"gpu0->rc0": 1_000_000, "rc0->gpu1": 1_000_000}
+
+
+def test_copy_staged_through_host_crosses_the_dma_cap_twice() -> None:
+    """Without GPU peer-to-peer a 4 MB SEND goes gpu0 -> rc0 -> host -> rc0 -> gpu1: it passes the
+    40 GB/s DMA cap down and up, so it moves at 20 GB/s: 10 µs + 200 µs."""
+    b = Builder()
+    b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=4_000_000)
+    b("RECV", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=4_000_000)
+    r = sim(b.schedule(), replace(tiny_hardware(), gpu_p2p=False))
+    assert log(r) == ["0.000 210.000 g0.send S1.0", "0.000 210.000 g1.recv R1.0"]
+    assert r.link_bytes == {"gpu0->rc0": 4_000_000, "host->rc0": 4_000_000, "host.dma": 8_000_000,
+                            "rc0->gpu1": 4_000_000, "rc0->host": 4_000_000}
+
+
+def test_recv_ready_after_send() -> None:
+    """The copy also waits when the receiver is the late half: it starts when RECV is reached."""
+    b = Builder()
+    b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000)
+    f = b("FWD", "g1.compute", layer=0, microbatch=0)
+    b("RECV", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000, deps=(f,))
+    assert log(sim(b.schedule())) == [
+        "0.000 1050.000 g0.send S1.0",
+        "0.000 1000.000 g1.compute F0.0",
+        "1000.000 1050.000 g1.recv R1.0",
+    ]
+
+
+def test_uploads_to_two_gpus_share_the_dma_cap() -> None:
+    """Two 4 MB uploads at once are each held to 20 GB/s by the 40 GB/s DMA cap (not 25 by PCIe)."""
+    b = Builder()
+    b("LOAD", "g0.h2d", layer=0, nbytes=4_000_000)
+    b("LOAD", "g1.h2d", layer=2, nbytes=4_000_000)
+    r = sim(b.schedule())
+    assert log(r) == ["0.000 205.000 g0.h2d LD0", "0.000 205.000 g1.h2d LD2"]
+    assert r.link_bytes == {"host->rc0": 8_000_000, "host.dma": 8_000_000, "rc0->gpu0": 4_000_000,
+                            "rc0->gpu1": 4_000_000}
+
+
+def test_costs_per_kind() -> None:
+    """FWD / BWD from the trace (BWD with recompute: 3 x fwd), EVICT 0 s, GRAD_OUT a copy to host,
+    OPT_STEP params / AdamW rate (2M params at 1e9/s = 2 ms) on host.optim after its dependency."""
+    b = Builder()
+    b("FWD", "g0.compute", layer=1, microbatch=0)
+    bw = b("BWD", "g0.compute", layer=1, microbatch=0)
+    go = b("GRAD_OUT", "g0.d2h", layer=1, nbytes=4_000_000, deps=(bw,))
+    b("EVICT", "g0.compute", layer=1)
+    b("OPT_STEP", "host.optim", layer=1, deps=(go,))
+    assert log(sim(b.schedule())) == [
+        "0.000 2000.000 g0.compute F1.0",
+        "2000.000 8000.000 g0.compute B1.0",
+        "8000.000 8165.000 g0.d2h GO1",
+        "8000.000 8000.000 g0.compute EV1",
+        "8165.000 10165.000 host.optim OPT1",
+    ]
+
+
+def test_backward_without_recompute_and_compact_optimizer() -> None:
+    """Without recompute BWD takes bwd_s (2 x fwd); the compact host layout slows OPT_STEP by its factor."""
+    b = Builder()
+    b("BWD", "g0.compute", layer=1, microbatch=0)
+    b("OPT_STEP", "host.optim", layer=1)
+    r = sim(b.schedule(recompute=False, host_memory="compact"))
+    assert log(r) == ["0.000 4000.000 g0.compute B1.0",
+                      f"0.000 {2000 * COMPACT_OPTIM_FACTOR:.3f} host.optim OPT1"]
+    assert f"{2000 * COMPACT_OPTIM_FACTOR:.3f}" == "6761.905"
+
+
+MSG = ("g0 out of memory at `g0.h2d LOAD L2` (action 1, t=0.000165 s): needs 2,000,000 bytes (w.L2), "
+       "only 1,000,000 of 5,000,000 bytes free; lower the prefetch depth or microbatch size, swap layer "
+       "by layer, or use more GPUs")
+
+
+def _two_loads() -> Schedule:
+    b = Builder()
+    b("LOAD", "g0.h2d", layer=1, nbytes=4_000_000, allocs=(Mem("g0", "w.L1", 4_000_000),))
+    b("LOAD", "g0.h2d", layer=2, nbytes=2_000_000, allocs=(Mem("g0", "w.L2", 2_000_000),))
+    b("FWD", "g0.compute", layer=1, microbatch=0, deps=(0,))
+    b("EVICT", "g0.compute", layer=1, frees=(Mem("g0", "w.L1", 4_000_000),))
+    return b.schedule()
+
+
+def test_over_capacity_allocation_raises_naming_device_action_and_bytes() -> None:
+    """A 5 MB GPU holding w.L1 (4 MB) cannot start the LOAD of w.L2 (2 MB): one-line CapacityError."""
+    with pytest.raises(CapacityError) as exc:
+        sim(_two_loads(), gpu_mem_bytes=5_000_000)
+    assert str(exc.value) == MSG
+
+
+def test_over_capacity_recorded_and_run_continues() -> None:
+    """With on_capacity="record" the run finishes, fits is False and the first violation is kept."""
+    r = sim(_two_loads(), gpu_mem_bytes=5_000_000, on_capacity="record")
+    assert (r.fits, r.violation, r.peak_bytes["g0"]) == (False, MSG, 6_000_000)
+    assert [(round(t * 1e6, 3), b) for t, b in r.timeline.memory["g0"]] == [
+        (0.0, 0), (0.0, 4_000_000), (165.0, 6_000_000), (2165.0, 2_000_000)]
+    assert sim(_two_loads()).fits
+
+
+def test_static_host_bytes_count_and_per_param() -> None:
+    """Static host bytes are held from t=0; host bytes per parameter = peak host / model params (4M)."""
+    b = Builder()
+    b("GRAD_OUT", "g0.d2h", layer=1, nbytes=8_000_000, allocs=(Mem("host", "gring.L1", 8_000_000),))
+    b("OPT_STEP", "host.optim", layer=1, deps=(0,), frees=(Mem("host", "gring.L1", 8_000_000),))
+    r = sim(b.schedule(static=(("host", 48_000_000),)))
+    assert (r.peak_bytes["host"], r.host_bytes_per_param) == (56_000_000, 14.0)
+
+
+def test_iterations_steady_state_and_tokens_per_s() -> None:
+    """Iteration i ends when it and every earlier one have ended; the steady state is the median after the first.
+
+    The LOAD of iteration 0 (4005 µs) ends after iteration 1's FWD (2000..4000 µs), so iteration 1
+    ends with it at 4005 µs and lasts 0 s; iterations 2 and 3 last 1995 and 2000 µs: median 1995.
+    """
+    b = Builder()
+    for i in range(4):
+        b("FWD", "g0.compute", layer=1, microbatch=0, iteration=i)
+        if i == 0:
+            b("LOAD", "g0.h2d", layer=0, nbytes=100_000_000, iteration=0)
+    r = sim(b.schedule(iterations=4))
+    assert [round(t * 1e6, 3) for t in r.iteration_times_s] == [4005.0, 0.0, 1995.0, 2000.0]
+    assert (round(r.iteration_s * 1e6, 3), round(r.tokens_per_s, 3)) == (1995.0, 8020.05)
+
+
+def test_iteration_times_of_a_sequential_run() -> None:
+    """Iterations that do not overlap last from one end to the next."""
+    b = Builder()
+    for i in range(3):
+        ld = b("LOAD", "g0.h2d", layer=1, nbytes=100_000_000, iteration=i, deps=(len(b.actions) - 1,) if i else ())
+        b("FWD", "g0.compute", layer=1, microbatch=0, iteration=i, deps=(ld,))
+    r = sim(b.schedule(iterations=3))
+    assert [round(t * 1e6, 3) for t in r.iteration_times_s] == [6005.0, 6005.0, 6005.0]
+    assert (round(r.iteration_s * 1e6, 3), round(r.tokens_per_s, 3)) == (6005.0, 2664.446)
+
+
+def test_critical_path_and_busy_fraction() -> None:
+    """The path runs LOAD L1 (4005 µs, h2d) -> FWD L1 (2000 µs); FWD L0 (1000 µs) is off it."""
+    b = Builder()
+    ld = b("LOAD", "g0.h2d", layer=1, nbytes=100_000_000)
+    b("FWD", "g0.compute", layer=0, microbatch=0)
+    b("FWD", "g0.compute", layer=1, microbatch=0, deps=(ld,))
+    r = sim(b.schedule())
+    cp = r.critical_path
+    assert cp.actions == (0, 2)
+    assert {k: round(v, 6) for k, v in cp.by_resource.items()} == {"g0.compute": round(2000 / 6005, 6),
+                                                                    "g0.h2d": round(4005 / 6005, 6)}
+    assert cp.bottleneck == "g0.h2d"
+    assert {k: round(v, 6) for k, v in r.busy_fraction.items()} == {"g0.compute": round(3000 / 6005, 6),
+                                                                     "g0.h2d": round(4005 / 6005, 6)}
+    row = r.table_row()
+    assert (row["fits"], row["bottleneck"]) == (True, "g0.h2d")
+    assert r.to_json()["critical_path"]["actions"] == 2
+    assert json.loads(json.dumps(r.to_json(timeline=True)))["timeline"]["records"][0][1] == "g0.h2d"
+
+
+def test_deadlock_is_a_schedule_error_naming_the_stuck_actions() -> None:
+    b = Builder()
+    b("FWD", "g0.compute", layer=0, microbatch=0, deps=(1,))
+    b("FWD", "g1.compute", layer=1, microbatch=0, deps=(0,))
+    with pytest.raises(ScheduleError, match=r"deadlocks: 2 of 2 actions never run; `g0.compute FWD L0 m0` "
+                                            r"\(action 0\) waits for `g1.compute FWD L1 m0` \(action 1\)"):
+        sim(b.schedule())
+
+
+def test_bad_dependency_is_a_schedule_error() -> None:
+    b = Builder()
+    b("FWD", "g0.compute", layer=0, microbatch=0, deps=(7,))
+    with pytest.raises(ScheduleError, match=r"`g0.compute FWD L0 m0` \(action 0\) depends on action 7, which "
+                                            r"does not exist \(ids are 0..0\)"):
+        sim(b.schedule())
+
+
+def test_unmatched_send_is_a_schedule_error() -> None:
+    b = Builder()
+    b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=10)
+    with pytest.raises(ScheduleError, match=r"g0 -> g1: 1 SEND but 0 RECV"):
+        sim(b.schedule())
+
+
+def test_mismatched_inputs_are_input_errors() -> None:
+    b = Builder()
+    b("FWD", "g0.compute", layer=0, microbatch=0)
+    with pytest.raises(InputError, match="has 1"):
+        sim(b.schedule(), tiny_hardware(gpus=1))
+    with pytest.raises(InputError, match="profiled at 32 tokens per microbatch but the schedule uses 16"):
+        simulate(b.schedule(), tiny_model(), tiny_hardware(),
+                 ProfileTrace("T", "bf16", 2, 16, tiny_trace().kinds, True, "x"))
+    with pytest.raises(InputError, match="on_capacity"):
+        sim(b.schedule(), on_capacity="ignore")
+
+
+# ---- properties over hand-built pipeline schedules -------------------------------------------------
+
+def chain_model(blocks: int) -> ModelSpec:
+    """embed, `blocks` blocks, head; 1M / 2M / 1M parameters."""
+    kinds = (LayerKind.EMBED, *([LayerKind.BLOCK] * blocks), LayerKind.HEAD)
+    layers = tuple(LayerSpec(i, k, f"{k.value}{i}", 2_000_000 if k is LayerKind.BLOCK else 1_000_000,
+                             2_000_000 if k is LayerKind.BLOCK else 1_000_000, 1.0, 0.0, 64, 32)
+                   for i, k in enumerate(kinds))
+    return ModelSpec("chain", "llama", layers, hidden_size=16, vocab_size=100, num_blocks=blocks,
+                     tied_embeddings=False, max_seq_len=16, source="test fixture")
+
+
+def pipeline(model: ModelSpec, gpus: int, microbatches: int, iterations: int, act_bytes: int) -> Schedule:
+    """A layer-per-pack pipeline, packs round-robin over GPUs, built in one sequential program order
+    (so it cannot deadlock): per iteration LOAD each layer (after its previous OPT_STEP), forward with
+    SEND/RECV between GPUs, backward in reverse, then GRAD_OUT, EVICT and OPT_STEP per layer."""
+    b = Builder()
+    n = len(model.layers)
+    gpu = [layer % gpus for layer in range(n)]
+    opt: dict[int, int] = {}
+    for it in range(iterations):
+        last_fwd: dict[int, int] = {}
+        for layer in range(n):
+            g = gpu[layer]
+            wb = model.layers[layer].param_bytes()
+            ld = b("LOAD", f"g{g}.h2d", layer=layer, nbytes=wb, iteration=it,
+                   deps=(opt[layer],) if layer in opt else (), allocs=(Mem(f"g{g}", f"w.L{layer}", wb),))
+            for m in range(microbatches):
+                deps = [ld]
+                if layer and gpu[layer - 1] != g:
+                    p = gpu[layer - 1]
+                    b("SEND", f"g{p}.send", layer=layer, microbatch=m, peer=g, nbytes=act_bytes, iteration=it,
+                      deps=(last_fwd[m],))
+                    deps.append(b("RECV", f"g{g}.recv", layer=layer, microbatch=m, peer=p, nbytes=act_bytes,
+                                  iteration=it))
+                last_fwd[m] = b("FWD", f"g{g}.compute", layer=layer, microbatch=m, iteration=it, deps=tuple(deps))
+        last_bwd: dict[int, int] = {}
+        for layer in reversed(range(n)):
+            g = gpu[layer]
+            for m in range(microbatches):
+                deps = []
+                if layer < n - 1 and gpu[layer + 1] != g:
+                    p = gpu[layer + 1]
+                    b("SEND", f"g{p}.send", layer=layer, microbatch=m, peer=g, nbytes=act_bytes, iteration=it,
+                      deps=(last_bwd[m],))
+                    deps.append(b("RECV", f"g{g}.recv", layer=layer, microbatch=m, peer=p, nbytes=act_bytes,
+                                  iteration=it))
+                last_bwd[m] = b("BWD", f"g{g}.compute", layer=layer, microbatch=m, iteration=it, deps=tuple(deps))
+            wb = model.layers[layer].param_bytes()
+            go = b("GRAD_OUT", f"g{g}.d2h", layer=layer, nbytes=2 * wb, iteration=it, deps=(last_bwd[0],))
+            b("EVICT", f"g{g}.compute", layer=layer, iteration=it, frees=(Mem(f"g{g}", f"w.L{layer}", wb),))
+            opt[layer] = b("OPT_STEP", "host.optim", layer=layer, iteration=it, deps=(go,))
+    return Schedule(tuple(b.actions), num_gpus=gpus, num_layers=n, iterations=iterations,
+                    microbatches=microbatches, tokens_per_microbatch=16, recompute=True,
+                    pack_layers=tuple((layer,) for layer in range(n)), pack_gpu=tuple(gpu))
+
+
+def mesh_hardware(pcie: tuple[float, ...], nvlink_gbps: float) -> Hardware:
+    """Where no two copies can ever share a capacity: each GPU under its own root complex with its
+    own DRAM link, an NVLink between every pair (so SEND/RECV never touch PCIe), and a DMA cap far
+    above all links together. Each stream runs one copy at a time, so every copy has its own path."""
+    g = len(pcie)
+    return Hardware(
+        name="mesh", provenance="spec", source="test fixture",
+        host=Host(memory_bytes=10**12, dma_gbps=1e6, cpu_cores=2, adam_params_per_s=1e9),
+        gpus=tuple(GPU(f"gpu{i}", "T", 10**12, 1e12, 1000.0) for i in range(g)),
+        switches=tuple(f"rc{i}" for i in range(g)),
+        links=(*(Link("host", f"rc{i}", "mem", 2 * pcie[i], 0.0) for i in range(g)),
+               *(Link(f"rc{i}", f"gpu{i}", "pcie", pcie[i], 5e-6) for i in range(g)),
+               *(Link(f"gpu{i}", f"gpu{j}", "nvlink", nvlink_gbps, 2e-6) for i in range(g) for j in range(i + 1, g))),
+    )
+
+
+def test_more_bandwidth_can_slow_a_run_under_fair_sharing() -> None:
+    """Why monotonicity needs a tolerance: doubling PCIe bandwidth makes this run 10% longer.
+
+    F (100 MB upload to gpu0, 10 ms at the 10 GB/s DMA cap) gates FWD L1 (10 ms). A 300 MB copy
+    gpu1 -> gpu2 (12 ms at 25 GB/s) gates E, a 20 MB upload to gpu1. At 25 GB/s, E starts at 12 ms,
+    after F: the run ends at 20 ms. At 50 GB/s the copy ends at 6 ms, E then splits the DMA cap with
+    F, F ends at 12 ms and the run at 22 ms. The same happens on real hardware that shares fairly.
+    """
+    b = Builder()
+    f = b("LOAD", "g0.h2d", layer=1, nbytes=100_000_000)
+    b("FWD", "g0.compute", layer=1, microbatch=0, deps=(f,))
+    b("SEND", "g1.send", layer=1, microbatch=0, peer=2, nbytes=300_000_000)
+    rv = b("RECV", "g2.recv", layer=1, microbatch=0, peer=1, nbytes=300_000_000)
+    b("LOAD", "g1.h2d", layer=2, nbytes=20_000_000, deps=(rv,))
+    s = b.schedule(gpus=3)
+    ends = [round(simulate(s, tiny_model(), tiny_hardware(pcie_gbps=g, dma_gbps=10, gpus=3, latency_s=0.0),
+                           tiny_trace(5.0)).makespan_s * 1e3, 6) for g in (25.0, 50.0)]
+    assert ends == [20.0, 22.0]
+
+
+pipelines = st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
+                      st.sampled_from([10_000, 1_000_000, 5_000_000]))  # blocks, gpus, microbatches, act bytes
+bandwidths = st.sampled_from([1.0, 2.0, 5.0, 10.0, 25.0])
+speedups = st.sampled_from([1.5, 2.0, 4.0])
+trace_scales = st.sampled_from([0.01, 0.1, 1.0])
+
+
+@settings(max_examples=25, deadline=None)
+@given(pipelines, bandwidths, bandwidths, trace_scales)
+def test_deterministic(p: tuple[int, int, int, int], pcie: float, dma: float, scale: float) -> None:
+    """The same inputs give the same timeline, memory and result twice."""
+    blocks, gpus, mbs, act = p
+    m = chain_model(blocks)
+    s = pipeline(m, gpus, mbs, 2, act)
+    hw = tiny_hardware(pcie_gbps=pcie, dma_gbps=dma, gpus=gpus)
+    r1, r2 = (simulate(s, m, hw, tiny_trace(scale)) for _ in range(2))
+    assert r1.timeline == r2.timeline
+    j1, j2 = r1.to_json(), r2.to_json()
+    j1.pop("wall_s")
+    j2.pop("wall_s")
+    assert j1 == j2
+
+
+@settings(max_examples=25, deadline=None)
+@given(pipelines, st.tuples(bandwidths, bandwidths, bandwidths), bandwidths, bandwidths, trace_scales)
+def test_never_beats_the_lower_bound(p: tuple[int, int, int, int], pcie: tuple[float, float, float], mem: float,
+                                     dma: float, scale: float) -> None:
+    """The run (so also its mean iteration: every iteration here does the same work) takes at least
+    max(compute on any GPU, optimizer work, bytes through any capacity / its bandwidth)."""
+    blocks, gpus, mbs, act = p
+    m = chain_model(blocks)
+    s = pipeline(m, gpus, mbs, 3, act)
+    hw = tiny_hardware(pcie_gbps=pcie[:gpus], dma_gbps=dma, mem_gbps=mem)
+    r = simulate(s, m, hw, tiny_trace(scale))
+    busy = r.timeline.busy_s()
+    cap = link_capacities(hw)
+    bound = max([busy.get(f"g{g}.compute", 0.0) for g in range(gpus)] + [busy.get("host.optim", 0.0)]
+                + [n / cap[k] for k, n in r.link_bytes.items()])
+    assert r.makespan_s >= bound * (1 - 1e-9)
+
+
+def _faster(m: ModelSpec, s: Schedule, hw: Hardware, hw2: Hardware, scale: float, k: float,
+            what: str) -> tuple[list[float], list[float]]:
+    base = simulate(s, m, hw, tiny_trace(scale)).timeline.iteration_ends_s()
+    if what == "compute":
+        fast = simulate(s, m, hw, tiny_trace(scale / k))
+    else:
+        fast = simulate(s, m, hw2, tiny_trace(scale))
+    return base, fast.timeline.iteration_ends_s()
+
+
+@settings(max_examples=30, deadline=None)
+@given(pipelines, st.tuples(bandwidths, bandwidths, bandwidths), bandwidths, trace_scales, speedups,
+       st.sampled_from(["compute", "pcie", "nvlink"]), st.integers(0, 2))
+def test_faster_never_slower_without_sharing(p: tuple[int, int, int, int], pcie: tuple[float, float, float],
+                                             nvlink: float, scale: float, k: float, what: str, which: int) -> None:
+    """Where no two copies share a capacity (mesh_hardware), every action's time is fixed and it
+    starts at the max of its predecessors' ends, so times are monotone: faster compute or a faster
+    link never ends any iteration later (exactly, up to float rounding: 1e-9 relative)."""
+    blocks, gpus, mbs, act = p
+    m = chain_model(blocks)
+    s = pipeline(m, gpus, mbs, 3, act)
+    links = pcie[:gpus]
+    faster = tuple(x * k if i == which % gpus and what == "pcie" else x for i, x in enumerate(links))
+    hw, hw2 = mesh_hardware(links, nvlink), mesh_hardware(faster, nvlink * k if what == "nvlink" else nvlink)
+    base, fast = _faster(m, s, hw, hw2, scale, k, what)
+    assert all(f <= b * (1 + 1e-9) for f, b in zip(fast, base)), (base, fast)
+
+
+# Max-min fair sharing is not monotone (test_more_bandwidth_can_slow_a_run_under_fair_sharing: +10%),
+# and no tight bound exists: the slow-down is the bytes an earlier copy takes from a critical one.
+# Over ~12,000 random cases of the hand-built generator the worst slow-down seen was 5.3%, over
+# ~3,000 compiled schedules 2.6%; the properties hold within SHARING_SLACK, with derandomized
+# examples so that the tests cannot flake. Without sharing the property is exact (above).
+SHARING_SLACK = 0.15
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(pipelines, st.tuples(bandwidths, bandwidths, bandwidths), bandwidths, bandwidths, trace_scales, speedups,
+       st.sampled_from(["compute", "pcie", "mem", "dma"]), st.integers(0, 2))
+def test_faster_never_much_slower_with_sharing(p: tuple[int, int, int, int], pcie: tuple[float, float, float],
+                                               mem: float, dma: float, scale: float, k: float, what: str,
+                                               which: int) -> None:
+    """With shared PCIe, DRAM and DMA capacities, faster compute or more bandwidth ends no iteration
+    more than SHARING_SLACK later (fair sharing lets an earlier copy steal bandwidth from a critical one)."""
+    blocks, gpus, mbs, act = p
+    m = chain_model(blocks)
+    s = pipeline(m, gpus, mbs, 3, act)
+    links = pcie[:gpus]
+    faster = tuple(x * k if i == which % gpus and what == "pcie" else x for i, x in enumerate(links))
+    hw = tiny_hardware(pcie_gbps=links, mem_gbps=mem, dma_gbps=dma)
+    hw2 = tiny_hardware(pcie_gbps=faster, mem_gbps=mem * k if what == "mem" else mem,
+                        dma_gbps=dma * k if what == "dma" else dma)
+    base, fast = _faster(m, s, hw, hw2, scale, k, what)
+    assert all(f <= b * (1 + SHARING_SLACK) for f, b in zip(fast, base)), (base, fast)
+
+
+# ---- properties over compiled schedules ---------------------------------------------------------------
+
+def faster_trace(trace: ProfileTrace, k: float) -> ProfileTrace:
+    """Every compute time divided by k (sizes unchanged)."""
+    return replace(trace, kinds={n: replace(p, fwd_s=p.fwd_s / k, bwd_s=p.bwd_s / k,
+                                            recompute_bwd_s=p.recompute_bwd_s / k) for n, p in trace.kinds.items()})
+
+
+@st.composite
+def compiled(draw: st.DrawFn) -> tuple[ModelSpec, Schedule, Hardware, ProfileTrace, tuple[float, ...], float, float]:
+    """A preset policy (microbatches, prefetch depth varied) compiled for tiny-llama on 1-3 GPUs."""
+    model = load_model("tiny-llama")
+    gpus = draw(st.integers(1, 3))
+    pcie = tuple(draw(st.sampled_from([0.5, 1.0, 5.0, 25.0])) for _ in range(gpus))
+    mem, dma = draw(st.sampled_from([1.0, 5.0, 100.0])), draw(st.sampled_from([0.5, 5.0, 40.0]))
+    policy = PRESETS[draw(st.sampled_from(sorted(PRESETS)))].replace(
+        microbatches=draw(st.integers(1, 4)), prefetch_depth=draw(st.integers(0, 2)))
+    hw = tiny_hardware(pcie_gbps=pcie, mem_gbps=mem, dma_gbps=dma)
+    trace = faster_trace(analytic_trace(model, hw.gpus[0], microbatch_size=1, seq_len=64),
+                         draw(st.sampled_from([0.1, 1.0, 10.0])))
+    try:
+        sched = compile_schedule(policy, model, hw, trace, iterations=3)
+    except TinypipeError:
+        assume(False)
+    return model, sched, hw, trace, pcie, mem, dma
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(compiled())
+def test_compiled_deterministic_and_above_the_lower_bound(c: tuple[Any, ...]) -> None:
+    """A compiled schedule simulates the same twice, and no faster than its busiest GPU, optimizer or capacity."""
+    model, sched, hw, trace, *_ = c
+    r1, r2 = (simulate(sched, model, hw, trace, on_capacity="record") for _ in range(2))
+    assert r1.timeline == r2.timeline and r1.peak_bytes == r2.peak_bytes and r1.violation == r2.violation
+    busy, cap = r1.timeline.busy_s(), link_capacities(hw)
+    bound = max([busy.get(f"g{g}.compute", 0.0) for g in range(sched.num_gpus)] + [busy.get("host.optim", 0.0)]
+                + [n / cap[k] for k, n in r1.link_bytes.items()])
+    assert r1.makespan_s >= bound * (1 - 1e-9)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(compiled(), speedups, st.sampled_from(["compute", "pcie", "mem", "dma"]), st.integers(0, 2))
+def test_compiled_faster_never_much_slower(c: tuple[Any, ...], k: float, what: str, which: int) -> None:
+    """The same compiled schedule on faster compute or more bandwidth ends no iteration more than
+    SHARING_SLACK later (see above for why sharing needs the slack)."""
+    model, sched, hw, trace, pcie, mem, dma = c
+    base = simulate(sched, model, hw, trace, on_capacity="record").timeline.iteration_ends_s()
+    if what == "compute":
+        fast = simulate(sched, model, hw, faster_trace(trace, k), on_capacity="record")
+    else:
+        faster = tuple(x * k if i == which % len(pcie) and what == "pcie" else x for i, x in enumerate(pcie))
+        hw2 = tiny_hardware(pcie_gbps=faster, mem_gbps=mem * k if what == "mem" else mem,
+                            dma_gbps=dma * k if what == "dma" else dma)
+        fast = simulate(sched, model, hw2, trace, on_capacity="record")
+    ends = fast.timeline.iteration_ends_s()
+    assert all(f <= b * (1 + SHARING_SLACK) for f, b in zip(ends, base)), (base, ends)
