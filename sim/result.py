@@ -84,7 +84,7 @@ TABLE_COLUMNS = ("iteration_s", "tokens_per_s", "peak_gpu_gib", "peak_host_gib",
 class SimResult:
     """The outcome of one simulation. Times in seconds, memory in bytes, shares as fractions 0..1."""
 
-    iteration_s: float  # steady state: median of the iterations after the first (or the only one)
+    iteration_s: float  # steady state: mean of the iterations after the first (or the only one)
     tokens_per_s: float  # tokens per iteration / iteration_s
     iteration_times_s: tuple[float, ...]
     makespan_s: float  # all iterations

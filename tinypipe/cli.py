@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--top", type=int, default=10)
     se.add_argument("--out", help="write the winning policy JSON here (simulate and run accept it)")
     se.add_argument("--plot", help="write the Pareto front as a PNG")
+    se.add_argument("--allow-async", action="store_true",
+                    help="also consider the async optimizer (staleness 1: changes the training semantics)")
     se.add_argument("--json", action="store_true")
 
     run = sub.add_parser("run", help="train through the compiled schedule (PyTorch)")
@@ -299,7 +301,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from tinypipe import table
     from tinypipe.hardware import load_hardware
     from tinypipe.model import load_model
-    from tinypipe.search import Workload, search
+    from tinypipe.search import SearchSpace, Workload, search
     from tinypipe.sim.evaluate import SimEvaluator
     from tinypipe.units import parse_bytes
 
@@ -314,8 +316,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
                  host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None)
     workers = args.workers or (os.cpu_count() or 1)
     bar = None if args.json else _Progress("search")
+    space = SearchSpace(optimizers=("sync", "async") if args.allow_async else ("sync",))
     result = search(w, SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes),
-                    workers=workers, progress=bar)
+                    space=space, workers=workers, progress=bar)
     if bar is not None:
         bar.close()
     if args.out and result.winner is not None:
@@ -327,12 +330,14 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         return _print_json({"model": model.name, "hardware": hw.name, "seq_len": w.seq_len,
                             "batch_sequences": w.batch_sequences, "considered": result.considered,
-                            "pruned": result.pruned, "evaluated": len(result.ranked),
+                            "pruned": result.pruned, "rejected_by_memory_bound": result.rejected,
+                            "simulated": len(result.ranked) - result.rejected,
                             "winner": result.winner.to_json() if result.winner else None,
                             "top": [e.to_json() for e in result.ranked[:args.top]],
                             "pareto": [e.to_json() for e in result.pareto()], "advice": result.advice})
     print(f"{model.name} on {hw.name}: {w.batch_sequences} x {w.seq_len} tokens per step; "
-          f"{result.considered} candidates, {len(result.ranked)} evaluated, {result.pruned} pruned by bounds\n")
+          f"{result.considered} candidates: {len(result.ranked) - result.rejected} simulated, {result.pruned} pruned "
+          f"by the time bound, {result.rejected} rejected by the memory bound\n")
     if result.winner is None:
         print("nothing fits:")
         for line in result.advice:

@@ -85,7 +85,7 @@ class SearchSpace:
     """The choices searched. Stage 1: the first group; stage 2 refines over the second."""
 
     microbatch_sizes: tuple[int, ...] = (1, 2, 4)
-    pack_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
+    pack_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     packers: tuple[str, ...] = ("holistic", "mobius")
     swaps: tuple[str, ...] = ("layer", "pack")
     recompute: tuple[bool, ...] = (True, False)
@@ -94,7 +94,8 @@ class SearchSpace:
     prefetch_depths: tuple[int, ...] = (1, 2, 3)
     residents: tuple[str, ...] = ("auto", "none")
     host_layouts: tuple[str, ...] = ("compact", "replicated")
-    optimizers: tuple[str, ...] = ("sync", "async")
+    # Only sync by default: async (staleness 1) changes the training semantics, so a user opts in.
+    optimizers: tuple[str, ...] = ("sync",)
 
 
 @dataclass
@@ -103,8 +104,9 @@ class SearchResult:
 
     workload: Workload
     ranked: list[Evaluation]
-    pruned: int
+    pruned: int  # never evaluated: their lower bound exceeded the best time found
     considered: int
+    rejected: int = 0  # not simulated: a memory bound showed they cannot fit
     advice: list[str] = field(default_factory=list)
 
     @property
@@ -216,6 +218,7 @@ def search(w: Workload, evaluate: Evaluator, *, space: SearchSpace | None = None
     evals: list[Evaluation] = []
     pruned = 0
     considered = 0
+    rejected = 0
     pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
     try:
         for stage in (1, 2):
@@ -227,14 +230,15 @@ def search(w: Workload, evaluate: Evaluator, *, space: SearchSpace | None = None
                 done = {e.policy.dumps() for e in evals}
                 cands = [c for c in cands if c.dumps() not in done]
             considered += len(cands)
-            new, n_pruned = _evaluate_bounded(w, cands, evaluate, evals, pool, workers, progress)
+            new, n_pruned, n_rejected = _evaluate_bounded(w, cands, evaluate, evals, pool, workers, progress)
             evals += new
             pruned += n_pruned
+            rejected += n_rejected
     finally:
         if pool is not None:
             pool.shutdown()
     ranked = sorted(evals, key=Evaluation.key)
-    result = SearchResult(w, ranked, pruned, considered)
+    result = SearchResult(w, ranked, pruned, considered, rejected)
     if result.winner is None:
         result.advice = advise(w, ranked)
     return result
@@ -242,7 +246,7 @@ def search(w: Workload, evaluate: Evaluator, *, space: SearchSpace | None = None
 
 def _evaluate_bounded(w: Workload, cands: list[Policy], evaluate: Evaluator, prior: list[Evaluation],
                       pool: ProcessPoolExecutor | None, workers: int,
-                      progress: Callable[[int, int], None] | None) -> tuple[list[Evaluation], int]:
+                      progress: Callable[[int, int], None] | None) -> tuple[list[Evaluation], int, int]:
     """Evaluate candidates in order of their lower bound, in batches, pruning once bounds pass the best."""
     bounded = []
     out: list[Evaluation] = []
@@ -268,7 +272,8 @@ def _evaluate_bounded(w: Workload, cands: list[Policy], evaluate: Evaluator, pri
         i += batch
         if progress is not None:
             progress(min(i, len(bounded)), len(bounded))
-    return out, len(bounded) - min(i, len(bounded))
+    rejected = len(cands) - len(bounded)
+    return out, len(bounded) - min(i, len(bounded)), rejected
 
 
 def advise(w: Workload, ranked: list[Evaluation]) -> list[str]:

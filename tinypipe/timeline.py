@@ -8,7 +8,7 @@ timelines of the same schedule (per-kind duration error, iteration time error, p
 Iteration times come from the records' `iteration` fields: iteration i is complete when its last
 action and those of all earlier iterations have ended, and lasts from the completion of iteration
 i-1 (for i = 0: from the first start). The steady-state
-iteration time is the median of the iterations after the first (the first includes pipeline fill
+iteration time is the mean of the iterations after the first (the first includes pipeline fill
 and cold loads), or the only iteration when there is one.
 """
 
@@ -30,9 +30,13 @@ STREAM_ORDER = ("compute", "h2d", "d2h", "send", "recv", "optim")
 
 
 def steady_state(iteration_times_s: list[float]) -> float:
-    """Median of the iteration times after the first (which fills the pipeline), or the only one."""
+    """Mean of the iteration times after the first (which fills the pipeline), or the only one.
+
+    The mean, not the median: iterations after the first can alternate long and short when work
+    of one overlaps the next, and the mean is then the long-run rate.
+    """
     t = iteration_times_s
-    return statistics.median(t[1:]) if len(t) > 1 else (t[0] if t else 0.0)
+    return statistics.fmean(t[1:]) if len(t) > 1 else (t[0] if t else 0.0)
 
 
 class Record(NamedTuple):
@@ -99,9 +103,16 @@ class Timeline:
         return {k: out[k] for k in sorted(out, key=resource_sort_key)}
 
     def iteration_ends_s(self) -> list[float]:
-        """When each iteration 0..K-1 is complete: its last action and every earlier iteration's have ended."""
+        """When each iteration 0..K-1 is complete: its last FWD/BWD and every earlier iteration's have ended.
+
+        GPU work marks the boundary, not the last action of any kind: under the async optimizer an
+        iteration's optimizer steps run during the next one, so "all actions done" would make
+        consecutive iterations end almost together. Optimizer waits still count, because the next
+        iteration's uploads wait on them. Without compute records, all records mark it.
+        """
+        compute = [r for r in self.records if r.kind in ("FWD", "BWD")] or self.records
         ends: dict[int, float] = {}
-        for r in self.records:
+        for r in compute:
             ends[r.iteration] = max(ends.get(r.iteration, r.end_s), r.end_s)
         out: list[float] = []
         for i in sorted(ends):

@@ -1,0 +1,48 @@
+"""Shared helpers for the backend tests: fixed stand-in hardware, tiny models, the reference run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tinypipe.hardware import GPU, Hardware, Host, Link  # noqa: E402
+
+# A small Qwen3 (untied embeddings, q/k norms), byte-level vocabulary, for the second model family.
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "vocab_size": 256, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "attention_bias": False, "initializer_range": 0.02,
+}
+
+
+def fixed_cpu_hardware(n: int) -> Hardware:
+    """N stand-in devices with fixed (not measured) rates, so compiled schedules are reproducible."""
+    mem = 64 * 2**30
+    return Hardware(
+        name=f"test-cpu-x{n}", provenance="spec", source="fixed numbers for tests",
+        host=Host(memory_bytes=mem, dma_gbps=10.0, cpu_cores=2, adam_params_per_s=1e8),
+        gpus=tuple(GPU(f"gpu{i}", "CPU", mem, 2e10, 10.0) for i in range(n)), switches=("rc0",),
+        links=(Link("host", "rc0", "mem", 10.0, 0.0),)
+        + tuple(Link("rc0", f"gpu{i}", "pcie", 10.0, 2e-6) for i in range(n)))
+
+
+@pytest.fixture(scope="session")
+def qwen3_config(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path of a tiny Qwen3 config.json (trained from a seeded random initialisation)."""
+    path = Path(tmp_path_factory.mktemp("models")) / "tiny-qwen3.json"
+    path.write_text(json.dumps(TINY_QWEN3))
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> object:
+    """Tiny tensors on a shared 2-core machine: one intra-op thread is fastest and steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

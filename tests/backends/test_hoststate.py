@@ -1,0 +1,152 @@
+"""Host state layouts: exact optimizer arithmetic, plane packing, versions, and the bytes really held."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tinypipe.backends.hoststate import AdamWConfig, HostState, join_planes, split_planes  # noqa: E402
+from tinypipe.backends.reference import layer_adamw  # noqa: E402
+from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes  # noqa: E402
+
+CPU = torch.device("cpu")
+CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
+
+
+def _params(seed: int = 0) -> dict[int, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {0: {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)},
+            3: {"w": torch.randn(8, 8, generator=g), "n": torch.randn(8, generator=g)}}
+
+
+def _clone(p: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+    return {i: {n: t.clone() for n, t in d.items()} for i, d in p.items()}
+
+
+@pytest.mark.parametrize("layout", ["replicated", "compact"])
+def test_layouts_step_exactly_like_torch_adamw(layout: str) -> None:
+    """Five AdamW steps through either layout leave the same fp32 masters, bit for bit, as
+    `layer_adamw` (the reference's optimizer) on plain tensors; the upload is the exact master."""
+    ref = _clone(_params())
+    opts = {i: layer_adamw(list(d.values()), lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay)
+            for i, d in ref.items()}
+    hs = HostState(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        for i in hs.layers:
+            up = hs.load(i, step, CPU)
+            assert all(torch.equal(up[n], t) for n, t in ref[i].items())
+            grads = {n: torch.randn(t.shape, generator=g) for n, t in ref[i].items()}
+            for n, t in ref[i].items():
+                t.grad = grads[n].clone()
+            opts[i].step()
+            hs.receive_grads(i, grads)
+            hs.step(i)
+            assert hs.version(i) == step + 1
+    for i in hs.layers:
+        m = hs.master(i)
+        assert all(torch.equal(m[n], ref[i][n]) for n in m)
+        up = hs.load(i, 5, CPU)
+        assert all(torch.equal(up[n], ref[i][n]) for n in m)
+
+
+def test_planes_round_trip_and_high_plane_is_truncated_bf16() -> None:
+    """Splitting fp32 into two 16-bit planes and joining them back is exact (inf, nan, -0 included);
+    the high plane, read as bf16, is the value truncated to bf16."""
+    x = torch.cat([torch.randn(1000), torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, 3.4e38])])
+    hi, lo = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel(), dtype=torch.int16)
+    split_planes(x, hi, lo)
+    back = join_planes(hi, lo, torch.empty_like(x))
+    assert torch.equal(back.view(torch.int32), x.view(torch.int32))
+    truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    assert torch.equal(hi.view(torch.bfloat16).float().view(torch.int32), truncated.view(torch.int32))
+
+
+def test_bf16_upload_forms() -> None:
+    """With bf16 compute, compact uploads the high plane (truncation), replicated a rounded copy."""
+    p = _params()
+    comp = HostState(_clone(p), layout="compact", compute_dtype=torch.bfloat16, optim=CFG)
+    repl = HostState(_clone(p), layout="replicated", compute_dtype=torch.bfloat16, optim=CFG)
+    w = p[0]["w"]
+    assert torch.equal(comp.load(0, 0, CPU)["w"].float(), (w.view(torch.int32) & ~0xFFFF).view(torch.float32))
+    assert torch.equal(repl.load(0, 0, CPU)["w"], w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("layout", ["replicated", "compact"])
+def test_previous_version_kept_until_dropped(layout: str) -> None:
+    """An asynchronous step (`keep_previous`) leaves the previous version uploadable; a LOAD of a
+    version the host no longer holds is an error that names the versions it has."""
+    hs = HostState(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG)
+    before = hs.master(0)
+    hs.receive_grads(0, {n: torch.ones_like(t) for n, t in before.items()})
+    hs.step(0, keep_previous=True)
+    assert all(torch.equal(hs.load(0, 0, CPU)[n], before[n]) for n in before)
+    after = hs.master(0)
+    assert all(torch.equal(hs.load(0, 1, CPU)[n], after[n]) for n in after)
+    hs.drop_stale(0)
+    hs.receive_grads(0, {n: torch.ones_like(t) for n, t in before.items()})
+    hs.step(0)
+    with pytest.raises(ValueError, match="wants the weights after 0 optimizer steps"):
+        hs.load(0, 0, CPU)
+
+
+def test_compact_ring_grows_beyond_its_slots_and_says_so() -> None:
+    """More layers waiting for the optimizer than the ring has slots: an extra slot is allocated,
+    and it shows in the bytes held."""
+    params = {i: {"w": torch.randn(4, 4)} for i in range(DEFAULT_GRAD_RING_SLOTS + 1)}
+    hs = HostState(params, layout="compact", compute_dtype=torch.float32, optim=CFG)
+    ring = hs.held().grad_bytes
+    for i in hs.layers:
+        hs.receive_grads(i, {"w": torch.ones(4, 4)})
+    assert hs.held().grad_bytes == ring + 16 * 4
+    for i in hs.layers:
+        hs.step(i)
+
+
+def test_state_dict_round_trip_continues_exactly() -> None:
+    """Saving and loading the state in a fresh HostState continues with identical steps."""
+    a = HostState(_clone(_params()), layout="compact", compute_dtype=torch.float32, optim=CFG)
+    for i in a.layers:
+        a.receive_grads(i, {n: torch.full_like(t, 0.5) for n, t in a.master(i).items()})
+        a.step(i, keep_previous=True)
+    b = HostState(_clone(_params(seed=7)), layout="compact", compute_dtype=torch.float32, optim=CFG)
+    b.load_state_dict(a.state_dict())
+    for hs in (a, b):
+        for i in hs.layers:
+            hs.receive_grads(i, {n: torch.full_like(t, -0.25) for n, t in hs.master(i).items()})
+            hs.step(i)
+    for i in a.layers:
+        assert all(torch.equal(a.master(i)[n], b.master(i)[n]) for n in a.master(i))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama() -> object:
+    from tinypipe.backends.hf import build_model
+
+    return build_model("tiny-llama", seed=0)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "compact"])
+@pytest.mark.parametrize("layers", [(0, 1, 2), (3, 4, 5)])
+def test_bytes_held_match_hostmem_formulas(tiny_llama: object, layout: str, layers: tuple[int, ...]) -> None:
+    """The storage a rank really holds equals `hostmem.host_bytes` for its layers (no pinned
+    rounding on the CPU), plus what the formulas leave out: AdamW's step counters (4 B per
+    tensor) and, in compact, the scratch buffer of the largest tensor."""
+    stack = tiny_llama
+    state = {i: {n: t.clone() for n, t in d.items()} for i, d in stack.state().items() if i in layers}
+    hs = HostState(state, layout=layout, compute_dtype=torch.float32, optim=CFG)
+    for i in layers:  # one step so the AdamW moments exist
+        hs.receive_grads(i, {n: torch.zeros_like(t) for n, t in state[i].items()})
+        hs.step(i)
+    held = hs.held()
+    want = host_bytes(stack.spec, layout, compute_dtype="fp32", layers=layers)
+    tensors = sum(len(state[i]) for i in layers)
+    assert held.params == want.params
+    assert held.master_bytes == want.master_bytes
+    assert held.upload_copy_bytes == want.upload_copy_bytes
+    assert held.grad_bytes == want.grad_bytes
+    assert held.optim_state_bytes == want.optim_state_bytes + 4 * tensors
+    biggest = max(t.numel() for i in layers for t in state[i].values())
+    assert held.scratch_bytes == (4 * biggest if layout == "compact" else 0)
+    assert held.total_bytes == want.total_bytes - want.pinned_rounding_bytes + 4 * tensors + held.scratch_bytes

@@ -1,0 +1,188 @@
+"""Models split into layers: same function as Hugging Face's model, rank-independent init, saving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tinypipe.backends.hf import (  # noqa: E402
+    UnsupportedModelError,
+    WeightReader,
+    build_model,
+    save_pretrained,
+    shard_name,
+    to_hf_state_dict,
+)
+from tinypipe.backends.layers import IGNORE_INDEX, Block, Embed, Head, LayerStack, attention_mask  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+TINY = {  # small configs of each family; Mistral's window (8) is shorter than the test sequences (16)
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_hidden_layers": 2, "vocab_size": 300, "max_position_embeddings": 128,
+              "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 64,
+                "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 1,
+                "num_hidden_layers": 2, "vocab_size": 260, "max_position_embeddings": 128,
+                "sliding_window": 8, "tie_word_embeddings": False},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 48,
+              "intermediate_size": 80, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 3, "vocab_size": 270, "max_position_embeddings": 128,
+              "tie_word_embeddings": False},
+}
+
+
+def model_dir(tmp_path: Path, family: str) -> str:
+    """A local model directory holding only a config.json (so: random initialisation)."""
+    d = tmp_path / family
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY[family]))
+    return str(d)
+
+
+def name_for(family: str, tmp_path: Path) -> str:
+    return "tiny-llama" if family == "llama" else model_dir(tmp_path, family)
+
+
+def scramble(stack: LayerStack, seed: int = 1) -> None:
+    """Give every parameter (norms and biases too) large random values, so that a test compares
+    more than a near-zero model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in stack.layers:
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def shifted(input_ids: torch.Tensor) -> torch.Tensor:
+    labels = torch.roll(input_ids, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    return labels
+
+
+def hf_model(stack: LayerStack) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_config(stack.config)
+    model.load_state_dict(to_hf_state_dict(stack), strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "qwen2"])
+def test_composed_layers_equal_hf_model(tmp_path: Path, family: str, impl: str) -> None:
+    """Embed, every block and the head, called one after another, give Hugging Face's logits and
+    loss (labels shifted by the caller, loss divided by the token count) to fp32 tolerance."""
+    stack = build_model(name_for(family, tmp_path), seed=0, attn_implementation=impl)
+    scramble(stack)
+    vocab = stack.config.vocab_size
+    input_ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = shifted(input_ids)
+    labels[0, :5] = IGNORE_INDEX  # a prompt without loss
+    denom = int((labels != IGNORE_INDEX).sum())
+    model = hf_model(stack)
+    with torch.no_grad():
+        ours = stack.loss(input_ids, labels, denom)
+        theirs = model(input_ids=input_ids, labels=input_ids, shift_labels=labels)
+        torch.testing.assert_close(stack.logits(input_ids), theirs.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, theirs.loss, rtol=1e-6, atol=1e-6)
+
+
+def test_layers_are_aligned_with_the_model_spec() -> None:
+    """Layer i is spec.layers[i]: embed, blocks, head, each with the spec's parameter count."""
+    stack = build_model("tiny-llama", seed=0)
+    kinds = [type(layer) for layer in stack.layers]
+    assert kinds == [Embed] + [Block] * stack.spec.num_blocks + [Head]
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in stack.layers]
+    assert counts == [spec.params for spec in stack.spec.layers]
+    assert stack.hf_names(0) == {"embed_tokens.weight": "model.embed_tokens.weight"}
+    assert stack.hf_names(2)["layer.mlp.up_proj.weight"] == "model.layers.1.mlp.up_proj.weight"
+    assert stack.hf_names(len(stack.layers) - 1) == {"norm.weight": "model.norm.weight",
+                                                     "lm_head.weight": "lm_head.weight"}
+
+
+def test_only_builds_give_identical_weights() -> None:
+    """A layer's initial weights depend on the seed and the layer, not on which layers a rank owns."""
+    full = build_model("tiny-llama", seed=7)
+    last = len(full.layers) - 1
+    for only in ({0}, {2, last}, {1, 3, 4}):
+        part = build_model("tiny-llama", seed=7, only=only)
+        assert part.owned() == sorted(only)
+        for i, tensors in part.state().items():
+            assert tensors.keys() == full.state()[i].keys()
+            for name, value in tensors.items():
+                assert torch.equal(value, full.state()[i][name]), (i, name)
+    other = build_model("tiny-llama", seed=8, only={1})
+    assert not torch.equal(other.state()[1]["layer.mlp.up_proj.weight"], full.state()[1]["layer.mlp.up_proj.weight"])
+
+
+def test_init_follows_hf_rules() -> None:
+    """Norm weights are one, matrices ~ N(0, initializer_range), in the requested dtype."""
+    stack = build_model("tiny-llama", seed=0, dtype=torch.bfloat16)
+    block = stack.state()[1]
+    assert torch.equal(block["layer.input_layernorm.weight"], torch.ones(64, dtype=torch.bfloat16))
+    w = block["layer.mlp.down_proj.weight"].float()
+    assert w.dtype == torch.float32 and abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
+
+
+def test_save_pretrained_loads_in_transformers_and_streams_back(tmp_path: Path) -> None:
+    """Two ranks save their layers; `from_pretrained` loads exactly those weights, and building the
+    saved directory streams them back into only the layers asked for."""
+    src = model_dir(tmp_path, "qwen3")
+    stack = build_model(src, seed=3)
+    scramble(stack)
+    state = stack.state()
+    out = tmp_path / "out"
+    save_pretrained({i: state[i] for i in (1, 2)}, stack.config, out, rank=1, world=2)
+    save_pretrained({i: state[i] for i in (0, 3)}, stack.config, out, rank=0, world=2)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [shard_name(i, 4) for i in range(4)]
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    expected = to_hf_state_dict(stack)
+    got = loaded.state_dict()
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    again = build_model(str(out), seed=99, only={2})
+    assert again.owned() == [2]
+    for name, value in again.state()[2].items():
+        assert torch.equal(value, state[2][name])
+    assert WeightReader(out).weight_map["lm_head.weight"] == shard_name(3, 4)
+
+
+def test_tied_embeddings_are_refused_in_one_line() -> None:
+    """A tied model (Qwen3-1.7B) is a user-facing error, not a crash."""
+    with pytest.raises(UnsupportedModelError, match=r"^tied embeddings are not supported by `run` yet: "):
+        build_model("qwen3-1.7b", seed=0, only=set())
+
+
+def test_unsupported_family_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        build_model("gpt2-xl", seed=0, only=set())
+
+
+def test_attention_masks() -> None:
+    """sdpa: no mask (the kernel is causal) unless a window is shorter than the sequence; eager:
+    an additive mask; both allow key k for query q iff q - window < k <= q."""
+    kw = {"device": torch.device("cpu"), "dtype": torch.float32}
+    assert attention_mask(4, attn_implementation="sdpa", sliding_window=None, **kw) is None
+    assert attention_mask(4, attn_implementation="sdpa", sliding_window=4, **kw) is None
+    windowed = attention_mask(4, attn_implementation="sdpa", sliding_window=2, **kw)
+    assert windowed.int().tolist() == [[[[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]]]
+    eager = attention_mask(3, attn_implementation="eager", sliding_window=None, **kw)
+    assert (eager == 0).int().tolist() == [[[[1, 0, 0], [1, 1, 0], [1, 1, 1]]]]
+
+
+def test_blocks_follow_their_inputs_device_and_dtype() -> None:
+    """A block cast to bf16 keeps its rotary frequencies fp32 (outside the module) and still
+    matches the fp32 block to bf16 tolerance."""
+    stack = build_model("tiny-llama", seed=0, only={1})
+    block = stack.layers[1]
+    assert [n for n, _ in block.named_buffers()] == []
+    hidden = torch.randn(2, 8, 64)
+    reference = block(hidden)
+    low = block.to(torch.bfloat16)
+    torch.testing.assert_close(low(hidden.bfloat16()).float(), reference, rtol=0.05, atol=0.05)
+    assert low.rotary_on(torch.device("cpu")).inv_freq.dtype == torch.float32
