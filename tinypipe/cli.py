@@ -268,7 +268,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         rows.append({"policy": policy.name, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
                      "peak_gpu_bytes": res.peak_gpu_bytes, "peak_host_bytes": res.peak_host_bytes,
                      "host_bytes_per_param": res.host_bytes_per_param, "fits": res.fits,
-                     "why": res.violation or "", "bottleneck": res.critical_path.bottleneck,
+                     "why": _over_capacity(res.peak_bytes, res.capacity_bytes),
+                     "first_violation": res.violation or "", "bottleneck": res.critical_path.bottleneck,
                      "packs": len(sched.pack_layers), "detail": res.to_json()})
         if first is None:
             first = res
@@ -356,6 +357,19 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nwrote the winner to {args.out}")
     return 0
+
+
+def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
+    """`host 143.75 > 64.00 GiB; GPU 46.42 > 24.00 GiB` for every kind of device over its capacity."""
+    from tinypipe.table import GiB
+
+    parts = []
+    for label, devs in (("host", [d for d in peak if d == "host"]), ("GPU", [d for d in peak if d != "host"])):
+        over = [d for d in devs if peak[d] > capacity.get(d, peak[d])]
+        if over:
+            d = max(over, key=lambda x: peak[x] - capacity[x])
+            parts.append(f"{label} {peak[d] / GiB:.2f} > {capacity[d] / GiB:.2f} GiB")
+    return "; ".join(parts)
 
 
 def _describe(p: Any) -> str:
