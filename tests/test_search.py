@@ -13,7 +13,7 @@ def _w(**kw: object) -> Workload:
 
 
 SMALL = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(2, 4), packers=("holistic",), swaps=("layer", "pack"),
-                    recompute=(True,), activation_homes=("gpu",), mappings=("cross",), prefetch_depths=(1, 2),
+                    recompute=(True, False), activation_homes=("gpu",), mappings=("cross",), prefetch_depths=(1, 2),
                     residents=("none",), host_layouts=("compact", "replicated"), optimizers=("sync",))
 
 
