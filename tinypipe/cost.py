@@ -7,6 +7,7 @@ constants live in `CostModel` so that later work can calibrate them against the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import accumulate
 
 from tinypipe.errors import InputError
@@ -21,7 +22,9 @@ GIB = 1 << 30
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
-    """The constants of the analytic model (uncalibrated defaults; the simulator calibrates them)."""
+    """The constants of the analytic model. The defaults are first guesses; `calibrated()` gives the
+    constants fitted against the simulator by bench/calibrate_cost.py (shipped as
+    traces/calibration/cost_model.json), which is what the packers use."""
 
     pack_overhead_s: float = 5e-4  # per pack use: stream syncs, launch gaps, bookkeeping (a guess)
     copy_latency_s: float = 5e-6  # fixed cost per copy; DESIGN §8 measured 3-6 us on the H200 host
@@ -29,6 +32,29 @@ class CostModel:
     gpu_reserve_bytes: int = GIB  # CUDA context and allocator slack kept free on every GPU
     host_reserve_bytes: int = 4 * GIB  # OS and process overhead kept free in host DRAM
     memory_weight: float = 0.05  # holistic packing: fraction of time worth trading for a full GPU
+    fill_scale: float = 1.0  # multiplies the pipeline fill and drain estimate
+
+    FITTED = ("pack_overhead_s", "h2d_efficiency", "fill_scale")  # what calibration adjusts
+
+    @classmethod
+    def calibrated(cls) -> CostModel:
+        """The simulator-calibrated constants when shipped, else the defaults."""
+        return _calibrated()
+
+    def to_json(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.FITTED}
+
+
+@lru_cache(maxsize=1)
+def _calibrated() -> CostModel:
+    import tinypipe.traces as shipped
+    from tinypipe.jsonio import Fields, load_json
+
+    p = shipped.path("calibration", "cost_model")
+    if p is None:
+        return CostModel()
+    f = Fields(load_json(p), str(p)).obj_("constants")
+    return CostModel(**{k: f.float(k, minimum=0.0) for k in CostModel.FITTED})
 
 
 @dataclass(frozen=True)
@@ -104,7 +130,7 @@ class Estimate:
 def workload(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
              cost: CostModel | None = None) -> Workload:
     """Flatten model, trace, hardware and policy into the numbers the estimates use."""
-    cost = cost or CostModel()
+    cost = cost or CostModel.calibrated()
     tokens = trace.tokens_per_microbatch
     dt = trace.dtype
     if dt not in DTYPE_BYTES:
@@ -248,7 +274,7 @@ def estimate(w: Workload, sizes: tuple[int, ...], mapping: tuple[int, ...],
         if mapping[s] != mapping[s + 1]:
             hop += 2 * (c.copy_latency_s + w.input_bytes[starts[s + 1]] / (w.p2p_gbps * 1e9))
             handed += 2 * m * w.input_bytes[starts[s + 1]]
-    fill = (min(used, n_packs) - 1) * step + wraps * max(0, used - m) * step + hop
+    fill = c.fill_scale * ((min(used, n_packs) - 1) * step + wraps * max(0, used - m) * step) + hop
     opt_total = sum(w.opt_s)
     tail = sum(w.opt_s[: starts[1]]) if w.optimizer == "sync" and n_packs else 0.0
     # uploads, gradients out, and activations out and back when they live on the host

@@ -5,11 +5,11 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-KINDS = ("models", "hardware", "profiles")
+KINDS = ("models", "hardware", "profiles", "calibration")
 
 
 def folder(kind: str) -> Path:
-    """The folder holding shipped JSON files of one kind (`models`, `hardware` or `profiles`)."""
+    """The folder holding shipped JSON files of one kind (`models`, `hardware`, `profiles`, `calibration`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown shipped-data kind {kind!r}; expected one of {KINDS}")
     return Path(str(resources.files(__name__))) / kind
