@@ -1,4 +1,4 @@
-"""Shared helpers for the backend tests: fixed stand-in hardware, tiny models, the reference run."""
+"""Helpers for the pipeline-execution tests: fixed stand-in hardware, a tiny Qwen3 config, one thread."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def qwen3_config(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def one_thread() -> object:
     """Tiny tensors on a shared 2-core machine: one intra-op thread is fastest and steady."""
     before = torch.get_num_threads()

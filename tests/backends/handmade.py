@@ -40,12 +40,12 @@ def build(pack_layers: list[list[int]], pack_gpu: list[int], *, microbatches: in
         bwd_done: dict[tuple[int, int], int] = {}
         prev_opt = it - 1 - staleness
 
-        def load(L: int, p: int, g: int) -> int:
+        def load(L: int, p: int, g: int, it: int = it, prev_opt: int = prev_opt) -> int:
             dep = opt_id.get((L, prev_opt), -1)
             return add(Kind.LOAD, g, "h2d", layer=L, pack=p, it=it, deps=(dep, evict_id.get(L, -1)),
                        allocs=mem(g, f"w.L{L}"))
 
-        def evict(L: int, p: int, g: int, deps: tuple[int, ...] = ()) -> None:
+        def evict(L: int, p: int, g: int, deps: tuple[int, ...] = (), it: int = it) -> None:
             evict_id[L] = add(Kind.EVICT, g, "compute", layer=L, pack=p, it=it, deps=deps, frees=mem(g, f"w.L{L}"))
 
         # forward

@@ -8,7 +8,10 @@ torch = pytest.importorskip("torch")
 
 from tinypipe.backends.hoststate import AdamWConfig, HostState, join_planes, split_planes  # noqa: E402
 from tinypipe.backends.reference import layer_adamw  # noqa: E402
+
 from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CPU = torch.device("cpu")
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
@@ -132,7 +135,8 @@ def tiny_llama() -> object:
 def test_bytes_held_match_hostmem_formulas(tiny_llama: object, layout: str, layers: tuple[int, ...]) -> None:
     """The storage a rank really holds equals `hostmem.host_bytes` for its layers (no pinned
     rounding on the CPU), plus what the formulas leave out: AdamW's step counters (4 B per
-    tensor) and, in compact, the scratch buffer of the largest tensor."""
+    tensor) and, in compact, the scratch buffer of the largest tensor and the chunked optimizer's
+    workspace."""
     stack = tiny_llama
     state = {i: {n: t.clone() for n, t in d.items()} for i, d in stack.state().items() if i in layers}
     hs = HostState(state, layout=layout, compute_dtype=torch.float32, optim=CFG)
@@ -148,5 +152,8 @@ def test_bytes_held_match_hostmem_formulas(tiny_llama: object, layout: str, laye
     assert held.grad_bytes == want.grad_bytes
     assert held.optim_state_bytes == want.optim_state_bytes + 4 * tensors
     biggest = max(t.numel() for i in layers for t in state[i].values())
-    assert held.scratch_bytes == (4 * biggest if layout == "compact" else 0)
+    from tinypipe.backends.planes import DEFAULT_CHUNK_ELEMS, workspace_elems
+
+    work = 4 * workspace_elems(min(DEFAULT_CHUNK_ELEMS, biggest))
+    assert held.scratch_bytes == (4 * biggest + work if layout == "compact" else 0)
     assert held.total_bytes == want.total_bytes - want.pinned_rounding_bytes + 4 * tensors + held.scratch_bytes

@@ -14,7 +14,6 @@ torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
 from handmade import build  # noqa: E402
-
 from tinypipe.backends.data import ByteTokenizer, make_batches  # noqa: E402
 from tinypipe.backends.executor import run_actions  # noqa: E402
 from tinypipe.backends.hoststate import AdamWConfig, HostState  # noqa: E402
@@ -28,13 +27,16 @@ from tinypipe.backends.interpreter import (  # noqa: E402
 from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402
 from tinypipe.backends.worker import Job  # noqa: E402
+from tinypipe.sim import simulate  # noqa: E402
+
 from tinypipe.compile import compile_schedule  # noqa: E402
 from tinypipe.model import load_model  # noqa: E402
 from tinypipe.policy import PRESETS, Policy  # noqa: E402
 from tinypipe.schedule import HOST_OPTIM, Action, Kind, Schedule, resource_gpu  # noqa: E402
-from tinypipe.sim import simulate  # noqa: E402
 from tinypipe.timeline import Timeline  # noqa: E402
 from tinypipe.trace import analytic_trace  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEQ, MBS, MBS_PER_STEP, K = 16, 2, 2, 3
 OPTIM = AdamWConfig(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)

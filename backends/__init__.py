@@ -1,0 +1,1 @@
+"""The real PyTorch backend: models split into layers, data, and pipeline execution (imports torch lazily)."""

@@ -1,0 +1,323 @@
+"""The per-rank interpreter: one rank's part of a Schedule, run through a dispatch table keyed by Kind.
+
+DESIGN §5. Each handler does what docs/schedule-contract.md says its kind means: LOAD / EVICT move
+a layer's weights between the host state and the device; FWD runs a layer without keeping the
+graph and keeps its input (or, without recompute, keeps the graph); BWD recomputes from that input
+and back-propagates, accumulating the weight gradients on the device; GRAD_OUT hands them to the
+host; OPT_STEP runs AdamW there; SEND / RECV move activations and their gradients between ranks;
+OFFLOAD_ACT / FETCH_ACT park a kept input in host memory. `executor.py` decides when each runs.
+
+Values are keyed by (step, layer, microbatch): `x` is the input of a layer, `dx` the gradient with
+respect to it. A layer's parameters are handed to its module with `torch.func.functional_call`, so
+the modules are structure only and the tensors on the device are exactly what LOAD put there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tinypipe.schedule import Action, Kind, Schedule, resource_gpu
+
+from .comm import Comm, Handle
+from .hoststate import HostState
+
+Key = tuple[int, int, int]  # (step, layer, microbatch)
+Done = tuple[Handle, Callable[[], None]] | None  # an asynchronous handler returns what to wait for
+
+
+class UnknownKindError(ValueError):
+    """An action kind the dispatch table has no handler for."""
+
+
+class ExecutionError(RuntimeError):
+    """The schedule asked for something the rank's state cannot do (names the action)."""
+
+
+@dataclass
+class StepData:
+    """One optimizer step's input: (input_ids, labels) per microbatch and the step's loss-token count."""
+
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    denom: float
+
+
+def owned_layers(schedule: Schedule, rank: int) -> list[int]:
+    """The layers of the packs that run on GPU `rank` (whose host state this rank holds)."""
+    return sorted(L for p, g in enumerate(schedule.pack_gpu) if g == rank for L in schedule.pack_layers[p])
+
+
+def rank_actions(schedule: Schedule, rank: int) -> list[Action]:
+    """The actions rank `rank` runs: those on its GPU's streams and the OPT_STEPs of its layers."""
+    owned = set(owned_layers(schedule, rank))
+    return [a for a in schedule.actions
+            if resource_gpu(a.resource) == rank or (a.kind == Kind.OPT_STEP and a.layer in owned)]
+
+
+class Interpreter:
+    """Device-side state of one rank and the handlers that change it, one per action kind."""
+
+    HANDLERS: ClassVar[dict[Kind, str]] = {
+        Kind.LOAD: "_load", Kind.EVICT: "_evict", Kind.FWD: "_fwd", Kind.BWD: "_bwd",
+        Kind.SEND: "_send", Kind.RECV: "_recv", Kind.OFFLOAD_ACT: "_offload", Kind.FETCH_ACT: "_fetch",
+        Kind.GRAD_OUT: "_grad_out", Kind.OPT_STEP: "_opt_step",
+    }
+
+    def __init__(self, *, rank: int, schedule: Schedule, layers: list[nn.Module | None], host: HostState,
+                 comm: Comm | None, device: torch.device, hidden_size: int, staleness: int = 0) -> None:
+        self.rank = rank
+        self.schedule = schedule
+        self.layers = layers
+        self.host = host
+        self.comm = comm
+        self.device = device
+        self.hidden_size = hidden_size
+        self.staleness = staleness
+        self.compute_dtype = host.compute_dtype
+        self.owned = set(owned_layers(schedule, rank))
+        self.last_layer = schedule.num_layers - 1
+        self.weights: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # layer -> (version, tensors)
+        self.loads: dict[int, int] = {}  # layer -> LOADs not yet matched by an EVICT
+        self.x: dict[Key, torch.Tensor] = {}
+        self.dx: dict[Key, torch.Tensor] = {}
+        self.graphs: dict[Key, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = {}
+        self.grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (step, layer) -> accumulator
+        self.parked: dict[Key, torch.Tensor] = {}  # inputs offloaded to host memory
+        self.losses: dict[tuple[int, int], torch.Tensor] = {}  # (step, microbatch) -> head output
+        self.data: dict[int, StepData] = {}
+        self.pending_loads: dict[tuple[int, int], int] = {}  # (layer, step) -> LOADs of the window not yet run
+        self.use: Callable[[torch.Tensor], None] = lambda t: None  # CUDA: record_stream on the current stream
+        self.streams: dict[str, Any] = {}  # CUDA: one stream per resource, kept across windows
+
+    # ---- dispatch ----------------------------------------------------------------------------------
+    def dispatch(self, a: Action, step: int) -> Done:
+        """Run action `a` (of optimizer step `step`); an unknown kind is an error."""
+        name = self.HANDLERS.get(a.kind) if isinstance(a.kind, Kind) else None
+        if name is None:
+            raise UnknownKindError(f"rank {self.rank}: no handler for action kind {getattr(a.kind, 'value', a.kind)!r} "
+                                   f"(action {a.id}); known kinds: {', '.join(k.value for k in self.HANDLERS)}")
+        handler: Callable[[Action, int], Done] = getattr(self, name)
+        return handler(a, step)
+
+    def fail(self, a: Action, why: str) -> ExecutionError:
+        return ExecutionError(f"rank {self.rank}: action {a.id} ({a}): {why}")
+
+    def want_version(self, step: int) -> int:
+        """Optimizer steps the weights used by `step` include: step under sync, step - 1 under async."""
+        return max(0, step - self.staleness)
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def _load(self, a: Action, step: int) -> Done:
+        assert a.layer is not None
+        want = self.want_version(step)
+        self.weights[a.layer] = (want, self.host.load(a.layer, want, self.device,
+                                                      non_blocking=self.device.type == "cuda"))
+        self.loads[a.layer] = self.loads.get(a.layer, 0) + 1
+        key = (a.layer, step)
+        self.pending_loads[key] = left = self.pending_loads.get(key, 1) - 1
+        if left <= 0 and self.host.version(a.layer) > want:
+            self.host.drop_stale(a.layer)  # the last upload of an older version
+        return None
+
+    def _evict(self, a: Action, step: int) -> Done:
+        """Drop the layer's weights; a layer LOADed again before this EVICT stays until the next one."""
+        assert a.layer is not None
+        n = self.loads.get(a.layer, 0)
+        if n == 0:
+            raise self.fail(a, "the layer is not on the device")
+        self.loads[a.layer] = n - 1
+        if n == 1:
+            del self.weights[a.layer]
+        return None
+
+    def _weights(self, a: Action, step: int) -> dict[str, torch.Tensor]:
+        assert a.layer is not None
+        have = self.weights.get(a.layer)
+        if have is None:
+            raise self.fail(a, "the layer's weights are not on the device (no LOAD before it)")
+        if have[0] != self.want_version(step):
+            raise self.fail(a, f"the weights on the device are version {have[0]}, step {step} needs "
+                               f"{self.want_version(step)} (no LOAD after the optimizer step)")
+        for t in have[1].values():
+            self.use(t)
+        return have[1]
+
+    # ---- compute ---------------------------------------------------------------------------------------
+    def _inputs(self, a: Action, step: int) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        """The layer's input (token ids for the embedding) and the extra arguments of its forward."""
+        L, m = a.layer, a.microbatch
+        assert L is not None and m is not None
+        sd = self.data[step]
+        if L == 0:
+            return sd.microbatches[m][0].to(self.device), ()
+        x = self.x.get((step, L, m))
+        if x is None:
+            raise self.fail(a, f"no input for layer {L} microbatch {m} (missing FWD, RECV or FETCH_ACT before it)")
+        self.use(x)
+        extra = (sd.microbatches[m][1].to(self.device), sd.denom) if L == self.last_layer else ()
+        return x, extra
+
+    def _call(self, L: int, weights: dict[str, torch.Tensor], x: torch.Tensor, extra: tuple[Any, ...]) -> torch.Tensor:
+        module = self.layers[L]
+        assert module is not None
+        return torch.func.functional_call(module, weights, (x, *extra))  # type: ignore[no-any-return]
+
+    def _fwd(self, a: Action, step: int) -> Done:
+        L, m = a.layer, a.microbatch
+        assert L is not None and m is not None
+        weights = self._weights(a, step)
+        x, extra = self._inputs(a, step)
+        if self.schedule.recompute:
+            with torch.no_grad():
+                out = self._call(L, weights, x, extra)
+        else:
+            xin = x.detach().requires_grad_() if L > 0 else None
+            leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+            with torch.enable_grad():
+                out = self._call(L, leaves, x if xin is None else xin, extra)
+            self.graphs[(step, L, m)] = (out, xin, leaves)
+        if L == self.last_layer:
+            self.losses[(step, m)] = out.detach()
+        else:
+            self.x[(step, L + 1, m)] = out.detach()
+        return None
+
+    def _bwd(self, a: Action, step: int) -> Done:
+        L, m = a.layer, a.microbatch
+        assert L is not None and m is not None
+        dy = None
+        if L != self.last_layer:
+            dy = self.dx.pop((step, L + 1, m), None)
+            if dy is None:
+                raise self.fail(a, f"no gradient for the output of layer {L} microbatch {m}")
+            self.use(dy)
+        if self.schedule.recompute:
+            weights = self._weights(a, step)
+            x, extra = self._inputs(a, step)
+            xin = x.detach().requires_grad_() if L > 0 else None
+            leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+            with torch.enable_grad():
+                out = self._call(L, leaves, x if xin is None else xin, extra)
+        else:
+            if (step, L, m) not in self.graphs:
+                raise self.fail(a, "no forward graph kept for it (FWD missing)")
+            out, xin, leaves = self.graphs.pop((step, L, m))
+        self.x.pop((step, L, m), None)
+        inputs = ([xin] if xin is not None else []) + list(leaves.values())
+        with torch.enable_grad():
+            got = torch.autograd.grad(out, inputs, grad_outputs=dy)
+        if xin is not None:
+            self.dx[(step, L, m)] = got[0]
+        acc = self.grads.get((step, L))
+        param_grads = dict(zip(leaves, got[1:] if xin is not None else got))
+        if acc is None:
+            self.grads[(step, L)] = param_grads
+        else:
+            for n, g in param_grads.items():
+                acc[n].add_(g)
+        return None
+
+    # ---- host transfers ----------------------------------------------------------------------------------
+    def _grad_out(self, a: Action, step: int) -> Done:
+        assert a.layer is not None
+        grads = self.grads.pop((step, a.layer), None)
+        if grads is None:
+            raise self.fail(a, "no accumulated gradients (no BWD of this layer in this step)")
+        for g in grads.values():
+            self.use(g)
+        self.host.receive_grads(a.layer, grads, non_blocking=self.device.type == "cuda")
+        return None
+
+    def _opt_step(self, a: Action, step: int) -> Done:
+        assert a.layer is not None
+        if self.host.version(a.layer) != step:
+            raise self.fail(a, f"the host holds version {self.host.version(a.layer)} of the layer, "
+                               f"step {step}'s update needs {step}")
+        # asynchronous: the next step's uploads read the weights before this update; keep them
+        # when one of those uploads is still to come (outside this window, or not yet run)
+        nxt = self.pending_loads.get((a.layer, step + 1))
+        keep = self.staleness > 0 and (nxt is None or nxt > 0)
+        self.host.step(a.layer, keep_previous=keep)
+        return None
+
+    def _offload(self, a: Action, step: int) -> Done:
+        key = (step, a.layer, a.microbatch)
+        x = self.x.pop(key, None)  # type: ignore[arg-type]
+        if x is None:
+            raise self.fail(a, "no kept input to offload")
+        self.use(x)
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(x, non_blocking=self.device.type == "cuda")
+        self.parked[key] = host  # type: ignore[index]
+        return None
+
+    def _fetch(self, a: Action, step: int) -> Done:
+        key = (step, a.layer, a.microbatch)
+        host = self.parked.pop(key, None)  # type: ignore[arg-type]
+        if host is None:
+            raise self.fail(a, "no offloaded input to fetch")
+        self.x[key] = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host  # type: ignore[index]
+        return None
+
+    # ---- between ranks ---------------------------------------------------------------------------------
+    def is_backward(self, a: Action) -> bool:
+        """Whether a SEND / RECV carries a gradient (`dx`) rather than an activation (`x`).
+
+        The buffer names of the memory effects say it (docs/schedule-contract.md); without them, the
+        layer tells: an activation goes to the owner of the layer it enters, a gradient leaves it.
+        """
+        for mem in (*a.allocs, *a.frees):
+            if mem.buffer.startswith("dx."):
+                return True
+            if mem.buffer.startswith("x."):
+                return False
+        mine = a.layer in self.owned
+        return mine if a.kind == Kind.SEND else not mine
+
+    def _send(self, a: Action, step: int) -> Done:
+        if self.comm is None or a.peer is None:
+            raise self.fail(a, "a SEND needs a peer and a communicator")
+        store = self.dx if self.is_backward(a) else self.x
+        t = store.pop((step, a.layer, a.microbatch), None)  # type: ignore[arg-type]
+        if t is None:
+            raise self.fail(a, "nothing to send (the FWD / BWD producing it has not run)")
+        self.use(t)
+        t = t.contiguous()
+        return self.comm.isend(t, a.peer), lambda: None
+
+    def _recv(self, a: Action, step: int) -> Done:
+        if self.comm is None or a.peer is None:
+            raise self.fail(a, "a RECV needs a peer and a communicator")
+        mb = self.data[step].microbatches[a.microbatch or 0][0]
+        buf = torch.empty((*mb.shape, self.hidden_size), dtype=self.compute_dtype, device=self.device)
+        store = self.dx if self.is_backward(a) else self.x
+        key = (step, a.layer, a.microbatch)
+
+        def arrived() -> None:
+            store[key] = buf  # type: ignore[index]
+
+        return self.comm.irecv(buf, a.peer), arrived
+
+    # ---- accounting -----------------------------------------------------------------------------------------
+    def device_bytes(self) -> int:
+        """Bytes of the tensors this rank holds on its device (weights, activations, gradients)."""
+        seen: set[int] = set()
+        total = 0
+        pools: list[Any] = [w for _, w in self.weights.values()] + list(self.grads.values())
+        tensors = [t for pool in pools for t in pool.values()] + list(self.x.values()) + list(self.dx.values())
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+        return total
+
+    def leftovers(self) -> list[str]:
+        """What is still held at the end of a step that should not be (for checks)."""
+        out = [f"x{k}" for k in self.x] + [f"dx{k}" for k in self.dx] + [f"graph{k}" for k in self.graphs]
+        out += [f"grads{k}" for k in self.grads] + [f"parked{k}" for k in self.parked]
+        return out

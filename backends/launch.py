@@ -1,0 +1,117 @@
+"""Starting the ranks: N processes spawned here (free local port), or those `torchrun` started, or threads.
+
+`launch` picks: under `torchrun` (RANK / WORLD_SIZE / LOCAL_RANK in the environment) this process
+is one rank; otherwise one CPU rank runs in this process, and more ranks (or any CUDA rank) are
+spawned with `torch.multiprocessing` (gloo on CPU, NCCL on CUDA), meeting through a file store in
+a fresh temporary directory. A rank that fails brings the
+others down (spawn terminates them) and its error comes back as one line. Rank 0 gathers every
+rank's `RankResult`; `launch` returns them on rank 0 and None on the other torchrun ranks.
+
+`run_threads` runs the ranks as threads of this process with in-process transfers: for tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinypipe.errors import TinypipeError
+
+from .comm import LocalComm
+from .worker import Job, LocalGroup, RankResult, process_main, train_rank
+
+
+class WorkerError(TinypipeError):
+    """A rank failed; the message is that rank's error in one line."""
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return None
+
+
+def _one_line(trace: str) -> str:
+    lines = [x.strip() for x in trace.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else "unknown error"
+
+
+def launch(job: Job, world: int) -> list[RankResult] | None:
+    """Run `job` on `world` ranks; rank 0 gets every rank's result (other torchrun ranks: None)."""
+    env = torchrun_env()
+    if env is not None:
+        rank, env_world, local_rank = env
+        if env_world != world:
+            raise WorkerError(f"torchrun started {env_world} processes but the schedule is for {world} ranks "
+                              f"(--nproc-per-node must equal --gpus)")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(Path(tmp) / "results.pt") if rank == 0 else None
+            process_main(local_rank, job, world, "env://", path, env_rank=rank)
+            return torch.load(path, weights_only=False) if path else None  # type: ignore[no-any-return]
+    if world == 1 and job.backend == "cpu":
+        from .worker import LocalGroup
+
+        return [_run_here(job, LocalGroup(1))]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "results.pt")
+        # a file store in a fresh directory: unlike a "free" TCP port picked here, nothing else can
+        # take it between the pick and rank 0's bind (gloo and NCCL choose their own ports)
+        init = f"file://{Path(tmp) / 'store'}"
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers checkpoint and stop themselves
+        try:
+            torch.multiprocessing.spawn(process_main, args=(job, world, init, path), nprocs=world, join=True)
+        except torch.multiprocessing.ProcessRaisedException as exc:
+            raise WorkerError(f"rank {exc.error_index} failed: {_one_line(str(exc))}") from None
+        except torch.multiprocessing.ProcessExitedException as exc:
+            raise WorkerError(f"rank {exc.error_index} died (exit code {exc.exit_code}); the other ranks were "
+                              "stopped") from None
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return torch.load(path, weights_only=False)  # type: ignore[no-any-return]
+
+
+def _run_here(job: Job, group: LocalGroup) -> RankResult:
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    try:
+        if job.threads:
+            torch.set_num_threads(job.threads)
+        return train_rank(job, 0, 1, None, group.view(0), stop=stop)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_threads(job: Job, world: int) -> list[RankResult]:
+    """All ranks as threads of this process (tests): in-process transfers, same `train_rank`."""
+    from .hf import build_model
+
+    build_model(job.model, seed=job.seed, only=set())  # imports transformers' lazy modules once, not racing
+    comm = LocalComm(world)
+    group = LocalGroup(world)
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = train_rank(job, rank, world, comm.for_rank(rank) if world > 1 else None,
+                                       group.view(rank))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(exc)
+            group._barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise first
+    return results

@@ -1,0 +1,204 @@
+"""A causal LM as the pipeline's layer sequence: embed, decoder blocks, norm + head + loss.
+
+The modules here wrap Hugging Face's own modules (`embed_tokens`, one decoder layer, `norm` and
+`lm_head`) so that each pipeline layer is called on its own: a block builds its positions (0..s-1),
+rotary embeddings and causal mask itself. `hf.build_model` makes a `LayerStack` of them; the few
+lines that differ between transformers versions are in `_call_decoder_layer` and `hf.make_rotary`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinypipe.model import ModelSpec
+
+IGNORE_INDEX = -100  # labels with this value carry no loss (torch's and Hugging Face's convention)
+
+# attention implementations whose kernels apply causality themselves when given no mask
+_CAUSAL_KERNELS = ("sdpa", "flash_attention_2", "flash_attention_3")
+_FLASH = ("flash_attention_2", "flash_attention_3")  # these also apply the sliding window themselves
+
+
+class Embed(nn.Module):
+    """Layer 0: token ids [b, s] -> hidden states [b, s, h]."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class Block(nn.Module):
+    """One decoder layer: hidden [b, s, h] -> hidden, at positions 0..s-1 under a causal mask.
+
+    The rotary module is kept outside the module tree (one copy per device, made on first use), so
+    `.to(device)`, `.to(dtype)` and `state_dict()` see only the decoder layer's parameters and the
+    inverse frequencies stay fp32 whatever the compute dtype.
+    """
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module | None, *, attn_implementation: str,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attn_implementation = attn_implementation
+        self.sliding_window = sliding_window
+        self._rotary: dict[torch.device, nn.Module | None] = {torch.device("cpu"): rotary}
+
+    def rotary_on(self, device: torch.device) -> nn.Module | None:
+        """The rotary-embedding module on `device` (a copy of the CPU one; None if the layer has its own)."""
+        if device not in self._rotary:
+            cpu = self._rotary[torch.device("cpu")]
+            self._rotary[device] = None if cpu is None else copy.deepcopy(cpu).to(device)
+        return self._rotary[device]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        seq_len = hidden.shape[1]
+        position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+        rotary = self.rotary_on(hidden.device)
+        position_embeddings = None if rotary is None else rotary(hidden, position_ids)
+        mask = attention_mask(seq_len, device=hidden.device, dtype=hidden.dtype,
+                              attn_implementation=self.attn_implementation,
+                              sliding_window=self.sliding_window)
+        return _call_decoder_layer(self.layer, hidden, mask, position_ids, position_embeddings)
+
+
+class Head(nn.Module):
+    """The last layer: final norm, LM head and the summed token cross-entropy divided by `denom`."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [b, s, vocab] in the compute dtype."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, denom: float) -> torch.Tensor:
+        """Sum of cross-entropies (fp32) over labels != -100, divided by `denom`.
+
+        `labels` are already shifted (position t predicts labels[t]); `denom` is the number of loss
+        tokens in the whole optimizer step, so the heads' outputs summed over microbatches are the
+        step's mean loss, as in Hugging Face's loss with `num_items_in_batch`.
+        """
+        logits = self.logits(hidden).float()
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / denom
+
+
+def attention_mask(seq_len: int, *, device: torch.device, dtype: torch.dtype, attn_implementation: str,
+                   sliding_window: int | None) -> torch.Tensor | None:
+    """The mask a decoder layer gets for positions 0..seq_len-1 with no padding.
+
+    None where the kernel is causal by itself (sdpa, flash: this keeps SDPA on its flash kernel);
+    otherwise [1, 1, s, s]: boolean (True = attend) for sdpa with a sliding window, additive
+    (0 or the dtype's minimum) for eager attention, as transformers' own mask builders make them.
+    """
+    windowed = sliding_window is not None and sliding_window < seq_len
+    if attn_implementation in _FLASH or (attn_implementation in _CAUSAL_KERNELS and not windowed):
+        return None
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    allowed = k <= q
+    if sliding_window is not None and windowed:
+        allowed &= k > q - sliding_window
+    allowed = allowed[None, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return additive.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _call_decoder_layer(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
+                        position_ids: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
+    """Call a Hugging Face decoder layer the way its model's forward does, in any transformers >= 4.45.
+
+    transformers 5.x takes `position_embeddings` and returns a tensor; 4.4x returns a tuple whose
+    first item is the hidden state, and its Mistral/Qwen2 layers compute rotary from `position_ids`
+    (which is why both are passed: each version ignores what it does not use).
+    """
+    kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids}
+    if position_embeddings is not None:
+        kwargs["position_embeddings"] = position_embeddings
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@dataclass
+class LayerStack:
+    """A model split into its layer sequence, index-aligned with `spec.layers`.
+
+    `layers[0]` is an `Embed`, `layers[1..L]` are `Block`s, `layers[L+1]` the `Head`; a layer this
+    process does not own is None. `config` is the Hugging Face config; `source_dir` the local model
+    directory the weights (and tokenizer files) came from, if any.
+    """
+
+    layers: list[nn.Module | None]
+    config: Any
+    spec: ModelSpec
+    names: list[dict[str, str]]  # per layer: parameter name in the layer -> Hugging Face state-dict name
+    source_dir: Path | None = None
+
+    def hf_names(self, i: int) -> dict[str, str]:
+        """Layer i's parameter names (as in `layers[i].named_parameters()`) -> Hugging Face names."""
+        return dict(self.names[i])
+
+    def owned(self) -> list[int]:
+        """Indices of the layers materialised in this process."""
+        return [i for i, layer in enumerate(self.layers) if layer is not None]
+
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The owned layers' parameters, {layer index: {name in layer: tensor}} (detached, not copied)."""
+        return {i: {n: p.detach() for n, p in layer.named_parameters()}
+                for i, layer in enumerate(self.layers) if layer is not None}
+
+    def load_state(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Copy `state` (as `state()` returns it) into the owned layers."""
+        for i, tensors in state.items():
+            layer = self._layer(i)
+            params = dict(layer.named_parameters())
+            with torch.no_grad():
+                for name, value in tensors.items():
+                    params[name].copy_(value)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of the whole model (every layer must be owned): [b, s] -> [b, s, vocab]."""
+        hidden = self._layer(0)(input_ids)
+        for i in range(1, len(self.layers) - 1):
+            hidden = self._layer(i)(hidden)
+        head = self._layer(len(self.layers) - 1)
+        assert isinstance(head, Head)
+        return head.logits(hidden)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, denom: float) -> torch.Tensor:
+        """The composed forward: embed, every block, head (every layer must be owned)."""
+        hidden = self._layer(0)(input_ids)
+        for i in range(1, len(self.layers) - 1):
+            hidden = self._layer(i)(hidden)
+        return self._layer(len(self.layers) - 1)(hidden, labels, denom)
+
+    def _layer(self, i: int) -> nn.Module:
+        layer = self.layers[i]
+        if layer is None:
+            raise ValueError(f"layer {i} ({self.spec.layers[i].name}) is not materialised in this process")
+        return layer
+
+
+def __getattr__(name: str) -> Callable[..., Any]:
+    """`build_model` and `save_pretrained` live in `hf.py` (which imports this module); found here too."""
+    if name in ("build_model", "save_pretrained"):
+        from tinypipe.backends import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,220 @@
+"""What a run needs before any worker starts: its inputs checked, the machine it runs on, the schedule.
+
+Every user mistake found here is an `InputError` (one line, exit code 2) raised before a process is
+spawned: a model that cannot be found or trained, a data file that is not JSONL, a policy that
+does not fit the model or the devices (the compiler's checks, then the simulator's memory ledgers
+at the devices' capacities), more devices than exist, batch sizes that do not divide.
+
+The schedule is compiled for a `Hardware` describing where the run happens. On CUDA that is the
+shipped preset of the GPU model when one matches, else a description of the local GPUs; on the
+CPU backend, N worker processes stand in for GPUs and `cpu_hardware` describes them with rates
+measured in a fraction of a second (GEMM rate, copy bandwidth, AdamW rate): the simulator's
+prediction printed beside the measurement is made with it and an analytic trace.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tinypipe.sim import SimResult, simulate
+
+from tinypipe.compile import compile_schedule
+from tinypipe.errors import InputError
+from tinypipe.hardware import GPU, Hardware, Host, Link, load_hardware, shipped_hardware
+from tinypipe.model import ModelSpec
+from tinypipe.policy import Policy, load_policy
+from tinypipe.schedule import Schedule
+from tinypipe.trace import ProfileTrace, trace_for
+
+from .hoststate import AdamWConfig
+from .worker import Job
+
+MAX_CPU_WORKERS_PER_CORE = 4  # more CPU workers than this per core is a mistake, not a test
+COMPILED_ITERATIONS = 4  # iterations per window (see worker.py): overlap between them is kept
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A checked run: the job the workers execute and what the summary compares it with."""
+
+    job: Job
+    world: int
+    policy: Policy
+    spec: ModelSpec
+    hardware: Hardware
+    trace: ProfileTrace
+    schedule: Schedule
+    prediction: SimResult  # the simulator's run of `schedule` on `hardware`
+    batch_tokens: int
+    addition_task: bool  # the data is the embedded addition task (accuracy is measured)
+
+
+def _rate(fn: Any, work: float, repeat: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return work / max(best, 1e-9)
+
+
+def cpu_hardware(workers: int, *, threads: int) -> Hardware:
+    """N CPU worker processes as stand-in GPUs, with rates measured here on `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(256, 256)
+        flops = _rate(lambda: [a @ a for _ in range(8)], 8 * 2 * 256**3)
+        src, dst = torch.empty(8 << 20, dtype=torch.uint8), torch.empty(8 << 20, dtype=torch.uint8)
+        gbps = _rate(lambda: dst.copy_(src), src.numel()) / 1e9
+        p = torch.zeros(1 << 18, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW([p], fused=True)
+        adam = _rate(opt.step, p.numel())
+    finally:
+        torch.set_num_threads(before)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cores = os.cpu_count() or 1
+    return Hardware(
+        name=f"cpu-x{workers}", provenance="measured",
+        source=f"this host's CPU as {workers} worker processes ({threads} thread(s) each): {flops / 1e9:.1f} GFLOP/s "
+               f"(fp32 GEMM 256^3), {gbps:.1f} GB/s copies, {adam / 1e6:.0f} M params/s fused AdamW, measured "
+               f"at start-up; all workers share the host's memory",
+        host=Host(memory_bytes=mem, dma_gbps=gbps, cpu_cores=cores, adam_params_per_s=adam),
+        gpus=tuple(GPU(f"gpu{i}", "CPU", mem, flops, gbps) for i in range(workers)), switches=("rc0",),
+        links=(Link("host", "rc0", "mem", gbps, 0.0),)
+        + tuple(Link("rc0", f"gpu{i}", "pcie", gbps, 2e-6) for i in range(workers)))
+
+
+def cuda_hardware(gpus: int, name: str | None) -> Hardware:
+    """`name` (a preset or file), else the shipped preset of the local GPU model with enough GPUs."""
+    if not torch.cuda.is_available():
+        raise InputError("--backend cuda: no CUDA device is available (torch.cuda.is_available() is false); "
+                         "use --backend cpu")
+    have = torch.cuda.device_count()
+    if gpus > have:
+        raise InputError(f"--gpus {gpus}: only {have} CUDA device{'s' if have != 1 else ''} here")
+    hw: Hardware | None = None
+    if name is not None:
+        hw = load_hardware(name)
+    else:
+        model = torch.cuda.get_device_name(0)
+        for preset in shipped_hardware():
+            cand = load_hardware(preset)
+            if cand.gpus[0].model.casefold() in model.casefold() and len(cand.gpus) >= gpus:
+                if hw is None or len(cand.gpus) < len(hw.gpus):
+                    hw = cand
+        if hw is None:
+            raise InputError(f"no shipped hardware preset describes {model!r}; give --hardware NAME|FILE "
+                             f"(presets: {', '.join(shipped_hardware())})")
+    if len(hw.gpus) < gpus:
+        raise InputError(f"--gpus {gpus}: hardware {hw.name} has only {len(hw.gpus)} GPUs")
+    return hw
+
+
+def _check_model(name: str) -> ModelSpec:
+    from .hf import load_source
+
+    source = load_source(name)
+    d = source.directory
+    if d is not None and Path(name).is_dir() and not source.has_weights:
+        raise InputError(f"{d}: no model weights (model.safetensors or model.safetensors.index.json); "
+                         "give a model directory with safetensors, or a config.json / shipped name to train "
+                         "from a seeded random initialisation")
+    return source.spec
+
+
+def make_plan(args: Any) -> RunPlan:
+    """Check the `tinypipe run` options and compile the schedule; InputError on any mistake."""
+    from .data import ADDITION, read_examples
+
+    for flag, v in (("--gpus", args.gpus), ("--steps", args.steps), ("--seq-len", args.seq_len),
+                    ("--batch-tokens", args.batch_tokens)):
+        if v < 1:
+            raise InputError(f"{flag}: must be >= 1, got {v}")
+    if args.checkpoint_every < 0:
+        raise InputError(f"--checkpoint-every: must be >= 0, got {args.checkpoint_every}")
+    if args.backend == "cpu" and args.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
+        raise InputError(f"--gpus {args.gpus}: too many CPU workers for {os.cpu_count()} cores "
+                         f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
+    spec = _check_model(args.model)
+    if args.seq_len > spec.max_seq_len:
+        raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
+    addition = args.data is None or (args.data == ADDITION and not Path(ADDITION).exists())
+    if not addition:
+        read_examples(args.data)
+    policy = _policy(args)
+    tokens_per_mb = policy.microbatch_size * args.seq_len
+    if args.batch_tokens % tokens_per_mb:
+        raise InputError(f"--batch-tokens {args.batch_tokens}: not a multiple of the microbatch "
+                         f"({policy.microbatch_size} sequences x {args.seq_len} tokens = {tokens_per_mb})")
+    policy = policy.replace(microbatches=args.batch_tokens // tokens_per_mb)
+    threads = max(1, (os.cpu_count() or 1) // args.gpus)
+    if args.backend == "cuda":
+        hardware = cuda_hardware(args.gpus, args.hardware)
+        dtype = args.dtype or "bf16"
+    else:
+        hardware = cpu_hardware(args.gpus, threads=threads)
+        dtype = args.dtype or "fp32"
+    if len(hardware.gpus) > args.gpus:
+        hardware = _first_gpus(hardware, args.gpus)
+    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype)
+    iterations = min(COMPILED_ITERATIONS, args.steps)
+    schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
+    prediction = simulate(schedule, spec, hardware, trace, on_capacity="record")
+    if not prediction.fits:
+        raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}: "
+                         f"{prediction.violation}")
+    used = sorted(set(schedule.pack_gpu))
+    if used != list(range(args.gpus)):
+        raise InputError(f"policy {policy.name!r} puts packs on GPUs {used}, but the run has --gpus {args.gpus}: "
+                         "every GPU needs at least one pack")
+    out = args.out or str(Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
+    if args.resume:
+        from . import checkpoint
+
+        if checkpoint.find(out) is None:
+            raise InputError(f"--resume: no checkpoint under {out}")
+    identity = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": args.seq_len,
+                "batch_tokens": args.batch_tokens, "gpus": args.gpus, "policy": policy.to_json(),
+                "lr": args.lr, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
+                "dtype": dtype}
+    job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
+              microbatch_size=policy.microbatch_size, data=None if addition else args.data, seed=args.seed,
+              optim=AdamWConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps,  # type: ignore[arg-type]
+                                weight_decay=args.weight_decay),
+              staleness=1 if policy.optimizer == "async" else 0, backend=args.backend, out=out,
+              checkpoint_every=args.checkpoint_every, resume=args.resume,
+              threads=threads if args.backend == "cpu" else 0, identity=identity)
+    return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
+                   schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition)
+
+
+def _policy(args: Any) -> Policy:
+    """--policy (default: the embedded job's preset and microbatch size), --microbatch-size over it."""
+    from .run import DEFAULTS
+
+    policy = load_policy(args.policy or str(DEFAULTS["policy"]))
+    size = args.microbatch_size
+    if size is None and not args.policy:
+        size = DEFAULTS["microbatch_size"]
+    if size is not None:
+        if size < 1:
+            raise InputError(f"--microbatch-size: must be >= 1, got {size}")
+        policy = policy.replace(microbatch_size=size)
+    return policy
+
+
+def _first_gpus(hw: Hardware, n: int) -> Hardware:
+    """`hw` restricted to its first n GPUs (links to the others dropped)."""
+    keep = {f"gpu{i}" for i in range(n)}
+    links = tuple(x for x in hw.links if not (x.a.startswith("gpu") and x.a not in keep)
+                  and not (x.b.startswith("gpu") and x.b not in keep))
+    return Hardware(name=f"{hw.name}[:{n}]", provenance=hw.provenance, source=hw.source, host=hw.host,
+                    gpus=hw.gpus[:n], switches=hw.switches, links=links, gpu_p2p=hw.gpu_p2p)

@@ -1,0 +1,130 @@
+"""Plain single-process training of a LayerStack: what the pipeline's losses and weights must equal.
+
+Same layers and initialisation (`hf.build_model`), same loss normalisation (the head divides by the
+step's loss-token count), same optimizer (`layer_adamw`: one AdamW per layer, which is the same
+mathematics as one AdamW over all parameters), same data (`data.Batches`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .hf import build_model
+from .layers import IGNORE_INDEX, LayerStack
+
+Step = Sequence[tuple[torch.Tensor, torch.Tensor]]  # one optimizer step: (input_ids, labels) per microbatch
+
+
+def layer_adamw(params: Iterable[nn.Parameter], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                eps: float = 1e-8, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """The optimizer of one layer's parameters: torch's AdamW, fused when they are all on the CPU
+    in fp32 (DESIGN §5: the CPU optimizer is PyTorch's fused AdamW, per layer)."""
+    params = list(params)
+    fused = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             fused=fused or None)
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """Per-step losses (the mean token loss of each step) and the final weights, as
+    {layer index: {parameter name in layer: tensor}} (`LayerStack.state()`'s form, cloned)."""
+
+    losses: list[float]
+    state: dict[int, dict[str, torch.Tensor]]
+
+
+def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: int, lr: float,
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                    weight_decay: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    async_staleness: int = 0) -> ReferenceResult:
+    """Train `model` (a LayerStack holding every layer, or a name built with `seed`) for `steps`.
+
+    Step t takes the next item of `batches` (a list of (input_ids, labels) microbatches), runs each
+    microbatch's forward and backward through every layer, and divides every microbatch's summed
+    token loss by the step's number of labels != -100; its loss is the sum over microbatches.
+    The stack's parameters are the fp32 masters; with `dtype` other than fp32, forward and backward
+    run on a copy of the layers cast to `dtype`, refreshed from the masters after each update, and
+    each microbatch's gradients are cast to fp32 and summed. The stack is trained in place.
+
+    `async_staleness=0`: after step t's backward, every layer's AdamW applies step t's gradient,
+    so step t computes with the weights after the updates of steps <= t-1.
+    `async_staleness=1`: the gradient of step t is applied after step t+1's forward and backward,
+    so step t computes with the weights after the updates of steps <= t-2 (steps 0 and 1 both use
+    the initial weights); after the last step its pending gradient is applied too, so the final
+    weights hold all `steps` updates, each applied to the weights one update newer than those it
+    was computed on.
+    """
+    if async_staleness not in (0, 1):
+        raise ValueError(f"async_staleness must be 0 or 1, got {async_staleness}")
+    stack = build_model(model, seed=seed) if isinstance(model, str) else model
+    masters = [_layer(stack, i) for i in range(len(stack.layers))]
+    optimizers = [layer_adamw(m.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                  for m in masters]
+    workers = masters if dtype == torch.float32 else [copy.deepcopy(m).to(dtype) for m in masters]
+    losses: list[float] = []
+    pending: list[list[torch.Tensor]] | None = None
+    data = iter(batches)
+    for _ in range(steps):
+        step = next(data)
+        loss, grads = _forward_backward(workers, step)
+        losses.append(loss)
+        if async_staleness == 0:
+            _apply(masters, optimizers, grads, workers)
+        else:
+            if pending is not None:
+                _apply(masters, optimizers, pending, workers)
+            pending = grads
+    if pending is not None:
+        _apply(masters, optimizers, pending, workers)
+    state = {i: {n: p.detach().clone() for n, p in m.named_parameters()} for i, m in enumerate(masters)}
+    return ReferenceResult(losses=losses, state=state)
+
+
+def _layer(stack: LayerStack, i: int) -> nn.Module:
+    layer = stack.layers[i]
+    if layer is None:
+        raise ValueError(f"reference_train needs every layer; layer {i} is not materialised")
+    return layer
+
+
+def _forward_backward(workers: list[nn.Module], step: Step) -> tuple[float, list[list[torch.Tensor]]]:
+    """One step's loss and fp32 gradients (per layer, in `parameters()` order), summed over microbatches."""
+    denom = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in step)
+    if denom == 0:
+        raise ValueError("a step without any loss token (every label is -100)")
+    grads = [[torch.zeros(p.shape, dtype=torch.float32) for p in w.parameters()] for w in workers]
+    total = 0.0
+    for input_ids, labels in step:
+        for w in workers:
+            w.zero_grad(set_to_none=True)
+        hidden = workers[0](input_ids)
+        for w in workers[1:-1]:
+            hidden = w(hidden)
+        loss = workers[-1](hidden, labels, denom)
+        loss.backward()
+        total += float(loss.detach())
+        for acc, w in zip(grads, workers):
+            for g, p in zip(acc, w.parameters()):
+                if p.grad is not None:
+                    g += p.grad.float()
+    return total, grads
+
+
+def _apply(masters: list[nn.Module], optimizers: list[torch.optim.AdamW], grads: list[list[torch.Tensor]],
+           workers: list[nn.Module]) -> None:
+    """One AdamW update per layer with `grads`, then refresh the low-precision working copies."""
+    for master, opt, acc, worker in zip(masters, optimizers, grads, workers):
+        for p, g in zip(master.parameters(), acc):
+            p.grad = g.to(p.dtype)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if worker is not master:
+            with torch.no_grad():
+                for w, p in zip(worker.parameters(), master.parameters()):
+                    w.copy_(p)

@@ -1,0 +1,186 @@
+"""`tinypipe run`: train a model through the compiled schedule, then summarise measurement and prediction.
+
+With no arguments it runs the embedded job: the tiny byte-level Llama (`tiny-llama`) learning
+multi-digit addition generated from the seed, on 2 CPU worker processes, in about a minute. The
+summary shows the loss curve, held-out addition accuracy before and after (for the embedded
+task), tokens/s, peak device and host memory with bytes per parameter, and the simulator's
+prediction for the same schedule beside each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+from typing import Any
+
+if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
+    raise ImportError("torch is not installed")
+
+# The embedded job (plain `tinypipe run`): loss falls and held-out addition accuracy rises within
+# about a minute on 2 CPU cores. Measured 2026-11-30 on the 2-core dev box, single process: 1,000
+# steps of 512 tokens at lr 3e-3 reach ~34% accuracy (800: ~20%; lr 1e-2 diverges; 2,048-token
+# steps learn slower per token); the 2-worker pipeline runs ~8,400 tokens/s with 4 sequences
+# per microbatch and ~5,200 with the preset's 1, hence the microbatch size of the default job.
+DEFAULTS = {
+    "model": "tiny-llama", "policy": "tinypipe", "microbatch_size": 4, "gpus": 2, "steps": 800, "seq_len": 64,
+    "batch_tokens": 512, "lr": 3e-3, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
+}
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Register `tinypipe run`'s options on `p` (the CLI's subparser)."""
+    d = DEFAULTS
+    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: worker processes stand in for GPUs (gloo); cuda: one process per GPU (NCCL)")
+    p.add_argument("--gpus", type=int, default=d["gpus"], help=f"devices = worker processes (default {d['gpus']})")
+    p.add_argument("--model", default=d["model"], help="shipped model name, config.json, or a local model "
+                   f"directory with safetensors (default {d['model']})")
+    p.add_argument("--data", default=None, help="JSONL (text, or prompt/completion) or plain-text file "
+                   "(default: the embedded synthetic addition task)")
+    p.add_argument("--policy", default=None, help=f"preset name or policy JSON (default {d['policy']}, with "
+                   f"{d['microbatch_size']} sequences per microbatch)")
+    p.add_argument("--microbatch-size", type=int, default=None, metavar="N",
+                   help="sequences per microbatch (default: the policy's)")
+    p.add_argument("--hardware", default=None, help="CUDA only: hardware preset or JSON the schedule is "
+                   "compiled for (default: the preset of the local GPU model)")
+    p.add_argument("--steps", type=int, default=d["steps"], help=f"optimizer steps (default {d['steps']})")
+    p.add_argument("--seq-len", type=int, default=d["seq_len"], help=f"tokens per sequence (default {d['seq_len']})")
+    p.add_argument("--batch-tokens", type=int, default=d["batch_tokens"],
+                   help="tokens per optimizer step, all microbatches together; microbatches = batch-tokens / "
+                        f"(policy microbatch_size x seq-len) (default {d['batch_tokens']})")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="compute dtype (default: fp32 on cpu, bf16 on cuda); masters are always fp32")
+    p.add_argument("--lr", type=float, default=d["lr"], help=f"AdamW learning rate (default {d['lr']})")
+    p.add_argument("--betas", type=float, nargs=2, default=d["betas"], metavar=("B1", "B2"))
+    p.add_argument("--eps", type=float, default=d["eps"])
+    p.add_argument("--weight-decay", type=float, default=d["weight_decay"])
+    p.add_argument("--seed", type=int, default=d["seed"], help="initialisation and data seed")
+    p.add_argument("--out", default=None, help="output directory: the fine-tuned model and checkpoints "
+                   "(default runs/run-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps (0: only on Ctrl-C)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of all ranks")
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """The `tinypipe run` command; returns the exit code (user mistakes raise InputError)."""
+    from .launch import launch, torchrun_env
+    from .plan import make_plan
+
+    plan = make_plan(args)
+    env = torchrun_env()
+    lead = env is None or env[0] == 0
+    if lead:
+        print(_header(plan), file=sys.stderr)
+    before = _accuracy(plan.job.model, plan.job.seed) if lead and plan.addition_task and not plan.job.resume else None
+    results = launch(plan.job, plan.world)
+    if results is None:  # a torchrun rank other than 0
+        return 0
+    interrupted = any(r.interrupted for r in results)
+    after = None
+    if plan.addition_task and not interrupted and plan.job.out:
+        after = _accuracy(plan.job.out, plan.job.seed)
+    if args.trace:
+        timeline(plan, results).save_chrome_trace(args.trace)
+    print(summary(plan, results, before, after, trace_path=args.trace))
+    return 130 if interrupted else 0
+
+
+def _header(plan: Any) -> str:
+    p, s = plan.policy, plan.schedule
+    return (f"tinypipe run: {plan.spec.name} ({plan.spec.params:,} params), policy {p.name} "
+            f"({p.swap} swap, {p.host_memory} host memory, {p.optimizer} optimizer), {plan.world} "
+            f"{plan.job.backend} worker(s), {len(s.pack_layers)} packs on GPUs {list(s.pack_gpu)}, "
+            f"{plan.job.steps} steps x {plan.batch_tokens} tokens ({s.microbatches} microbatches)")
+
+
+def _accuracy(model: str, seed: int) -> float:
+    """Held-out addition accuracy of a whole model (a shipped name or a saved directory)."""
+    import torch
+
+    from .data import AdditionTask, task_accuracy
+    from .hf import build_model
+
+    stack = build_model(model, seed=seed)
+    with torch.no_grad():
+        return task_accuracy(stack.logits, task=AdditionTask(seed=seed))
+
+
+def timeline(plan: Any, results: list[Any]) -> Any:
+    """All ranks' records and device-memory samples as one Timeline (source cpu or cuda)."""
+    from tinypipe.timeline import Timeline
+
+    records = tuple(r for res in results for r in res.records)
+    memory = {f"g{res.rank}": tuple(res.memory) for res in results}
+    return Timeline(records, memory, source=plan.job.backend,
+                    meta={"model": plan.spec.name, "policy": plan.policy.name, "hardware": plan.hardware.name})
+
+
+def sparkline(values: list[float], width: int = 48) -> str:
+    """A compact text curve: `values` binned to `width` columns, min..max mapped to ▁..█."""
+    if not values:
+        return ""
+    step = max(1, -(-len(values) // width))
+    bins = [statistics.fmean(values[i:i + step]) for i in range(0, len(values), step)]
+    lo, hi = min(bins), max(bins)
+    span = hi - lo or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1) + 0.5))] for v in bins)
+
+
+def _pct(v: float | None) -> str:
+    return "?" if v is None else f"{100 * v:.1f}%"
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def summary(plan: Any, results: list[Any], before: float | None, after: float | None, *,
+            trace_path: str | None = None) -> str:
+    """The end-of-run report for people."""
+    from tinypipe.hostmem import host_bytes
+
+    losses: dict[int, float] = {}
+    for r in results:
+        losses.update(r.losses)
+    curve = [losses[k] for k in sorted(losses)]
+    tl = timeline(plan, results)
+    iteration_s = tl.steady_iteration_s()
+    tokens = plan.batch_tokens
+    measured_tps = tokens / iteration_s if iteration_s > 0 else 0.0
+    wall = max(r.wall_s for r in results)
+    steps_run = max(r.steps_run for r in results)
+    sim = plan.prediction
+    lines = []
+    if curve:
+        first, last = curve[0], curve[-1]
+        lines.append(f"loss      {first:.4f} {sparkline(curve)} {last:.4f}   "
+                     f"(steps {min(losses) + 1}..{max(losses) + 1})")
+    if before is not None or after is not None:
+        lines.append(f"accuracy  held-out addition: {_pct(before)} before -> {_pct(after)} after")
+    lines.append(f"speed     {measured_tps:,.0f} tokens/s measured (steady step {iteration_s * 1e3:.1f} ms; "
+                 f"{tokens * steps_run / max(wall, 1e-9):,.0f} tokens/s over {steps_run} steps in {wall:.1f} s)")
+    lines.append(f"          {sim.tokens_per_s:,.0f} tokens/s predicted by the simulator "
+                 f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, "
+                 f"{'analytic' if plan.trace.analytic else 'measured'} trace)")
+    dev = ", ".join(f"g{r.rank} {_mib(r.peak_device_bytes)}" for r in sorted(results, key=lambda r: r.rank))
+    pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != "host")
+    lines.append(f"device    peak {dev} measured; {pred} predicted")
+    held = sum(r.held["total_bytes"] for r in results)
+    formula = host_bytes(plan.spec, plan.schedule.host_memory, compute_dtype=plan.schedule.compute_dtype)
+    rss = sum(r.peak_rss_bytes for r in results)
+    lines.append(f"host      state {_mib(held)} = {held / plan.spec.params:.2f} B/param measured "
+                 f"({plan.schedule.host_memory}; formula {formula.bytes_per_param:.2f} B/param); "
+                 f"predicted peak {_mib(sim.peak_host_bytes)}; peak RSS of the workers {_mib(rss)}")
+    if trace_path:
+        lines.append(f"trace     {trace_path} (open in Perfetto)")
+    if any(r.interrupted for r in results):
+        lines.append(f"stopped   after step {steps_run + min(r.start_step for r in results)}; checkpoint in "
+                     f"{plan.job.out}; continue with --resume --out {plan.job.out}")
+    elif plan.job.out:
+        lines.append(f"saved     {plan.job.out} (AutoModelForCausalLM.from_pretrained loads it)")
+    return "\n".join(lines)

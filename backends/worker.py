@@ -1,0 +1,309 @@
+"""One rank's life: build its layers and host state, run the schedule step after step, checkpoint, save.
+
+`train_rank` is the whole life given a communicator and a control group, so the same code runs in
+a process of its own (`process_main`, under `tinypipe run` or `torchrun`) and, for tests, as a
+thread (`launch.run_threads`). Step k runs the schedule's iteration min(k, K-1) as a template,
+with the actions' steps shifted to k: iterations repeat, and the last compiled one is the steady
+state. `window="schedule"` instead runs all K compiled iterations as one window (steps == K), so
+the executed per-resource order can be compared with the schedule's whole lists.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from tinypipe.schedule import Schedule
+from tinypipe.timeline import Record
+
+from . import checkpoint
+from .comm import Comm, DistComm
+from .executor import Ledger, RunLog, run_actions
+from .hoststate import DTYPES, AdamWConfig, HostState
+from .interpreter import ExecutionError, Interpreter, StepData, owned_layers, rank_actions
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs to train (picklable: it travels to spawned processes)."""
+
+    model: str
+    schedule: Schedule
+    steps: int
+    seq_len: int
+    microbatch_size: int
+    data: str | None = None
+    seed: int = 0
+    optim: AdamWConfig = AdamWConfig()
+    staleness: int = 0
+    backend: str = "cpu"
+    out: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    threads: int = 0  # torch intra-op threads per rank (0: torch's default)
+    progress: bool = True
+    save_model: bool = True
+    keep_masters: bool = False  # return the final fp32 masters in the result (tests)
+    stop_after: int | None = None  # behave as if interrupted after this many steps (tests)
+    identity: dict[str, Any] = field(default_factory=dict)  # what a checkpoint must match on --resume
+    timeout_s: float = 600.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.schedule.microbatches * self.microbatch_size * self.seq_len
+
+
+@dataclass
+class RankResult:
+    """What one rank reports at the end (gathered to rank 0)."""
+
+    rank: int
+    layers: list[int]
+    losses: dict[int, float]
+    records: list[Record]
+    order: dict[str, list[int]]
+    memory: list[tuple[float, int]]
+    ledger_peak: dict[str, int]
+    ledger_problems: list[str]
+    held: dict[str, Any]  # HeldBytes.to_json()
+    peak_device_bytes: int
+    peak_rss_bytes: int
+    start_step: int
+    steps_run: int
+    wall_s: float
+    interrupted: bool = False
+    masters: dict[int, dict[str, torch.Tensor]] | None = None
+
+
+class Group(Protocol):
+    """Control-plane collectives among ranks (not on the data path)."""
+
+    def barrier(self) -> None: ...
+
+    def any_true(self, flag: bool) -> bool: ...
+
+    def gather(self, obj: Any) -> list[Any] | None: ...
+
+
+class DistGroup:
+    """Control collectives over a gloo group (also under NCCL, which needs CUDA tensors)."""
+
+    def __init__(self, rank: int, world: int, backend: str) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.rank, self.world = dist, rank, world
+        self.group = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.group)
+
+    def any_true(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0])
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self.dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+
+class LocalGroup:
+    """Control collectives among threads of one process (`launch.run_threads`)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._barrier = threading.Barrier(world)
+        self._slots: list[Any] = [None] * world
+
+    def view(self, rank: int) -> _LocalView:
+        return _LocalView(self, rank)
+
+
+class _LocalView:
+    def __init__(self, g: LocalGroup, rank: int) -> None:
+        self.g, self.rank = g, rank
+
+    def barrier(self) -> None:
+        self.g._barrier.wait()
+
+    def _exchange(self, obj: Any) -> list[Any]:
+        self.g._slots[self.rank] = obj
+        self.barrier()
+        out = list(self.g._slots)
+        self.barrier()
+        return out
+
+    def any_true(self, flag: bool) -> bool:
+        return any(self._exchange(flag))
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out = self._exchange(obj)
+        return out if self.rank == 0 else None
+
+
+def step_data(batches: Any, step: int) -> StepData:
+    from .layers import IGNORE_INDEX
+
+    mbs = batches.step(step)
+    denom = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in mbs)
+    if denom == 0:
+        raise ExecutionError(f"step {step}: no token carries loss (every label is {IGNORE_INDEX})")
+    return StepData(microbatches=mbs, denom=float(denom))
+
+
+def _strip(module: torch.nn.Module) -> None:
+    """Replace a module's parameters by meta tensors: it becomes structure for functional_call."""
+    for name, p in list(module.named_parameters()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        setattr(owner, leaf, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                requires_grad=False))
+
+
+def _progress(job: Job, step: int, loss: float | None, started: float, done_steps: int) -> None:
+    n = job.steps
+    width = 24
+    filled = int(width * (step + 1) / n)
+    rate = job.tokens_per_step * done_steps / max(1e-9, time.perf_counter() - started)
+    text = (f"\rtraining [{'#' * filled}{'.' * (width - filled)}] step {step + 1}/{n}"
+            + ("" if loss is None else f"  loss {loss:.4f}") + f"  {rate:,.0f} tokens/s")
+    if sys.stderr.isatty():
+        sys.stderr.write(text + ("\n" if step + 1 == n else ""))
+    elif (step + 1) % max(1, n // 10) == 0 or step + 1 == n:
+        sys.stderr.write(text.lstrip("\r") + "\n")
+    sys.stderr.flush()
+
+
+def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
+               stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
+    """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
+    from .data import load_tokenizer, make_batches
+    from .hf import build_model, save_pretrained
+
+    sched = job.schedule
+    if sched.num_gpus != world:
+        raise ExecutionError(f"the schedule is for {sched.num_gpus} GPUs, this run has {world} ranks")
+    device = torch.device("cuda", local_rank) if job.backend == "cuda" else torch.device("cpu")
+    layers = owned_layers(sched, rank)
+    stack = build_model(job.model, seed=job.seed, only=set(layers))
+    host = HostState(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
+                     optim=job.optim, pin=device.type == "cuda")
+    for i in layers:
+        _strip(stack.layers[i])  # type: ignore[arg-type]
+    tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size)
+    batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
+                           microbatches=sched.microbatches, seed=job.seed)
+    interp = Interpreter(rank=rank, schedule=sched, layers=stack.layers, host=host, comm=comm, device=device,
+                         hidden_size=stack.spec.hidden_size, staleness=job.staleness)
+    actions = rank_actions(sched, rank)
+    by_prefix: dict[int, list[Any]] = {}  # n -> this rank's actions of iterations 0..n-1
+    ledger = Ledger(static={d: b for d, b in sched.static_bytes})
+    start, losses = 0, {}
+    if job.resume and job.out:
+        found = checkpoint.find(job.out)
+        if found is not None:
+            meta = checkpoint.read_meta(found, job.identity)
+            state = checkpoint.load(found, rank)
+            host.load_state_dict(state["host"])
+            checkpoint.set_rng_state(state["rng"])
+            start, losses = int(meta["step"]), dict(state["losses"])
+    head = sched.num_layers - 1 in layers
+    log = RunLog()
+    t_begin = time.perf_counter()
+    interrupted = False
+
+    def save_checkpoint(step: int) -> None:
+        assert job.out is not None
+        checkpoint.save(job.out, rank=rank, step=step, identity=job.identity, barrier=group.barrier,
+                        state={"host": host.state_dict(), "rng": checkpoint.rng_state(), "losses": losses})
+
+    step = start
+    while step < job.steps:
+        n = min(sched.iterations, job.steps - step)
+        if job.checkpoint_every and job.out:
+            n = min(n, job.checkpoint_every - step % job.checkpoint_every)
+        if job.stop_after is not None and step < job.stop_after:
+            n = min(n, job.stop_after - step)
+        window = by_prefix.get(n)
+        if window is None:
+            window = by_prefix[n] = [a for a in actions if a.iteration < n]
+        data = {step + k: step_data(batches, step + k) for k in range(n)}
+        part = run_actions(interp, window, data, shift=step, ledger=ledger, id_stride=len(sched.actions))
+        log.extend(part)
+        losses.update(part.losses)
+        left = interp.leftovers()
+        if left:
+            raise ExecutionError(f"rank {rank}: steps {step}..{step + n - 1} ended still holding {', '.join(left[:6])}")
+        if job.progress and head:
+            for k in range(step, step + n):
+                _progress(job, k, losses.get(k), t_begin, k + 1 - start)
+        step += n
+        wants_stop = (stop is not None and stop.is_set()) or (job.stop_after is not None and step >= job.stop_after)
+        interrupted = group.any_true(wants_stop) and step < job.steps
+        every = job.checkpoint_every
+        if job.out and (interrupted or (every and step % every == 0)):
+            save_checkpoint(step)
+        if interrupted:
+            break
+    wall = time.perf_counter() - t_begin
+    if job.out and job.save_model and not interrupted:
+        save_pretrained(host.masters(), stack.config, job.out, rank=rank, world=world, source_dir=stack.source_dir)
+    peak_dev = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                else max((b for _, b in log.memory), default=0))
+    return RankResult(
+        rank=rank, layers=layers, losses=losses, records=log.records, order=dict(log.order), memory=log.memory,
+        ledger_peak=dict(ledger.peak), ledger_problems=list(ledger.problems), held=host.held().to_json(),
+        peak_device_bytes=peak_dev, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
+        masters=host.masters() if job.keep_masters else None)
+
+
+def process_main(local_rank: int, job: Job, world: int, init_method: str, result_path: str | None,
+                 env_rank: int | None = None) -> None:
+    """The entry of one worker process (`torch.multiprocessing.spawn`, or in-process under torchrun)."""
+    import torch.distributed as dist
+
+    rank = local_rank if env_rank is None else env_rank
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    main = threading.current_thread() is threading.main_thread()
+    if main:  # Ctrl-C: finish the window, checkpoint, stop (SIGTERM keeps killing: spawn uses it on failure)
+        signal.signal(signal.SIGINT, on_signal)
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    backend = "nccl" if job.backend == "cuda" else "gloo"
+    if job.backend == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=job.timeout_s))
+    try:
+        comm = DistComm(rank, world, backend=backend)
+        group = DistGroup(rank, world, backend)
+        if env_rank is not None:  # torchrun: each process planned for itself; rank 0's plan is the one run
+            box = [job]
+            dist.broadcast_object_list(box, src=0, group=group.group)
+            job = box[0]
+        result = train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank)
+        results = group.gather(result)
+        if rank == 0 and result_path is not None:
+            tmp = f"{result_path}.part{os.getpid()}"
+            torch.save(results, tmp)
+            os.replace(tmp, result_path)
+    finally:
+        if main:  # done: a late Ctrl-C must not kill the exiting process (Python restores SIG_DFL at exit)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        dist.destroy_process_group()
+

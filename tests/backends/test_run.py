@@ -1,0 +1,202 @@
+"""`tinypipe run` end to end in real worker processes over gloo: training equals the reference,
+checkpoint + resume equals an uninterrupted run, failures and bad input end in one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import TINY_QWEN3, fixed_cpu_hardware  # noqa: E402
+from tinypipe.backends import checkpoint  # noqa: E402
+from tinypipe.backends.data import ByteTokenizer, make_batches  # noqa: E402
+from tinypipe.backends.launch import WorkerError, launch  # noqa: E402
+from tinypipe.backends.plan import make_plan  # noqa: E402
+from tinypipe.backends.reference import reference_train  # noqa: E402
+from tinypipe.backends.run import add_run_arguments, sparkline  # noqa: E402
+
+from tinypipe.cli import main as cli_main  # noqa: E402
+from tinypipe.errors import InputError  # noqa: E402
+from tinypipe.schedule import Kind  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SEQ, MBS, MB = 16, 2, 2
+LR = 1e-2
+
+
+def policy_file(tmp: Path, **fields: object) -> str:
+    base = {"name": "test", "swap": "layer", "host_memory": "compact", "microbatch_size": MBS, "resident": "none"}
+    path = tmp / "policy.json"
+    path.write_text(json.dumps({**base, **fields}))
+    return str(path)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_run_arguments(ap)
+    return ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), *argv])
+
+
+def reference(model: str, steps: int) -> object:
+    batches = make_batches(None, tokenizer=ByteTokenizer(256), seq_len=SEQ, microbatch_size=MBS, microbatches=MB,
+                           seed=0)
+    return reference_train(model, batches, steps=steps, lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0, seed=0)
+
+
+def test_run_trains_two_processes_saves_and_traces(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """`tinypipe run --gpus 2` (gloo, several packs per process, layer swap, compact host) exits 0,
+    prints the summary, writes a Chrome trace of both ranks, and saves a model that
+    `AutoModelForCausalLM.from_pretrained` loads with exactly the reference's trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    out, trace = tmp_path / "out", tmp_path / "trace.json"
+    pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1])
+    code = cli_main(["run", "--gpus", "2", "--policy", pol, "--steps", "4", "--seq-len", str(SEQ),
+                     "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), "--out", str(out), "--trace", str(trace)])
+    captured = capfd.readouterr()
+    assert code == 0, captured.err
+    for word in ("loss", "accuracy", "tokens/s measured", "predicted by the simulator", "B/param measured", "saved"):
+        assert word in captured.out
+    assert "training [" in captured.err
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} >= {"g0", "g1"}
+    ref = reference("tiny-llama", 4)
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    from tinypipe.backends.hf import build_model
+
+    names = build_model("tiny-llama", seed=0, only=set()).names
+    saved = dict(model.named_parameters())
+    for i, tensors in ref.state.items():
+        for n, want in tensors.items():
+            torch.testing.assert_close(saved[names[i][n]].detach(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen3_config: str) -> None:
+    """A Qwen3 on 3 processes (replicated host, pack swap) stops after 2 of 5 steps, leaving a
+    checkpoint; `--resume` continues: losses and final weights equal the uninterrupted reference."""
+    out = tmp_path / "out"
+    pol = policy_file(tmp_path, packing=[1, 1, 1, 1, 1], mapping=[0, 1, 2, 0, 1], swap="pack",
+                      host_memory="replicated")
+    args = parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out", str(out),
+                 "--checkpoint-every", "4")
+    plan = make_plan(args)
+    first = launch(dataclasses.replace(plan.job, stop_after=2, progress=False, save_model=False), plan.world)
+    assert first is not None and all(r.interrupted for r in first)
+    assert checkpoint.find(out) == out / checkpoint.DIR
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 2
+    resumed = make_plan(parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out",
+                              str(out), "--checkpoint-every", "4", "--resume"))
+    second = launch(dataclasses.replace(resumed.job, progress=False, save_model=False, keep_masters=True), 3)
+    assert second is not None and [r.start_step for r in second] == [2, 2, 2]
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 4
+    ref = reference(qwen3_config, 5)
+    losses = {k: v for r in second for k, v in r.losses.items()}
+    assert [losses[k] for k in range(5)] == pytest.approx(ref.losses, rel=1e-6, abs=1e-7)
+    masters = {i: t for r in second for i, t in r.masters.items()}
+    for i, tensors in ref.state.items():
+        for n, want in tensors.items():
+            torch.testing.assert_close(masters[i][n], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path) -> None:
+    """Rank 1 fails at its first action while rank 0 waits for it: the run ends with rank 1's
+    error in one line, and no checkpoint or model is left half-written."""
+    pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
+    plan = make_plan(parse("--gpus", "2", "--policy", pol, "--steps", "2", "--out", str(tmp_path / "out")))
+    sched = plan.schedule
+    first = next(a for a in sched.actions if a.resource == "g1.h2d")
+    acts = tuple(dataclasses.replace(a, kind=Kind.EVICT, resource="g1.compute") if a is first else a
+                 for a in sched.actions)
+    job = dataclasses.replace(plan.job, schedule=dataclasses.replace(sched, actions=acts), progress=False)
+    with pytest.raises(WorkerError) as info:
+        launch(job, 2)
+    msg = str(info.value)
+    assert msg.startswith("rank 1 failed:") and "\n" not in msg and "not on the device" in msg
+    assert not (tmp_path / "out" / "checkpoint").exists()
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--model", "/nonexistent/model"], "unknown model"),
+    (["--data", "DATA_NOT_JSONL"], "not a JSON object"),
+    (["--policy", "POLICY_TOO_MANY_LAYERS"], "pack sizes sum to 7"),
+    (["--backend", "cuda", "--gpus", "64"], "cuda|CUDA"),
+    (["--gpus", "1000"], "too many CPU workers"),
+    (["--batch-tokens", "50"], "not a multiple of the microbatch"),
+    (["--resume", "--out", "EMPTY_DIR"], "no checkpoint"),
+    (["--model", "MODEL_DIR_WITHOUT_WEIGHTS"], "no model weights"),
+])
+def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each mistake is an InputError raised by the planning step; nothing is spawned."""
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: pytest.fail("a worker was started"))
+    bad_data = tmp_path / "data.jsonl"
+    bad_data.write_text('{"text": "fine"}\nthis is not json\n')
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_QWEN3))
+    subst = {"DATA_NOT_JSONL": str(bad_data), "POLICY_TOO_MANY_LAYERS": policy_file(tmp_path, packing=[4, 3]),
+             "EMPTY_DIR": str(tmp_path), "MODEL_DIR_WITHOUT_WEIGHTS": str(model_dir)}
+    args = parse(*[subst.get(a, a) for a in argv])
+    with pytest.raises(InputError, match=match) as info:
+        make_plan(args)
+    assert "\n" not in str(info.value)
+
+
+def test_sparkline_is_compact_and_ordered() -> None:
+    """The loss curve in the summary: one character per bin, lowest value lowest bar."""
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+    assert len(sparkline(list(range(500)), width=40)) <= 40
+
+
+def _cuda_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_gpus() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize(("layout", "optimizer", "swap"), [("compact", "sync", "layer"), ("replicated", "sync", "pack"),
+                                                           ("compact", "async", "layer")])
+def test_cuda_two_gpus_train_like_the_reference(tmp_path: Path, layout: str, optimizer: str, swap: str) -> None:
+    """NCCL, one stream per resource, events for dependencies, fp32 compute: losses match the CPU
+    reference to the precision of different kernels; weights within a fraction of one AdamW step
+    (Adam divides by the gradient's running magnitude, so where a gradient is ~0 a kernel's
+    rounding difference can move an element by up to lr per step)."""
+    pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1], host_memory=layout, optimizer=optimizer,
+                      swap=swap)
+    plan = make_plan(parse("--backend", "cuda", "--gpus", "2", "--dtype", "fp32", "--policy", pol, "--steps", "6",
+                           "--out", str(tmp_path / "out")))
+    results = launch(dataclasses.replace(plan.job, progress=False, keep_masters=True), 2)
+    assert results is not None
+    batches = make_batches(None, tokenizer=ByteTokenizer(256), seq_len=SEQ, microbatch_size=MBS, microbatches=MB,
+                           seed=0)
+    ref = reference_train("tiny-llama", batches, steps=6, lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0,
+                          seed=0, async_staleness=1 if optimizer == "async" else 0)
+    losses = {k: v for r in results for k, v in r.losses.items()}
+    assert [losses[k] for k in range(6)] == pytest.approx(ref.losses, rel=1e-4)
+    masters = {i: t for r in results for i, t in r.masters.items()}
+    for i, tensors in ref.state.items():
+        for n, want in tensors.items():
+            torch.testing.assert_close(masters[i][n], want, rtol=1e-3, atol=LR / 5)
+    assert all(r.peak_device_bytes > 0 for r in results)
+    assert all(rec.end_s >= rec.start_s for r in results for rec in r.records)
+    for r in results:  # streams persist across windows: no new cuBLAS workspace every window
+        used = [(rec.iteration, b) for rec, (_, b) in zip(r.records, r.memory)]
+        assert max(b for s, b in used if s == 5) <= max(b for s, b in used if s == 0) + (1 << 20)
+
+
+def test_a_policy_that_does_not_fit_host_memory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator's ledgers at the devices' capacities decide whether the policy fits: a model
+    whose host state exceeds the host's memory is an InputError naming the device, before any worker."""
+    import tinypipe.backends.plan as plan_mod
+
+    small = fixed_cpu_hardware(2)
+    small = dataclasses.replace(small, host=dataclasses.replace(small.host, memory_bytes=1 << 20))
+    monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: small)
+    with pytest.raises(InputError, match="does not fit.*host"):
+        make_plan(parse("--gpus", "2", "--out", str(tmp_path)))
