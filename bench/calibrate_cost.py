@@ -21,14 +21,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from _common import machine, write_json
+from tinypipe.sim import simulate
 
 from tinypipe.compile import compile_schedule
 from tinypipe.cost import CostModel, estimate, workload
 from tinypipe.hardware import load_hardware
 from tinypipe.model import load_model
 from tinypipe.policy import PRESETS
-from tinypipe.policy.resolve import resolve, residency
-from tinypipe.sim import simulate
+from tinypipe.policy.resolve import residency, resolve
 from tinypipe.table import render
 from tinypipe.trace import trace_for
 

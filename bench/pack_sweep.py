@@ -13,12 +13,12 @@ import argparse
 import time
 
 from _common import RESULTS, write_json
+from tinypipe.sim import simulate
 
 from tinypipe.compile import compile_schedule
 from tinypipe.hardware import load_hardware
 from tinypipe.model import load_model
 from tinypipe.policy import PRESETS
-from tinypipe.sim import simulate
 from tinypipe.table import gib, render
 from tinypipe.trace import trace_for
 

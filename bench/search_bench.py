@@ -13,11 +13,11 @@ import os
 import time
 
 from _common import write_json
+from tinypipe.sim.evaluate import SimEvaluator
 
 from tinypipe.hardware import load_hardware
 from tinypipe.model import load_model
 from tinypipe.search import Workload, search
-from tinypipe.sim.evaluate import SimEvaluator
 from tinypipe.table import gib, render
 
 CASES = (("llama-3.1-70b", "rtx4090x8-pcie4"), ("llama-3.1-8b", "rtx4090x1"))

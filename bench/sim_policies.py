@@ -11,6 +11,8 @@ import os
 import time
 
 from _common import write_json
+from tinypipe.sim import simulate
+from tinypipe.sim.evaluate import SimEvaluator
 
 from tinypipe.compile import compile_schedule
 from tinypipe.errors import TinypipeError
@@ -18,8 +20,6 @@ from tinypipe.hardware import load_hardware, shipped_hardware
 from tinypipe.model import load_model
 from tinypipe.policy import PRESETS
 from tinypipe.search import Workload, search
-from tinypipe.sim import simulate
-from tinypipe.sim.evaluate import SimEvaluator
 from tinypipe.table import render
 from tinypipe.trace import trace_for
 

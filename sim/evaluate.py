@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinypipe.compile import compile_schedule
 from tinypipe.sim.engine import simulate
 
+from tinypipe.compile import compile_schedule
 from tinypipe.errors import TinypipeError
 from tinypipe.hardware import Hardware
 from tinypipe.model import ModelSpec

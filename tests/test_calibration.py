@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import tinypipe.traces as shipped
+
 from tinypipe.cost import CostModel, workload
 from tinypipe.hardware import load_hardware
 from tinypipe.model import load_model

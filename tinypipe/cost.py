@@ -54,7 +54,9 @@ def _calibrated() -> CostModel:
     if p is None:
         return CostModel()
     f = Fields(load_json(p), str(p)).obj_("constants")
-    return CostModel(**{k: f.float(k, minimum=0.0) for k in CostModel.FITTED})
+    return CostModel(pack_overhead_s=f.float("pack_overhead_s", minimum=0.0),
+                     h2d_efficiency=f.float("h2d_efficiency", positive=True),
+                     fill_scale=f.float("fill_scale", minimum=0.0))
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,31 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str = "", widt
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_pareto(result: Any, path: str | Path, *, title: str = "") -> Path:
+    """A search's fitting candidates: tokens/s against peak GPU memory (color: peak host memory),
+    with the Pareto front joined and the winner marked. `result` is a `tinypipe.search.SearchResult`."""
+    plt = _pyplot()
+    fit = [e for e in result.ranked if e.fits]
+    if not fit:
+        raise InputError("no candidate fits: nothing to plot")
+    gib = float(1 << 30)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sc = ax.scatter([e.peak_gpu_bytes / gib for e in fit], [e.tokens_per_s for e in fit],
+                    c=[e.peak_host_bytes / gib for e in fit], cmap="viridis", s=18, alpha=0.8)
+    fig.colorbar(sc, ax=ax, label="peak host memory, GiB")
+    front = sorted(result.pareto(), key=lambda e: e.peak_gpu_bytes)
+    ax.plot([e.peak_gpu_bytes / gib for e in front], [e.tokens_per_s for e in front], "r.-", label="Pareto front")
+    win = result.winner
+    ax.plot([win.peak_gpu_bytes / gib], [win.tokens_per_s], "k*", markersize=14, label="winner")
+    ax.set_xlabel("peak GPU memory, GiB (simulated)")
+    ax.set_ylabel("tokens/s (simulated)")
+    w = result.workload
+    ax.set_title(title or f"{w.model.name} on {w.hardware.name}: search")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
