@@ -37,17 +37,22 @@ def main() -> None:
         r = search(w, SimEvaluator(model, hw, args.seq_len), workers=args.workers)
         wall = time.perf_counter() - t0
         win = r.winner
+        simulated = len(r.ranked) - r.rejected
         rows.append({"model": model_name, "hardware": hw_name, "wall_s": wall, "considered": r.considered,
-                     "evaluated": len(r.ranked), "pruned": r.pruned, "candidates_per_s": len(r.ranked) / wall,
+                     "simulated": simulated, "pruned": r.pruned, "rejected_by_memory_bound": r.rejected,
+                     "simulated_per_s": simulated / wall,
                      "winner": win.to_json() if win else None, "advice": r.advice})
     print(f"search, {args.batch_sequences} x {args.seq_len} tokens per step, {args.workers} worker processes\n")
-    print(render(["model", "hardware", "wall s", "considered", "evaluated", "pruned", "cand/s", "best tokens/s",
-                  "peak GPU"],
-                 [[r["model"], r["hardware"], round(r["wall_s"], 1), r["considered"], r["evaluated"], r["pruned"],
-                   round(r["candidates_per_s"], 1),
+    print(render(["model", "hardware", "wall s", "considered", "simulated", "pruned", "rejected", "simulated/s",
+                  "best tokens/s", "peak GPU"],
+                 [[r["model"], r["hardware"], round(r["wall_s"], 1), r["considered"], r["simulated"], r["pruned"],
+                   r["rejected_by_memory_bound"], round(r["simulated_per_s"], 1),
                    round(r["winner"]["tokens_per_s"]) if r["winner"] else "nothing fits",
                    gib(r["winner"]["peak_gpu_bytes"]) if r["winner"] else "-"] for r in rows],
-                 align="llrrrrrrr"))
+                 align="llrrrrrrrr"))
+    for r in rows:
+        for line in r["advice"]:
+            print(f"{r['model']} on {r['hardware']}: {line}")
     write_json("search.json", {"workers": args.workers, "seq_len": args.seq_len,
                                "batch_sequences": args.batch_sequences, "cases": rows})
 
