@@ -91,7 +91,8 @@ def plot_pareto(result: Any, path: str | Path, *, title: str = "") -> Path:
                     c=[e.peak_host_bytes / gib for e in fit], cmap="viridis", s=18, alpha=0.8)
     fig.colorbar(sc, ax=ax, label="peak host memory, GiB")
     front = sorted(result.pareto(), key=lambda e: e.peak_gpu_bytes)
-    ax.plot([e.peak_gpu_bytes / gib for e in front], [e.tokens_per_s for e in front], "r.-", label="Pareto front")
+    ax.scatter([e.peak_gpu_bytes / gib for e in front], [e.tokens_per_s for e in front], s=60, facecolors="none",
+               edgecolors="red", label="Pareto front (3 axes)")
     win = result.winner
     ax.plot([win.peak_gpu_bytes / gib], [win.tokens_per_s], "k*", markersize=14, label="winner")
     ax.set_xlabel("peak GPU memory, GiB (simulated)")
