@@ -1,0 +1,361 @@
+"""The compiler's passes, each a list-to-list function tested alone (docs/schedule-contract.md).
+
+compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass -> memory_pass.
+"""
+
+from __future__ import annotations
+
+from tinypipe.ops import (
+    BWD,
+    EVICT,
+    FETCH,
+    FWD,
+    GRAD_OUT,
+    HOST,
+    LOAD,
+    OFFLOAD,
+    OPT_STEP,
+    RECV,
+    SEND,
+    Op,
+    Plan,
+    _splice,
+)
+from tinypipe.schedule import Kind, Mem
+
+# ---- 1. compute plan ----------------------------------------------------------------------------
+
+def compute_plan(plan: Plan) -> list[Op]:
+    """Per iteration: FWD over packs in order, BWD over packs in reverse; microbatch-major in a pack.
+
+    Deps: FWD L m on FWD L-1 m (its input); BWD L m on FWD L m (its saved input) and BWD L+1 m
+    (its incoming gradient). Cross-GPU deps are rewritten by `transfer_pass`.
+    """
+    n, mbs = plan.num_layers, plan.microbatches
+    ops: list[Op] = []
+    for it in range(plan.iterations):
+        fwd: dict[tuple[int, int], Op] = {}
+        for s, layers in enumerate(plan.pack_layers):
+            g = plan.pack_gpu[s]
+            for m in range(mbs):
+                for lay in layers:
+                    op = Op(FWD, g, lay, s, m, it, deps=[fwd[lay - 1, m]] if lay else [])
+                    fwd[lay, m] = op
+                    ops.append(op)
+        bwd: dict[tuple[int, int], Op] = {}
+        for s in range(len(plan.pack_layers) - 1, -1, -1):
+            g = plan.pack_gpu[s]
+            layers = plan.pack_layers[s]
+            for m in range(mbs):
+                for lay in reversed(layers):
+                    deps = [fwd[lay, m], bwd[lay + 1, m]] if lay + 1 < n else [fwd[lay, m]]
+                    op = Op(BWD, g, lay, s, m, it, deps=deps)
+                    bwd[lay, m] = op
+                    ops.append(op)
+    return ops
+
+
+# ---- 2. swapping --------------------------------------------------------------------------------
+
+class _Seg:
+    """A residency segment: layer `layer` stays on its GPU from `first` to `last` (compute ops)."""
+
+    __slots__ = ("layer", "first", "last", "first_use", "last_use", "load", "evict")
+
+    def __init__(self, layer: int, op: Op, use: int) -> None:
+        self.layer = layer
+        self.first = self.last = op
+        self.first_use = self.last_use = use
+        self.load: Op | None = None
+        self.evict: Op | None = None
+
+
+def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
+    """LOAD before and EVICT after every residency segment of a layer on its GPU.
+
+    A *use* is a run of one pack's compute ops on its GPU (its forward, or its backward, of one
+    iteration). A layer gets one segment per use; `kept` layers one from their forward to their
+    backward; `pinned` layers one per iteration. Swap `layer`: the LOAD feeds the layer's first op
+    and the EVICT follows its last. Swap `pack`: all LOADs feed the use's first op and all EVICTs
+    follow its last. Memory stays bounded by a window over the segments of each GPU (pinned ones
+    and kept ones spanning other uses aside): layer mode, LOAD k waits for EVICT k - W with W =
+    the most segments in a use + prefetch_depth; pack mode, a use's LOADs wait for the EVICTs of
+    the use prefetch_depth + 1 uses back. A LOAD also waits for the EVICT of the layer's previous
+    segment (one buffer per layer).
+    """
+    n_gpus = max(plan.pack_gpu) + 1
+    cur: list[tuple[int, Kind, int | None] | None] = [None] * n_gpus
+    use_first: list[list[Op]] = [[] for _ in range(n_gpus)]
+    use_last: list[list[Op]] = [[] for _ in range(n_gpus)]
+    segs: list[list[_Seg]] = [[] for _ in range(n_gpus)]
+    open_: dict[int, _Seg] = {}
+    pinned, kept = plan.pinned, plan.kept
+    for op in ops:
+        if op.kind is not FWD and op.kind is not BWD:
+            continue
+        g = op.gpu
+        key = (op.it, op.kind, op.pack)
+        if key != cur[g]:
+            cur[g] = key
+            use_first[g].append(op)
+            use_last[g].append(op)
+        else:
+            use_last[g][-1] = op
+        u = len(use_first[g]) - 1
+        lay = op.layer
+        seg = open_.get(lay)
+        if seg is not None and (seg.last_use == u or (seg.first.it == op.it and (
+                lay in pinned or (lay in kept and seg.first.kind is FWD and op.kind is BWD)))):
+            seg.last, seg.last_use = op, u
+        else:
+            seg = open_[lay] = _Seg(lay, op, u)
+            segs[g].append(seg)
+    before: dict[Op, list[Op]] = {}
+    after: dict[Op, list[Op]] = {}
+    layer_mode = plan.swap == "layer"
+    depth = plan.prefetch_depth
+    for g in range(n_gpus):
+        prev: dict[int, Op] = {}
+        window: list[_Seg] = []
+        for seg in segs[g]:
+            lay = seg.layer
+            nb = plan.weight_bytes[lay]
+            ld = seg.load = Op(LOAD, g, lay, plan.pack_of[lay], None, seg.first.it, nbytes=nb)
+            ev = seg.evict = Op(EVICT, g, lay, plan.pack_of[lay], None, seg.last.it)
+            if layer_mode:
+                first, last = seg.first, seg.last
+            else:
+                first, last = use_first[g][seg.first_use], use_last[g][seg.last_use]
+            before.setdefault(first, []).append(ld)
+            first.deps.append(ld)
+            after.setdefault(last, []).append(ev)
+            if lay in prev:
+                ld.deps.append(prev[lay])
+            prev[lay] = ev
+            if lay not in pinned and seg.last_use - seg.first_use <= 1:
+                window.append(seg)
+        if not window:
+            continue
+        groups: list[list[_Seg]] = []
+        for seg in window:
+            if groups and groups[-1][0].first_use == seg.first_use:
+                groups[-1].append(seg)
+            else:
+                groups.append([seg])
+        if layer_mode:
+            span = max(len(grp) for grp in groups) + depth
+            for k in range(span, len(window)):
+                window[k].load.deps.append(window[k - span].evict)  # type: ignore[union-attr,arg-type]
+        else:
+            for j in range(depth + 1, len(groups)):
+                gone = max(groups[j - depth - 1], key=lambda sg: sg.last_use).evict
+                for seg in groups[j]:
+                    seg.load.deps.append(gone)  # type: ignore[union-attr,arg-type]
+    return _splice(ops, before, after)
+
+
+# ---- 3. transfers -------------------------------------------------------------------------------
+
+def transfer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
+    """SEND/RECV pairs for boundary activations and gradients between GPUs; offload when asked.
+
+    A cross-GPU dep of FWD L m (on FWD L-1 m) becomes SEND x.L{L} (after the producer, on its
+    GPU) + RECV (on the consumer's GPU, the consumer's new dep); of BWD L m (on BWD L+1 m)
+    likewise for dx.L{L+1}. `layer` of a SEND/RECV is the L of the buffer it moves. Both halves
+    sit right after the producer, so the send and recv streams order pairs by producer, the same
+    on both sides. activation_home=host: OFFLOAD_ACT L m after FWD L m (the input's last forward
+    reader); FETCH_ACT L m before BWD L m, after the offload and after BWD L m-1 (inputs come
+    back one microbatch ahead).
+    """
+    before: dict[Op, list[Op]] = {}
+    after: dict[Op, list[Op]] = {}
+    offload = plan.activation_home == "host"
+    offloads: dict[tuple[int, int, int], Op] = {}
+    last_bwd: dict[tuple[int, int], Op] = {}
+    for op in ops:
+        kind = op.kind
+        if kind is not FWD and kind is not BWD:
+            continue
+        deps = op.deps
+        for j, d in enumerate(deps):
+            if d.gpu != op.gpu and (d.kind is FWD or d.kind is BWD):
+                grad = kind is BWD
+                lay = d.layer if grad else op.layer
+                nb = plan.input_bytes[lay]
+                send = Op(SEND, d.gpu, lay, None, op.mb, op.it, nb, op.gpu, [d], grad)
+                recv = Op(RECV, op.gpu, lay, None, op.mb, op.it, nb, d.gpu, [], grad)
+                deps[j] = recv
+                after.setdefault(d, []).extend((send, recv))
+        if offload and op.layer > 0:
+            key = (op.layer, op.mb or 0, op.it)
+            nb = plan.input_bytes[op.layer]
+            if kind is FWD:
+                off = offloads[key] = Op(OFFLOAD, op.gpu, op.layer, op.pack, op.mb, op.it, nb, deps=[op])
+                after.setdefault(op, []).append(off)
+            else:
+                fdeps = [offloads[key]]
+                prev = last_bwd.get((op.layer, op.it))
+                if prev is not None:
+                    fdeps.append(prev)
+                fetch = Op(FETCH, op.gpu, op.layer, op.pack, op.mb, op.it, nb, deps=fdeps)
+                before.setdefault(op, []).append(fetch)
+                deps.append(fetch)
+        if kind is BWD:
+            last_bwd[op.layer, op.it] = op
+    return _splice(ops, before, after)
+
+
+# ---- 4. gradients -------------------------------------------------------------------------------
+
+def gradient_pass(plan: Plan, ops: list[Op]) -> list[Op]:
+    """GRAD_OUT L (gr.L{L} to the host, on the owner's d2h) right after L's last BWD of the iteration.
+
+    The first BWD of L in the next iteration (which allocates gr.L{L} again) waits for it.
+    """
+    first: dict[tuple[int, int], Op] = {}
+    last: dict[tuple[int, int], Op] = {}
+    for op in ops:
+        if op.kind is BWD:
+            first.setdefault((op.layer, op.it), op)
+            last[op.layer, op.it] = op
+    after: dict[Op, list[Op]] = {}
+    for (lay, it), b in last.items():
+        go = Op(GRAD_OUT, b.gpu, lay, b.pack, None, it, plan.weight_bytes[lay], deps=[b])
+        after.setdefault(b, []).append(go)
+        nxt = first.get((lay, it + 1))
+        if nxt is not None:
+            nxt.deps.append(go)
+    return _splice(ops, {}, after)
+
+
+# ---- 5. optimizer -------------------------------------------------------------------------------
+
+def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
+    """OPT_STEP L on host.optim after GRAD_OUT L; the next iterations' LOADs wait for it.
+
+    sync: the first LOAD of L in iteration i waits for OPT_STEP L of i-1. async (staleness 1):
+    on the one of i-2, and OPT_STEP L of i-1 waits for the last LOAD of L in iteration i, so that
+    all uploads of one iteration read one weight version. Tied embeddings: OPT_STEP of layer 0
+    also waits for GRAD_OUT of the head (its gradient share) and, under async, for the head's
+    last LOAD (and only the embedding's first LOAD: its backward reads no weights); the head's
+    first LOAD waits for that OPT_STEP as for its own. GRAD_OUT L of
+    iteration i waits for OPT_STEP L of i-1 (the host gradient of L is consumed). compact + sync: a
+    ring of `ring_slots` host gradient slots per GPU: GRAD_OUT k on a GPU waits for OPT_STEP k -
+    ring_slots of that GPU (async keeps up to one iteration of gradients on the host instead).
+    """
+    pos = {op: i for i, op in enumerate(ops)}
+    grad_out: dict[tuple[int, int], Op] = {}
+    first_load: dict[tuple[int, int], Op] = {}
+    last_load: dict[tuple[int, int], Op] = {}
+    for op in ops:
+        if op.kind is GRAD_OUT:
+            grad_out[op.layer, op.it] = op
+        elif op.kind is LOAD:
+            first_load.setdefault((op.layer, op.it), op)
+            last_load[op.layer, op.it] = op
+    head = plan.num_layers - 1
+    tied = plan.tied and head > 0
+    lag = 1 if plan.optimizer == "sync" else 2
+    after: dict[Op, list[Op]] = {}
+    opt: dict[tuple[int, int], Op] = {}
+    for (lay, it), go in grad_out.items():
+        o = Op(OPT_STEP, HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
+        anchor = go
+        if tied and lay == 0:
+            o.deps.append(grad_out[head, it])
+        if plan.optimizer == "async" and it + 1 < plan.iterations:
+            # tied: the embedding's own backward reads no weights, so its step need only follow the
+            # embedding's first upload and the head's last one (which carries the shared matrix)
+            srcs = ((first_load[lay, it + 1], last_load[head, it + 1]) if tied and lay == 0
+                    else (last_load[lay, it + 1],))
+            for ld in srcs:
+                o.deps.append(ld)
+                if pos[ld] > pos[anchor]:
+                    anchor = ld
+        opt[lay, it] = o
+        after.setdefault(anchor, []).append(o)
+    for (lay, it), go in grad_out.items():  # the gradient slot/buffer of L is free again
+        if it >= 1:
+            go.deps.append(opt[lay, it - 1])
+            if tied and lay == head:
+                go.deps.append(opt[0, it - 1])
+    for (lay, it), ld in first_load.items():
+        if it >= lag:
+            ld.deps.append(opt[lay, it - lag])
+            if tied and lay == head:
+                ld.deps.append(opt[0, it - lag])
+    if plan.host_memory == "compact" and plan.optimizer == "sync":
+        per_gpu: dict[int, list[Op]] = {}
+        for op in ops:
+            if op.kind is GRAD_OUT:
+                seq = per_gpu.setdefault(op.gpu, [])
+                if len(seq) >= plan.ring_slots:
+                    back = seq[-plan.ring_slots]
+                    op.deps.append(opt[back.layer, back.it])
+                seq.append(op)
+    return _splice(ops, {}, after)
+
+
+# ---- 6. memory effects --------------------------------------------------------------------------
+
+def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
+    """Set each op's allocs (at start) and frees (at end) per the contract's buffer table.
+
+    Buffers of 0 bytes are left out (the first layer's input is token ids). Equal effects share
+    one Mem object (they are immutable), which keeps this pass cheap.
+    """
+    cache: dict[tuple[int, str, int, int | None], tuple[Mem, ...]] = {}
+    devs = {g: ("host" if g == HOST else f"g{g}") for g in {*plan.pack_gpu, HOST}}
+    sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
+             "gr": plan.weight_bytes, "ws": plan.workspace_bytes, "act": plan.input_bytes,
+             "gring": plan.host_grad_bytes}
+    n = plan.num_layers
+
+    def mem(g: int, kind: str, lay: int, m: int | None = None) -> tuple[Mem, ...]:
+        key = (g, kind, lay, m)
+        hit = cache.get(key)
+        if hit is None:
+            nbytes = sizes[kind][lay] if 0 <= lay < n else 0
+            name = "ws" if kind == "ws" else f"{kind}.L{lay}" if m is None else f"{kind}.L{lay}.m{m}"
+            hit = cache[key] = (Mem(devs[g], name, nbytes),) if nbytes > 0 else ()
+        return hit
+
+    keep = not plan.recompute
+    compact = plan.host_memory == "compact"
+    seen: set[tuple[int, int]] = set()
+    for op in ops:
+        k, g, lay, m = op.kind, op.gpu, op.layer, op.mb
+        if k is FWD:
+            ws = mem(g, "ws", lay)
+            op.allocs = mem(g, "x", lay + 1, m) + (mem(g, "a", lay, m) if keep else ()) + ws
+            op.frees = ws
+        elif k is BWD:
+            ws = mem(g, "ws", lay)
+            gr: tuple[Mem, ...] = ()
+            if (lay, op.it) not in seen:
+                seen.add((lay, op.it))
+                gr = mem(g, "gr", lay)
+            sv = mem(g, "a", lay, m) if keep else ()
+            op.allocs = mem(g, "dx", lay, m) + gr + ws
+            op.frees = mem(g, "x", lay, m) + sv + mem(g, "dx", lay + 1, m) + ws
+        elif k is LOAD:
+            op.allocs = mem(g, "w", lay)
+        elif k is EVICT:
+            op.frees = mem(g, "w", lay)
+        elif k is SEND:
+            op.frees = mem(g, "dx" if op.grad else "x", lay, m)
+        elif k is RECV:
+            op.allocs = mem(g, "dx" if op.grad else "x", lay, m)
+        elif k is OFFLOAD:
+            op.allocs, op.frees = mem(HOST, "act", lay, m), mem(g, "x", lay, m)
+        elif k is FETCH:
+            op.allocs, op.frees = mem(g, "x", lay, m), mem(HOST, "act", lay, m)
+        elif k is GRAD_OUT:
+            op.frees = mem(g, "gr", lay)
+            if compact:
+                op.allocs = mem(HOST, "gring", lay)
+        elif k is OPT_STEP and compact:
+            op.frees = mem(HOST, "gring", lay)
+    return ops
+
+
