@@ -181,6 +181,8 @@ def make_plan(args: Any) -> RunPlan:
 
         if checkpoint.find(out) is None:
             raise InputError(f"--resume: no checkpoint under {out}")
+    else:
+        _refuse_earlier_run(Path(out))
     identity = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": args.seq_len,
                 "batch_tokens": args.batch_tokens, "gpus": args.gpus, "policy": policy.to_json(),
                 "lr": args.lr, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
@@ -218,3 +220,16 @@ def _first_gpus(hw: Hardware, n: int) -> Hardware:
                   and not (x.b.startswith("gpu") and x.b not in keep))
     return Hardware(name=f"{hw.name}[:{n}]", provenance=hw.provenance, source=hw.source, host=hw.host,
                     gpus=hw.gpus[:n], switches=hw.switches, links=links, gpu_p2p=hw.gpu_p2p)
+
+
+def _refuse_earlier_run(out: Path) -> None:
+    """A new run never overwrites an earlier run's checkpoint or saved model in --out."""
+    from . import checkpoint
+
+    held = [p.name for p in (out / "config.json", out / "model.safetensors.index.json", out / "model.safetensors")
+            if p.exists()]
+    if checkpoint.find(str(out)) is not None:
+        held.insert(0, "a checkpoint")
+    if held:
+        raise InputError(f"--out {out}: already holds an earlier run ({', '.join(held)}); continue it with --resume "
+                         "or choose another directory")

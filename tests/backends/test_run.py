@@ -129,6 +129,7 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path) -
     (["--gpus", "1000"], "too many CPU workers"),
     (["--batch-tokens", "50"], "not a multiple of the microbatch"),
     (["--resume", "--out", "EMPTY_DIR"], "no checkpoint"),
+    (["--out", "EARLIER_RUN"], "already holds an earlier run"),
     (["--model", "MODEL_DIR_WITHOUT_WEIGHTS"], "no model weights"),
 ])
 def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: str, tmp_path: Path,
@@ -140,8 +141,11 @@ def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: s
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(TINY_QWEN3))
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}")  # a saved model: a new run must not overwrite it
     subst = {"DATA_NOT_JSONL": str(bad_data), "POLICY_TOO_MANY_LAYERS": policy_file(tmp_path, packing=[4, 3]),
-             "EMPTY_DIR": str(tmp_path), "MODEL_DIR_WITHOUT_WEIGHTS": str(model_dir)}
+             "EMPTY_DIR": str(tmp_path), "MODEL_DIR_WITHOUT_WEIGHTS": str(model_dir), "EARLIER_RUN": str(earlier)}
     args = parse(*[subst.get(a, a) for a in argv])
     with pytest.raises(InputError, match=match) as info:
         make_plan(args)
