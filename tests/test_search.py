@@ -91,3 +91,17 @@ def test_nothing_fits_says_which_memory_and_how_much() -> None:
     r = search(w, FakeEvaluator(w), space=SMALL)
     assert r.winner is None
     assert any(line.startswith("host memory falls short") and "GiB" in line for line in r.advice)
+
+
+def test_simulated_search_is_the_same_serial_and_parallel() -> None:
+    """With the simulator as evaluator, two worker processes give exactly the serial ranking."""
+    from tinypipe.sim.evaluate import SimEvaluator
+
+    model, hw = load_model("tiny-llama"), load_hardware("h200x2")
+    w = Workload(model, hw, 64, 4)
+    space = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(1, 3), packers=("holistic",), recompute=(True,),
+                        activation_homes=("gpu",), prefetch_depths=(1,), host_layouts=("compact",))
+    serial = search(w, SimEvaluator(model, hw, 64), space=space, workers=1)
+    parallel = search(w, SimEvaluator(model, hw, 64), space=space, workers=2)
+    assert serial.winner is not None
+    assert [e.to_json() for e in serial.ranked] == [e.to_json() for e in parallel.ranked]
