@@ -302,7 +302,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from tinypipe import table
     from tinypipe.hardware import load_hardware
     from tinypipe.model import load_model
-    from tinypipe.search import SearchSpace, Workload, search
+    from tinypipe.search import SearchSpace, Workload, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
     from tinypipe.units import parse_bytes
 
@@ -347,7 +347,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
     def rows(evals: list[Any]) -> list[list[Any]]:
         return [[i + 1, round(e.tokens_per_s), table.gib(e.peak_gpu_bytes), table.gib(e.peak_host_bytes),
-                 _describe(e.policy)] for i, e in enumerate(evals)]
+                 describe(e.policy)] for i, e in enumerate(evals)]
 
     print("top candidates:")
     print(table.render(["#", "tokens/s", "peak GPU", "peak host", "policy"],
@@ -370,16 +370,6 @@ def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
             d = max(over, key=lambda x: peak[x] - capacity[x])
             parts.append(f"{label} {peak[d] / GiB:.2f} > {capacity[d] / GiB:.2f} GiB")
     return "; ".join(parts)
-
-
-def _describe(p: Any) -> str:
-    """A policy in one short line for tables."""
-    pk = p.packing if isinstance(p.packing, str) else "sizes " + "/".join(map(str, p.packing))
-    if p.packing == "uniform":
-        pk = f"uniform {p.pack_size}"
-    return (f"{pk}, {p.mapping}, swap {p.swap} d{p.prefetch_depth}, resident {p.resident}, "
-            f"{p.microbatches}x{p.microbatch_size} mb, {'recompute' if p.recompute else 'keep acts'}"
-            f"{', acts on host' if p.activation_home == 'host' else ''}, {p.host_memory}, {p.optimizer}")
 
 
 class _Progress:

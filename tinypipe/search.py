@@ -276,6 +276,16 @@ def _evaluate_bounded(w: Workload, cands: list[Policy], evaluate: Evaluator, pri
     return out, len(bounded) - min(i, len(bounded)), rejected
 
 
+def describe(p: Policy) -> str:
+    """A policy in one short line for tables."""
+    pk = p.packing if isinstance(p.packing, str) else "sizes " + "/".join(map(str, p.packing))
+    if p.packing == "uniform":
+        pk = f"uniform {p.pack_size}"
+    return (f"{pk}, {p.mapping}, swap {p.swap} d{p.prefetch_depth}, resident {p.resident}, "
+            f"{p.microbatches}x{p.microbatch_size} mb, {'recompute' if p.recompute else 'keep acts'}"
+            f"{', acts on host' if p.activation_home == 'host' else ''}, {p.host_memory}, {p.optimizer}")
+
+
 def advise(w: Workload, ranked: list[Evaluation]) -> list[str]:
     """When nothing fits: which memory falls short, by how much, and the smallest change that fits."""
     from tinypipe.table import gib
@@ -293,10 +303,10 @@ def advise(w: Workload, ranked: list[Evaluation]) -> list[str]:
         lines.append(f"host memory falls short for the replicated layout by {gib(replicated - w.host_limit)}; "
                      "use host_memory=compact")
     if gpu_short:
-        need = min(gpu_short)
-        lines.append(f"GPU memory falls short by at least {gib(need)} per GPU in the closest candidate; "
-                     "use fewer tokens per microbatch (--seq-len or microbatch_size 1), recompute with "
-                     "activations at home on the host, or a larger GPU")
+        closest = min((e for e in ranked if e.gpu_short_bytes > 0), key=lambda e: (e.gpu_short_bytes, e.key()))
+        lines.append(f"GPU memory falls short by {gib(closest.gpu_short_bytes)} per GPU in the closest candidate "
+                     f"({describe(closest.policy)}); use fewer tokens per microbatch (a shorter --seq-len), "
+                     f"or GPUs with at least that much more memory")
     if not lines:
         reasons = sorted({e.why for e in ranked if e.why})
         lines.append("no candidate fits: " + ("; ".join(reasons[:3]) if reasons else "no candidates were generated"))
