@@ -91,7 +91,8 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     loads_left: dict[tuple[int, int], int] = defaultdict(int)
     for a in actions:
         if a.kind == Kind.LOAD:
-            loads_left[(a.layer, a.iteration + shift)] += 1  # type: ignore[index]
+            for layer in interp.reads(a.layer):  # type: ignore[arg-type]
+                loads_left[(layer, a.iteration + shift)] += 1
     interp.pending_loads = dict(loads_left)
     cuda = interp.device.type == "cuda"
     log = RunLog()

@@ -32,6 +32,7 @@ from .layers import Block, Embed, Head, LayerStack
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the decoder-only families `run` can split
 ATTN_IMPLEMENTATION = "sdpa"  # causal without a mask: SDPA's flash kernel on CUDA, fused on CPU
 DEFAULT_INIT_STD = 0.02  # transformers' default `initializer_range`
+TIED = ("lm_head.weight", "embed_tokens.weight")  # the shared matrix: name in the Head, name in the Embed
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -72,10 +73,6 @@ def load_source(name_or_path: str, *, attn_implementation: str = ATTN_IMPLEMENTA
             f"(shipped models: {', '.join(shipped_models())})")
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "torch_dtype", "dtype")}
     config = AutoConfig.for_model(family, **fields)
-    if getattr(config, "tie_word_embeddings", False):
-        raise UnsupportedModelError(
-            f"tied embeddings are not supported by `run` yet: {name} ties its LM head to the token "
-            f"embedding (tie_word_embeddings=true in {path}); pick a model with untied embeddings")
     config._attn_implementation = attn_implementation
     directory = None if path.parent == _shipped_folder() else path.parent
     return ModelSource(name=name, config=config, spec=spec, directory=directory)
@@ -105,18 +102,31 @@ def build_model(name_or_path: str, *, seed: int, only: set[int] | None = None,
     if len(metas) != len(source.spec.layers):
         raise AssertionError(f"{source.name}: {len(metas)} layers built, spec has {len(source.spec.layers)}")
     reader = WeightReader(source.directory) if source.directory and source.has_weights else None
+    tied = tied_names(source.config)
+    head = len(metas) - 1
+
+    def tensors_of(i: int) -> dict[str, torch.Tensor]:
+        if reader is not None:
+            return {p: reader.get(hf, where=f"layer {i}") for p, hf in names[i].items()}
+        return init_layer(metas[i], names[i], seed=seed, std=_init_std(source.config))
+
     layers: list[nn.Module | None] = []
     for i, meta in enumerate(metas):
         if i not in wanted:
             layers.append(None)
             continue
-        if reader is not None:
-            tensors = {p: reader.get(hf, where=f"layer {i}") for p, hf in names[i].items()}
-        else:
-            tensors = init_layer(meta, names[i], seed=seed, std=_init_std(source.config))
+        tensors = tensors_of(i)
+        if tied is not None and i == head:
+            # the head computes with the embedding's matrix: the very same parameter where this
+            # process holds the embedding too, else a copy of its values
+            shared = layers[0].get_parameter(tied[1]) if 0 in wanted else None  # type: ignore[union-attr]
+            if shared is None:
+                shared = nn.Parameter(tensors_of(0)[tied[1]].to(dtype), requires_grad=True)
+            owner_name, _, leaf = tied[0].rpartition(".")
+            setattr(meta.get_submodule(owner_name), leaf, shared)
         layers.append(materialize(meta, tensors, dtype=dtype, config=source.config))
     return LayerStack(layers=layers, config=source.config, spec=source.spec, names=names,
-                      source_dir=source.directory)
+                      source_dir=source.directory, tied=tied)
 
 
 def split_meta(config: Any) -> tuple[list[nn.Module], list[dict[str, str]], nn.Module | None]:
@@ -135,9 +145,24 @@ def split_meta(config: Any) -> tuple[list[nn.Module], list[dict[str, str]], nn.M
     metas += [Block(layer, rotary, attn_implementation=impl, sliding_window=sliding_window(config, k))
               for k, layer in enumerate(base.layers)]
     metas.append(Head(base.norm, model.lm_head))
-    hf_name = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    names = [{n: hf_name[id(p)] for n, p in m.named_parameters()} for m in metas]
+    hf_name: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        hf_name.setdefault(id(p), n)  # a tied matrix keeps its first (embedding) name
+    # a parameter is listed under the first layer that holds it: the tied LM head lists only its norm
+    seen: set[int] = set()
+    names: list[dict[str, str]] = []
+    for m in metas:
+        names.append({n: hf_name[id(p)] for n, p in m.named_parameters() if id(p) not in seen})
+        seen.update(id(p) for p in m.parameters())
     return metas, names, rotary
+
+
+def tied_names(config: Any) -> tuple[str, str] | None:
+    """For a model whose LM head computes with the token embedding matrix: (its name in the head
+    layer, its name in the embedding layer); None for untied models."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return None
+    return TIED
 
 
 def hf_name_maps(config: Any) -> list[dict[str, str]]:
@@ -202,6 +227,8 @@ def init_layer(meta: nn.Module, names: dict[str, str], *, seed: int, std: float)
     norm weights 1; each parameter from its own generator seeded by `param_seed(seed, name)`."""
     out: dict[str, torch.Tensor] = {}
     for name, param in meta.named_parameters():
+        if name not in names:  # another layer's (the tied LM head's embedding matrix)
+            continue
         owner_name, _, leaf = name.rpartition(".")
         owner = meta.get_submodule(owner_name)
         if "Norm" in type(owner).__name__:
@@ -223,6 +250,8 @@ def materialize(meta: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: tor
     """Give a meta layer real parameters (`tensors`, cast to `dtype`, no further copy) and real
     rotary buffers where a layer owns a rotary module (transformers 4.4x)."""
     for name, param in list(meta.named_parameters()):
+        if name not in tensors and not param.is_meta:  # already real (a tied matrix set by the caller)
+            continue
         value = tensors[name]
         if tuple(value.shape) != tuple(param.shape):
             raise InputError(f"parameter {name}: weights have shape {tuple(value.shape)}, "
@@ -297,7 +326,7 @@ def save_pretrained(stack_state: dict[int, dict[str, torch.Tensor]], config: Any
     if rank != 0:
         return
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    total = sum(p.numel() for m in metas for p in m.parameters()) * dtype.itemsize
+    total = sum({id(p): p.numel() for m in metas for p in m.parameters()}.values()) * dtype.itemsize  # tied: once
     weight_map = {hf: shard_name(i, n) for i, layer_names in enumerate(names) for hf in layer_names.values()}
     _write_atomic(out / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                indent=2, sort_keys=True) + "\n")

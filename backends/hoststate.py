@@ -137,7 +137,7 @@ class HostState:
 
     def __init__(self, params: dict[int, dict[str, torch.Tensor]], *, layout: str, compute_dtype: torch.dtype,
                  optim: AdamWConfig, pin: bool = False,
-                 grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS) -> None:
+                 grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, shared_grad: int | None = None) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown host memory layout {layout!r}; expected one of {LAYOUTS}")
         if sys.byteorder != "little":  # pragma: no cover - the planes assume little-endian fp32
@@ -147,6 +147,12 @@ class HostState:
         self.optim = optim
         self.pin = pin
         self.layers = tuple(sorted(params))
+        if shared_grad is not None and shared_grad not in params:
+            raise ValueError(f"shared_grad: layer {shared_grad} is not one of this rank's layers {list(self.layers)}")
+        # tied embeddings: the layer whose gradient arrives in two shares per step (its own GRAD_OUT
+        # and the head's, for the matrix they share); the first share is copied, the second added
+        self.shared_grad = shared_grad
+        self._shares: dict[int, int] = {}
         self._steps = {i: 0 for i in self.layers}
         self._index: dict[int, list[_Param]] = {}
         self._numel: dict[int, int] = {}
@@ -288,7 +294,23 @@ class HostState:
 
     # ---- GRAD_OUT --------------------------------------------------------------------------------
     def receive_grads(self, layer: int, grads: dict[str, torch.Tensor], *, non_blocking: bool = False) -> None:
-        """Copy `layer`'s accumulated gradients (any device, compute dtype) into host fp32 memory."""
+        """Copy `layer`'s accumulated gradients (any device, compute dtype) into host fp32 memory.
+
+        The `shared_grad` layer takes two shares per step (tied embeddings: the embedding's own
+        gradient and the head's gradient of the shared matrix, in either order): the first is
+        copied (parameters it lacks are zeroed), the second added in fp32."""
+        if layer == self.shared_grad:
+            got = self._shares.get(layer, 0)
+            if got >= 2:
+                raise ValueError(f"layer {layer}: a third gradient share before its OPT_STEP")
+            self._shares[layer] = got + 1
+            if got == 1:
+                dst = self._views(layer, self._grad_flat[layer] if self.layout == "replicated"
+                                  else self._slot_of[layer])
+                with torch.no_grad():
+                    for name, g in grads.items():
+                        dst[name].add_(g.to(dst[name].device, torch.float32))
+                return
         if self.layout == "replicated":
             dst = self._views(layer, self._grad_flat[layer])
         else:
@@ -306,6 +328,9 @@ class HostState:
         with torch.no_grad():
             for n, g in grads.items():
                 dst[n].copy_(g, non_blocking=non_blocking)
+            if layer == self.shared_grad:
+                for n in dst.keys() - grads.keys():
+                    dst[n].zero_()
 
     # ---- OPT_STEP --------------------------------------------------------------------------------
     def step(self, layer: int, *, keep_previous: bool = False) -> None:
@@ -314,6 +339,11 @@ class HostState:
         `keep_previous`: a LOAD may still ask for the version before this step (asynchronous
         optimizer, and that LOAD has not run yet); keep it uploadable until `drop_stale`.
         """
+        if layer == self.shared_grad:
+            if self._shares.get(layer, 0) != 2:
+                raise ValueError(f"layer {layer}: OPT_STEP with {self._shares.get(layer, 0)} of its 2 gradient "
+                                 "shares (its own GRAD_OUT and the tied head's)")
+            self._shares[layer] = 0
         if self.layout == "replicated":
             if keep_previous and self._upload_version[layer] != self._steps[layer]:
                 self._refresh_upload(layer)

@@ -68,7 +68,8 @@ class Interpreter:
     }
 
     def __init__(self, *, rank: int, schedule: Schedule, layers: list[nn.Module | None], host: HostState,
-                 comm: Comm | None, device: torch.device, hidden_size: int, staleness: int = 0) -> None:
+                 comm: Comm | None, device: torch.device, hidden_size: int, staleness: int = 0,
+                 tied: tuple[str, str] | None = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.layers = layers
@@ -80,6 +81,14 @@ class Interpreter:
         self.compute_dtype = host.compute_dtype
         self.owned = set(owned_layers(schedule, rank))
         self.last_layer = schedule.num_layers - 1
+        # tied embeddings: (the shared matrix's name in the head, in the embedding). The head's LOAD
+        # adds layer 0's matrix (same version) to its weights; its GRAD_OUT hands that matrix's
+        # gradient to layer 0's host gradient, which OPT_STEP 0 then applies (host.shared_grad)
+        self.tied = tied if tied is not None and self.last_layer > 0 and self.last_layer in self.owned else None
+        if self.tied is not None and 0 not in self.owned:
+            raise ExecutionError(f"rank {rank}: the model ties its LM head to the token embedding, so the head "
+                                 f"(layer {self.last_layer}) and the embedding (layer 0) must be on one GPU; "
+                                 f"this schedule puts them on GPUs {schedule.pack_gpu[-1]} and {schedule.pack_gpu[0]}")
         self.weights: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # layer -> (version, tensors)
         self.loads: dict[int, int] = {}  # layer -> LOADs not yet matched by an EVICT
         self.x: dict[Key, torch.Tensor] = {}
@@ -114,14 +123,22 @@ class Interpreter:
     def _load(self, a: Action, step: int) -> Done:
         assert a.layer is not None
         want = self.want_version(step)
-        self.weights[a.layer] = (want, self.host.load(a.layer, want, self.device,
-                                                      non_blocking=self.device.type == "cuda"))
+        nb = self.device.type == "cuda"
+        weights = self.host.load(a.layer, want, self.device, non_blocking=nb)
+        if self.tied is not None and a.layer == self.last_layer:
+            weights[self.tied[0]] = self.host.load(0, want, self.device, non_blocking=nb)[self.tied[1]]
+        self.weights[a.layer] = (want, weights)
         self.loads[a.layer] = self.loads.get(a.layer, 0) + 1
-        key = (a.layer, step)
-        self.pending_loads[key] = left = self.pending_loads.get(key, 1) - 1
-        if left <= 0 and self.host.version(a.layer) > want:
-            self.host.drop_stale(a.layer)  # the last upload of an older version
+        for layer in self.reads(a.layer):
+            key = (layer, step)
+            self.pending_loads[key] = left = self.pending_loads.get(key, 1) - 1
+            if left <= 0 and self.host.version(layer) > want:
+                self.host.drop_stale(layer)  # the last upload of an older version
         return None
+
+    def reads(self, layer: int) -> tuple[int, ...]:
+        """The layers whose host weights a LOAD of `layer` reads (a tied head also reads layer 0's)."""
+        return (layer, 0) if self.tied is not None and layer == self.last_layer else (layer,)
 
     def _evict(self, a: Action, step: int) -> Done:
         """Drop the layer's weights; a layer LOADed again before this EVICT stays until the next one."""
@@ -229,6 +246,9 @@ class Interpreter:
             raise self.fail(a, "no accumulated gradients (no BWD of this layer in this step)")
         for g in grads.values():
             self.use(g)
+        if self.tied is not None and a.layer == self.last_layer:
+            share = grads.pop(self.tied[0])
+            self.host.receive_grads(0, {self.tied[1]: share}, non_blocking=self.device.type == "cuda")
         self.host.receive_grads(a.layer, grads, non_blocking=self.device.type == "cuda")
         return None
 

@@ -149,10 +149,18 @@ class LayerStack:
     spec: ModelSpec
     names: list[dict[str, str]]  # per layer: parameter name in the layer -> Hugging Face state-dict name
     source_dir: Path | None = None
+    # tied embeddings: (the shared matrix's name in the head, its name in the embedding); the head's
+    # parameter is the embedding's own one where both are materialised, and is listed under layer 0 only
+    tied: tuple[str, str] | None = None
 
     def hf_names(self, i: int) -> dict[str, str]:
-        """Layer i's parameter names (as in `layers[i].named_parameters()`) -> Hugging Face names."""
+        """Layer i's own parameter names (as in `layers[i].named_parameters()`, less a tied head's
+        shared matrix, which is layer 0's) -> Hugging Face names."""
         return dict(self.names[i])
+
+    def own_parameters(self, i: int) -> list[tuple[str, nn.Parameter]]:
+        """Layer i's parameters that it owns (a tied head's embedding matrix is layer 0's)."""
+        return [(n, p) for n, p in self._layer(i).named_parameters() if n in self.names[i]]
 
     def owned(self) -> list[int]:
         """Indices of the layers materialised in this process."""
@@ -160,7 +168,7 @@ class LayerStack:
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         """The owned layers' parameters, {layer index: {name in layer: tensor}} (detached, not copied)."""
-        return {i: {n: p.detach() for n, p in layer.named_parameters()}
+        return {i: {n: p.detach() for n, p in self.own_parameters(i)}
                 for i, layer in enumerate(self.layers) if layer is not None}
 
     def load_state(self, state: dict[int, dict[str, torch.Tensor]]) -> None:

@@ -64,15 +64,17 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
         raise ValueError(f"async_staleness must be 0 or 1, got {async_staleness}")
     stack = build_model(model, seed=seed) if isinstance(model, str) else model
     masters = [_layer(stack, i) for i in range(len(stack.layers))]
-    optimizers = [layer_adamw(m.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-                  for m in masters]
-    workers = masters if dtype == torch.float32 else [copy.deepcopy(m).to(dtype) for m in masters]
+    own = [[n for n, _ in stack.own_parameters(i)] for i in range(len(masters))]
+    optimizers = [layer_adamw([m.get_parameter(n) for n in names], lr=lr, betas=betas, eps=eps,
+                              weight_decay=weight_decay) for m, names in zip(masters, own)]
+    # one deepcopy of the list keeps a tied matrix shared between the working copies too
+    workers = masters if dtype == torch.float32 else [w.to(dtype) for w in copy.deepcopy(masters)]
     losses: list[float] = []
     pending: list[list[torch.Tensor]] | None = None
     data = iter(batches)
     for _ in range(steps):
         step = next(data)
-        loss, grads = _forward_backward(workers, step)
+        loss, grads = _forward_backward(workers, own, step, tied=stack.tied)
         losses.append(loss)
         if async_staleness == 0:
             _apply(masters, optimizers, grads, workers)
@@ -82,7 +84,8 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
             pending = grads
     if pending is not None:
         _apply(masters, optimizers, pending, workers)
-    state = {i: {n: p.detach().clone() for n, p in m.named_parameters()} for i, m in enumerate(masters)}
+    state = {i: {n: m.get_parameter(n).detach().clone() for n in names} for i, (m, names) in
+             enumerate(zip(masters, own))}
     return ReferenceResult(losses=losses, state=state)
 
 
@@ -93,12 +96,23 @@ def _layer(stack: LayerStack, i: int) -> nn.Module:
     return layer
 
 
-def _forward_backward(workers: list[nn.Module], step: Step) -> tuple[float, list[list[torch.Tensor]]]:
-    """One step's loss and fp32 gradients (per layer, in `parameters()` order), summed over microbatches."""
+def _forward_backward(workers: list[nn.Module], own: list[list[str]], step: Step, *,
+                      tied: tuple[str, str] | None = None) -> tuple[float, list[list[torch.Tensor]]]:
+    """One step's loss and fp32 gradients (per layer, in `own` order), summed over microbatches.
+
+    Tied embeddings (`tied` = the matrix's name in the head, in the embedding): the head computes
+    with the embedding's matrix; the gradients of its two uses are summed over the step's
+    microbatches each, then added (embedding's + head's): the same sum as letting autograd add them
+    per microbatch, in the order a pipeline that accumulates per layer adds them, so that pipeline
+    training equals this bit for bit.
+    """
     denom = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in step)
     if denom == 0:
         raise ValueError("a step without any loss token (every label is -100)")
-    grads = [[torch.zeros(p.shape, dtype=torch.float32) for p in w.parameters()] for w in workers]
+    params = [[w.get_parameter(n) for n in names] for w, names in zip(workers, own)]
+    grads = [[torch.zeros(p.shape, dtype=torch.float32) for p in ps] for ps in params]
+    shared = workers[0].get_parameter(tied[1]) if tied is not None else None
+    head_share = None if shared is None else torch.zeros(shared.shape, dtype=torch.float32)
     total = 0.0
     for input_ids, labels in step:
         for w in workers:
@@ -106,13 +120,23 @@ def _forward_backward(workers: list[nn.Module], step: Step) -> tuple[float, list
         hidden = workers[0](input_ids)
         for w in workers[1:-1]:
             hidden = w(hidden)
-        loss = workers[-1](hidden, labels, denom)
+        if shared is None or tied is None:
+            loss = workers[-1](hidden, labels, denom)
+            alias = None
+        else:  # the head's use of the shared matrix through a leaf of its own (same values)
+            alias = shared.detach().requires_grad_()
+            loss = torch.func.functional_call(workers[-1], {tied[0]: alias}, (hidden, labels, denom),
+                                              strict=False)
         loss.backward()
         total += float(loss.detach())
-        for acc, w in zip(grads, workers):
-            for g, p in zip(acc, w.parameters()):
+        for acc, ps in zip(grads, params):
+            for g, p in zip(acc, ps):
                 if p.grad is not None:
                     g += p.grad.float()
+        if head_share is not None and alias is not None and alias.grad is not None:
+            head_share += alias.grad.float()
+    if head_share is not None and tied is not None:
+        grads[0][own[0].index(tied[1])] += head_share
     return total, grads
 
 
@@ -120,7 +144,8 @@ def _apply(masters: list[nn.Module], optimizers: list[torch.optim.AdamW], grads:
            workers: list[nn.Module]) -> None:
     """One AdamW update per layer with `grads`, then refresh the low-precision working copies."""
     for master, opt, acc, worker in zip(masters, optimizers, grads, workers):
-        for p, g in zip(master.parameters(), acc):
+        params = opt.param_groups[0]["params"]
+        for p, g in zip(params, acc):
             p.grad = g.to(p.dtype)
         opt.step()
         opt.zero_grad(set_to_none=True)

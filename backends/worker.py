@@ -196,15 +196,16 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     device = torch.device("cuda", local_rank) if job.backend == "cuda" else torch.device("cpu")
     layers = owned_layers(sched, rank)
     stack = build_model(job.model, seed=job.seed, only=set(layers))
+    shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
     host = HostState(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
-                     optim=job.optim, pin=device.type == "cuda")
+                     optim=job.optim, pin=device.type == "cuda", shared_grad=shared)
     for i in layers:
         _strip(stack.layers[i])  # type: ignore[arg-type]
     tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size)
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
                            microbatches=sched.microbatches, seed=job.seed)
     interp = Interpreter(rank=rank, schedule=sched, layers=stack.layers, host=host, comm=comm, device=device,
-                         hidden_size=stack.spec.hidden_size, staleness=job.staleness)
+                         hidden_size=stack.spec.hidden_size, staleness=job.staleness, tied=stack.tied)
     actions = rank_actions(sched, rank)
     by_prefix: dict[int, list[Any]] = {}  # n -> this rank's actions of iterations 0..n-1
     ledger = Ledger(static={d: b for d, b in sched.static_bytes})

@@ -329,3 +329,22 @@ def test_random_policies_compile_to_valid_schedules(case: tuple[Policy, ModelSpe
     validate(sched)
     assert counts_ok(sched)
     assert all(d < a.id for a in sched.actions for d in a.deps)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_tied_model_puts_the_head_on_the_embeddings_gpu(preset: str) -> None:
+    """Tied embeddings: whatever mapping the policy chooses, the last pack runs on pack 0's GPU
+    (the real backend keeps the shared matrix's master on that rank); untied models are unchanged."""
+    policy = PRESETS[preset].replace(packing=(2, 2, 2, 2), mapping="round-robin", microbatches=2)
+    tied = compile_schedule(policy, toy_model(8, tied=True), toy_hardware(2), toy_trace(), iterations=2)
+    validate(tied)
+    assert tied.pack_gpu == (0, 1, 0, 0)
+    untied = compile_schedule(policy, toy_model(8), toy_hardware(2), toy_trace(), iterations=2)
+    assert untied.pack_gpu == (0, 1, 0, 1)
+
+
+def test_tied_model_refuses_an_explicit_mapping_that_splits_head_and_embedding() -> None:
+    policy = PRESETS["tinypipe"].replace(packing=(4, 4), mapping=(0, 1), microbatches=2)
+    with pytest.raises(InputError, match=r"^policy 'tinypipe': mapping: .*ties its LM head") as info:
+        compile_schedule(policy, toy_model(8, tied=True), toy_hardware(2), toy_trace(), iterations=2)
+    assert "\n" not in str(info.value)

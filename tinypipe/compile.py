@@ -46,7 +46,8 @@ def make_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     if not model.layers:
         raise InputError(f"model {model.name!r} has no layers")
     w = workload(policy, model, hardware, trace, cost=cost)
-    sizes, mapping = resolve(policy, w, hardware, model_name=f"model {model.name!r}")
+    sizes, mapping = resolve(policy, w, hardware, model_name=f"model {model.name!r}",
+                            tied=model.tied_embeddings and len(model.layers) > 1)
     kept, pinned = residency(policy, w, sizes, mapping)
     starts = [sum(sizes[:s]) for s in range(len(sizes))]
     plan = Plan(

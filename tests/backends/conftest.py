@@ -19,6 +19,9 @@ TINY_QWEN3 = {
     "tie_word_embeddings": False, "attention_bias": False, "initializer_range": 0.02,
 }
 
+# The same with its LM head tied to the token embedding (tie_word_embeddings, as Qwen3-1.7B).
+TINY_QWEN3_TIED = {**TINY_QWEN3, "tie_word_embeddings": True}
+
 
 def fixed_cpu_hardware(n: int) -> Hardware:
     """N stand-in devices with fixed (not measured) rates, so compiled schedules are reproducible."""
@@ -36,6 +39,14 @@ def qwen3_config(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Path of a tiny Qwen3 config.json (trained from a seeded random initialisation)."""
     path = Path(tmp_path_factory.mktemp("models")) / "tiny-qwen3.json"
     path.write_text(json.dumps(TINY_QWEN3))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tied_config(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path of a tiny tied-embedding Qwen3 config.json (seeded random initialisation)."""
+    path = Path(tmp_path_factory.mktemp("models")) / "tiny-qwen3-tied.json"
+    path.write_text(json.dumps(TINY_QWEN3_TIED))
     return str(path)
 
 

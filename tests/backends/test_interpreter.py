@@ -184,6 +184,50 @@ def test_async_optimizer_matches_the_one_step_late_reference(model: str, ranks: 
     assert_same_training(results, reference(model, 6, staleness=1))
 
 
+TIED_MATRIX = [
+    pytest.param(dict(packing=(1, 1, 1, 1, 1), mapping=(0, 1, 0, 1, 0), swap="layer", host_memory="compact"), 0,
+                 id="layer-compact-sync"),
+    pytest.param(dict(packing=(2, 2, 1), mapping=(0, 1, 0), swap="pack", host_memory="replicated"), 0,
+                 id="pack-replicated-sync"),
+    pytest.param(dict(packing=(1, 1, 1, 1, 1), mapping=(0, 1, 0, 1, 0), swap="layer", host_memory="replicated",
+                      optimizer="async"), 1, id="layer-replicated-async"),
+    pytest.param(dict(packing=(2, 2, 1), mapping=(0, 1, 0), swap="pack", host_memory="compact", optimizer="async"),
+                 1, id="pack-compact-async"),
+]
+
+
+@pytest.mark.parametrize(("changes", "staleness"), TIED_MATRIX)
+def test_tied_embeddings_train_bit_for_bit_like_the_reference(changes: dict, staleness: int,
+                                                              tied_config: str) -> None:
+    """A tied model (the head computes with the embedding matrix; head and embedding on GPU 0):
+    five steps through the pipeline (windows of 3 + 2) give exactly the reference's losses and
+    weights, both host layouts, both swap modes, sync and async optimizer."""
+    policy = PRESETS["tinypipe"].replace(**{"optimizer": "sync", **changes})
+    sched = compiled(tied_config, policy, 2)
+    assert sched.pack_gpu[0] == sched.pack_gpu[-1]
+    results = run_threads(job(tied_config, sched, 5, staleness=staleness), 2)
+    ref = reference(tied_config, 5, staleness=staleness)
+    assert_same_training(results, ref)
+    losses = {k: v for r in results for k, v in r.losses.items()}
+    masters = {i: t for r in results for i, t in r.masters.items()}
+    assert [losses[k] for k in sorted(losses)] == ref.losses
+    assert sorted(masters[4]) == ["norm.weight"]  # the tied matrix is layer 0's only
+    for i, tensors in ref.state.items():
+        for name, want in tensors.items():
+            assert torch.equal(masters[i][name], want), f"layer {i} {name}"
+
+
+def test_tied_head_away_from_the_embedding_is_refused() -> None:
+    """A rank given the tied head without the embedding (a schedule not compiled for the tied
+    model) fails at once, naming both GPUs."""
+    sched = build([[0, 1, 2], [3, 4]], [0, 1], microbatches=1, iterations=1)
+    host = HostState({3: {"w": torch.zeros(2)}, 4: {"w": torch.zeros(2)}}, layout="replicated",
+                     compute_dtype=torch.float32, optim=OPTIM)
+    with pytest.raises(ExecutionError, match="must be on one GPU.*GPUs 1 and 0"):
+        Interpreter(rank=1, schedule=sched, layers=[None] * 5, host=host, comm=None, device=torch.device("cpu"),
+                    hidden_size=4, tied=("lm_head.weight", "embed_tokens.weight"))
+
+
 def test_bf16_compute_trains_close_to_the_reference() -> None:
     """With bf16 compute the compact layout uploads the truncated high plane: losses stay close to
     the bf16 reference (not equal: the reference rounds, and accumulates gradients in fp32)."""

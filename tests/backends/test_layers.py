@@ -152,10 +152,35 @@ def test_save_pretrained_loads_in_transformers_and_streams_back(tmp_path: Path) 
     assert WeightReader(out).weight_map["lm_head.weight"] == shard_name(3, 4)
 
 
-def test_tied_embeddings_are_refused_in_one_line() -> None:
-    """A tied model (Qwen3-1.7B) is a user-facing error, not a crash."""
-    with pytest.raises(UnsupportedModelError, match=r"^tied embeddings are not supported by `run` yet: "):
-        build_model("qwen3-1.7b", seed=0, only=set())
+def test_tied_embeddings_share_one_matrix_listed_under_the_embedding(tmp_path: Path, tied_config: str) -> None:
+    """A tied model (as Qwen3-1.7B): the head's LM head weight is the embedding's parameter, listed
+    once (layer 0) in `state()` and the name maps; a head built alone gets the same values; the
+    composed loss equals Hugging Face's; `save_pretrained` writes a checkpoint that
+    `from_pretrained` loads tied, with the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    stack = build_model(tied_config, seed=0)
+    head = len(stack.layers) - 1
+    assert stack.tied == ("lm_head.weight", "embed_tokens.weight")
+    assert stack.layers[head].lm_head.weight is stack.layers[0].embed_tokens.weight
+    assert stack.hf_names(head) == {"norm.weight": "model.norm.weight"}
+    assert stack.hf_names(0) == {"embed_tokens.weight": "model.embed_tokens.weight"}
+    assert sorted(stack.state()[head]) == ["norm.weight"]
+    alone = build_model(tied_config, seed=0, only={head})
+    assert torch.equal(alone.layers[head].lm_head.weight, stack.layers[0].embed_tokens.weight)
+    out = tmp_path / "saved"
+    save_pretrained(stack.state(), stack.config, out, rank=0, world=1)
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, stack.layers[0].embed_tokens.weight)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(ids).logits, stack.logits(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_shipped_tied_model_builds_its_structure() -> None:
+    """Qwen3-1.7B (tied) is no longer refused; building no layer costs nothing."""
+    stack = build_model("qwen3-1.7b", seed=0, only=set())
+    assert stack.tied is not None and stack.owned() == []
 
 
 def test_unsupported_family_is_refused() -> None:

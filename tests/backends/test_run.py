@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import TINY_QWEN3, fixed_cpu_hardware  # noqa: E402
+from conftest import TINY_QWEN3, TINY_QWEN3_TIED, fixed_cpu_hardware  # noqa: E402
 from tinypipe.backends import checkpoint  # noqa: E402
 from tinypipe.backends.data import ByteTokenizer, make_batches  # noqa: E402
 from tinypipe.backends.launch import WorkerError, launch  # noqa: E402
@@ -77,6 +77,30 @@ def test_run_trains_two_processes_saves_and_traces(tmp_path: Path, capfd: pytest
             torch.testing.assert_close(saved[names[i][n]].detach(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_run_trains_a_tied_model_and_saves_it_tied(tmp_path: Path, tied_config: str,
+                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    """`tinypipe run --gpus 2` on a tied model (mapping chosen by the policy: the head joins the
+    embedding's GPU) saves a model that `from_pretrained` loads tied, with exactly the reference's
+    trained weights."""
+    from tinypipe.backends.hf import build_model
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    pol = policy_file(tmp_path, packing=[1, 2, 1, 1], mapping="round-robin")
+    code = cli_main(["run", "--gpus", "2", "--model", tied_config, "--policy", pol, "--steps", "4",
+                     "--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), "--out", str(out)])
+    captured = capfd.readouterr()
+    assert code == 0, captured.err
+    ref = reference(tied_config, 4)
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = build_model(tied_config, seed=0, only=set()).names
+    saved = dict(model.named_parameters())
+    for i, tensors in ref.state.items():
+        for n, want in tensors.items():
+            assert torch.equal(saved[names[i][n]].detach(), want), (i, n)
+
+
 def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen3_config: str) -> None:
     """A Qwen3 on 3 processes (replicated host, pack swap) stops after 2 of 5 steps, leaving a
     checkpoint; `--resume` continues: losses and final weights equal the uninterrupted reference."""
@@ -131,6 +155,7 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path) -
     (["--resume", "--out", "EMPTY_DIR"], "no checkpoint"),
     (["--out", "EARLIER_RUN"], "already holds an earlier run"),
     (["--model", "MODEL_DIR_WITHOUT_WEIGHTS"], "no model weights"),
+    (["--model", "TIED_MODEL", "--policy", "POLICY_TIED_APART"], "mapping: .*ties its LM head"),
 ])
 def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,11 +166,16 @@ def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: s
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(TINY_QWEN3))
+    tied_dir = tmp_path / "tied"
+    tied_dir.mkdir()
+    tied = tied_dir / "tied.json"
+    tied.write_text(json.dumps(TINY_QWEN3_TIED))
     earlier = tmp_path / "earlier"
     earlier.mkdir()
     (earlier / "config.json").write_text("{}")  # a saved model: a new run must not overwrite it
     subst = {"DATA_NOT_JSONL": str(bad_data), "POLICY_TOO_MANY_LAYERS": policy_file(tmp_path, packing=[4, 3]),
-             "EMPTY_DIR": str(tmp_path), "MODEL_DIR_WITHOUT_WEIGHTS": str(model_dir), "EARLIER_RUN": str(earlier)}
+             "EMPTY_DIR": str(tmp_path), "MODEL_DIR_WITHOUT_WEIGHTS": str(model_dir), "EARLIER_RUN": str(earlier),
+             "TIED_MODEL": str(tied), "POLICY_TIED_APART": policy_file(tied_dir, packing=[2, 2, 1], mapping=[0, 0, 1])}
     args = parse(*[subst.get(a, a) for a in argv])
     with pytest.raises(InputError, match=match) as info:
         make_plan(args)

@@ -10,10 +10,16 @@ from tinypipe.policy.mapping import cross, round_robin
 from tinypipe.policy.policy import Policy
 
 
-def resolve(policy: Policy, w: Workload, hardware: Hardware, *,
-            model_name: str = "the model") -> tuple[tuple[int, ...], tuple[int, ...]]:
+def resolve(policy: Policy, w: Workload, hardware: Hardware, *, model_name: str = "the model",
+            tied: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(pack sizes, GPU of each pack). A policy that cannot apply to this model or hardware is an
-    InputError naming the policy field."""
+    InputError naming the policy field.
+
+    `tied`: the model's LM head computes with the token embedding matrix, so the last pack (the
+    head) runs on the GPU of the first pack (the embedding): the real backend keeps the shared
+    matrix's master and optimizer state on that one rank. Chosen mappings are adjusted (the last
+    pack moves to pack 0's GPU); an explicit mapping that splits them is an error.
+    """
     n_layers, n_gpus = w.num_layers, w.num_gpus
 
     def bad(field: str, why: str) -> InputError:
@@ -29,6 +35,9 @@ def resolve(policy: Policy, w: Workload, hardware: Hardware, *,
         if len(explicit) > n_layers:
             raise bad("mapping", f"{len(explicit)} packs mapped, but {model_name} has only {n_layers} layers")
         counts = [len(explicit)]
+        if tied and len(explicit) > 1 and explicit[-1] != explicit[0]:
+            raise bad("mapping", f"{model_name} ties its LM head to the token embedding, so the last pack "
+                      f"must run on the first pack's GPU ({explicit[0]}), not on GPU {explicit[-1]}")
 
         def mapper(n: int) -> tuple[int, ...]:
             if n != len(explicit):
@@ -40,6 +49,13 @@ def resolve(policy: Policy, w: Workload, hardware: Hardware, *,
     else:
         def mapper(n: int) -> tuple[int, ...]:
             return cross(n, hardware)
+
+    if tied:
+        chosen = mapper
+
+        def mapper(n: int) -> tuple[int, ...]:
+            m = chosen(n)
+            return m if len(m) < 2 else (*m[:-1], m[0])
 
     times = w.layer_time_s
     spec = policy.packing
