@@ -23,12 +23,11 @@ from pathlib import Path
 from _common import machine, write_json
 from tinypipe.sim import simulate
 
-from tinypipe.compile import compile_schedule
-from tinypipe.cost import CostModel, estimate, workload
+from tinypipe.compile import compile_schedule, make_plan
+from tinypipe.cost import CostModel, estimate
 from tinypipe.hardware import load_hardware
 from tinypipe.model import load_model
 from tinypipe.policy import PRESETS
-from tinypipe.policy.resolve import residency, resolve
 from tinypipe.table import render
 from tinypipe.trace import trace_for
 
@@ -59,10 +58,9 @@ def estimates(cs: list[dict], cost: CostModel) -> list[float]:
     est = []
     for c in cs:
         p, model, hw, trace = c["args"]
-        w = workload(p, model, hw, trace, cost=cost)
-        sizes, mapping = resolve(p, w, hw)
-        kept, _ = residency(p, w, sizes, mapping)
-        est.append(estimate(w, sizes, mapping, kept=kept).iteration_s)
+        plan, w = make_plan(p, model, hw, trace, iterations=1, cost=cost)
+        sizes = tuple(len(x) for x in plan.pack_layers)
+        est.append(estimate(w, sizes, plan.pack_gpu, kept=plan.kept).iteration_s)
     return est
 
 
