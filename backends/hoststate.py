@@ -104,19 +104,13 @@ def _pin(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
-def join_planes(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """fp32 `out` (flat, n) <- high and low 16-bit planes (int16, n each), on any one device."""
+def join_planes_on(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """fp32 `out` (flat, n) <- int16 planes on any device (a GPU join after uploading both planes);
+    on the host, `planes.join` is the vectorized version."""
     o = out.view(torch.int16).view(-1, 2)
     o[:, 0].copy_(lo, non_blocking=True)
     o[:, 1].copy_(hi, non_blocking=True)
     return out
-
-
-def split_planes(src: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
-    """High and low 16-bit planes (int16, n each) <- fp32 `src` (flat, n)."""
-    s = src.view(torch.int16).view(-1, 2)
-    hi.copy_(s[:, 1])
-    lo.copy_(s[:, 0])
 
 
 class _Param:
@@ -227,7 +221,7 @@ class HostState:
 
     def _split(self, layer: int, p: _Param, src: torch.Tensor) -> None:
         hi, lo = self._planes(layer, p)
-        split_planes(src, hi, lo)
+        planes.split(src, hi, lo)
 
     # ---- versions --------------------------------------------------------------------------------
     def version(self, layer: int) -> int:
@@ -280,9 +274,9 @@ class HostState:
                 out[p.name] = _to(h.view(torch.bfloat16).view(p.shape), device, non_blocking)
                 continue
             if device.type == "cpu":
-                t = join_planes(h, low, torch.empty(p.numel, dtype=torch.float32))
+                t = planes.join(h, low, torch.empty(p.numel, dtype=torch.float32))
             else:  # move both planes, join on the device
-                t = join_planes(_to(h, device, non_blocking), _to(low, device, non_blocking),
+                t = join_planes_on(_to(h, device, non_blocking), _to(low, device, non_blocking),
                                 torch.empty(p.numel, dtype=torch.float32, device=device))
             out[p.name] = t.view(p.shape).to(self.compute_dtype)
         return out
@@ -390,7 +384,7 @@ class HostState:
         if self.layout == "replicated":
             return {n: t.detach().clone() for n, t in self._master[layer].items()}
         hi, lo = self._planes(layer)
-        flat = join_planes(hi, lo, torch.empty(self._numel[layer], dtype=torch.float32))
+        flat = planes.join(hi, lo, torch.empty(self._numel[layer], dtype=torch.float32))
         return self._views(layer, flat)
 
     def masters(self) -> dict[int, dict[str, torch.Tensor]]:

@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.hoststate import AdamWConfig, HostState, join_planes, split_planes  # noqa: E402
+from tinypipe.backends.hoststate import AdamWConfig, HostState, join_planes_on  # noqa: E402
+from tinypipe.backends.planes import split  # noqa: E402
 from tinypipe.backends.reference import layer_adamw  # noqa: E402
 
 from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes  # noqa: E402
@@ -59,8 +60,8 @@ def test_planes_round_trip_and_high_plane_is_truncated_bf16() -> None:
     the high plane, read as bf16, is the value truncated to bf16."""
     x = torch.cat([torch.randn(1000), torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, 3.4e38])])
     hi, lo = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel(), dtype=torch.int16)
-    split_planes(x, hi, lo)
-    back = join_planes(hi, lo, torch.empty_like(x))
+    split(x, hi, lo)
+    back = join_planes_on(hi, lo, torch.empty_like(x))
     assert torch.equal(back.view(torch.int32), x.view(torch.int32))
     truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)
     assert torch.equal(hi.view(torch.bfloat16).float().view(torch.int32), truncated.view(torch.int32))
