@@ -64,6 +64,11 @@ class DistComm:
                     if src != dst:
                         self.groups[(src, dst)] = dist.new_group([src, dst])
 
+    def close(self) -> None:
+        """Wait for the helper threads (gloo): none may be inside a Work when the group is destroyed."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
     def _handle(self, work: Any) -> Handle:
         return work if self.pool is None else _Waited(self.pool.submit(work.wait))  # type: ignore[no-any-return]
 

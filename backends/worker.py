@@ -303,6 +303,10 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
             tmp = f"{result_path}.part{os.getpid()}"
             torch.save(results, tmp)
             os.replace(tmp, result_path)
+        # Orderly teardown: no helper thread inside a gloo Work, and no rank destroying its groups
+        # while a peer still uses them (a rank once died with SIGABRT at exit without this).
+        comm.close()
+        group.barrier()
     finally:
         if main:  # done: a late Ctrl-C must not kill the exiting process (Python restores SIG_DFL at exit)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
