@@ -17,7 +17,7 @@ from tinypipe.sim.evaluate import SimEvaluator
 
 from tinypipe.hardware import load_hardware
 from tinypipe.model import load_model
-from tinypipe.search import Workload, search
+from tinypipe.search import SearchTarget, search
 from tinypipe.table import gib, render
 
 CASES = (("llama-3.1-70b", "rtx4090x8-pcie4"), ("llama-3.1-8b", "rtx4090x1"))
@@ -32,7 +32,7 @@ def main() -> None:
     rows = []
     for model_name, hw_name in CASES:
         model, hw = load_model(model_name), load_hardware(hw_name)
-        w = Workload(model, hw, args.seq_len, args.batch_sequences)
+        w = SearchTarget(model, hw, args.seq_len, args.batch_sequences)
         t0 = time.perf_counter()
         r = search(w, SimEvaluator(model, hw, args.seq_len), workers=args.workers)
         wall = time.perf_counter() - t0

@@ -19,7 +19,7 @@ from tinypipe.errors import TinypipeError
 from tinypipe.hardware import load_hardware, shipped_hardware
 from tinypipe.model import load_model
 from tinypipe.policy import PRESETS
-from tinypipe.search import Workload, search
+from tinypipe.search import SearchTarget, search
 from tinypipe.table import render
 from tinypipe.trace import trace_for
 
@@ -52,7 +52,7 @@ def main() -> None:
             row = {"model": model_name, "hardware": hw_name}
             for name in ("resident", "mobius", "tinypipe"):
                 row[name] = _preset(name, model, hw, args.seq_len, args.batch_sequences)
-            w = Workload(model, hw, args.seq_len, args.batch_sequences)
+            w = SearchTarget(model, hw, args.seq_len, args.batch_sequences)
             s = search(w, SimEvaluator(model, hw, args.seq_len), workers=args.workers)
             row["searched"] = s.winner.to_json() if s.winner else {"fits": False, "why": "; ".join(s.advice),
                                                                    "tokens_per_s": 0.0}

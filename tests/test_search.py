@@ -5,11 +5,11 @@ from __future__ import annotations
 from tinypipe.hardware import load_hardware
 from tinypipe.model import load_model
 from tinypipe.policy import Policy
-from tinypipe.search import Evaluation, SearchSpace, Workload, lower_bound, search, stage1
+from tinypipe.search import Evaluation, SearchSpace, SearchTarget, lower_bound, search, stage1
 
 
-def _w(**kw: object) -> Workload:
-    return Workload(load_model("llama-3.1-8b"), load_hardware("rtx4090x8-pcie4"), 2048, 8, **kw)  # type: ignore[arg-type]
+def _w(**kw: object) -> SearchTarget:
+    return SearchTarget(load_model("llama-3.1-8b"), load_hardware("rtx4090x8-pcie4"), 2048, 8, **kw)  # type: ignore[arg-type]
 
 
 SMALL = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(2, 4), packers=("holistic",), swaps=("layer", "pack"),
@@ -20,7 +20,7 @@ SMALL = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(2, 4), packers=("holist
 class FakeEvaluator:
     """Iteration time = lower bound x a factor from the policy; GPU bytes grow with pack size."""
 
-    def __init__(self, w: Workload) -> None:
+    def __init__(self, w: SearchTarget) -> None:
         self.w = w
         self.calls: list[str] = []
 
@@ -98,7 +98,7 @@ def test_simulated_search_is_the_same_serial_and_parallel() -> None:
     from tinypipe.sim.evaluate import SimEvaluator
 
     model, hw = load_model("tiny-llama"), load_hardware("h200x2")
-    w = Workload(model, hw, 64, 4)
+    w = SearchTarget(model, hw, 64, 4)
     space = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(1, 3), packers=("holistic",), recompute=(True,),
                         activation_homes=("gpu",), prefetch_depths=(1,), host_layouts=("compact",))
     serial = search(w, SimEvaluator(model, hw, 64), space=space, workers=1)

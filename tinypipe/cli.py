@@ -302,7 +302,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from tinypipe import table
     from tinypipe.hardware import load_hardware
     from tinypipe.model import load_model
-    from tinypipe.search import SearchSpace, Workload, describe, search
+    from tinypipe.search import SearchSpace, SearchTarget, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
     from tinypipe.units import parse_bytes
 
@@ -312,7 +312,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         raise InputError(f"--batch-tokens: {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
     model = load_model(args.model)
     hw = load_hardware(args.hardware)
-    w = Workload(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
+    w = SearchTarget(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
                  gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                  host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None)
     workers = args.workers or (os.cpu_count() or 1)

@@ -33,7 +33,7 @@ from tinypipe.trace import trace_for
 
 
 @dataclass(frozen=True)
-class Workload:
+class SearchTarget:
     """What is being searched for: a model on a server, with a global batch and optional tighter limits."""
 
     model: ModelSpec
@@ -102,7 +102,7 @@ class SearchSpace:
 class SearchResult:
     """Every evaluation (ranked), what was pruned, and the winner (None when nothing fits)."""
 
-    workload: Workload
+    workload: SearchTarget
     ranked: list[Evaluation]
     pruned: int  # never evaluated: their lower bound exceeded the best time found
     considered: int
@@ -137,7 +137,7 @@ def _dominates(a: Evaluation, b: Evaluation) -> bool:
 
 # ---- candidates ------------------------------------------------------------------------------------
 
-def stage1(w: Workload, space: SearchSpace) -> list[Policy]:
+def stage1(w: SearchTarget, space: SearchSpace) -> list[Policy]:
     """Structural candidates: packing x microbatch size x swap mode x recompute/activation home."""
     out: list[Policy] = []
     blocks = w.model.num_blocks
@@ -179,7 +179,7 @@ def stage2(best: Sequence[Policy], space: SearchSpace) -> list[Policy]:
 
 # ---- bounds ----------------------------------------------------------------------------------------
 
-def lower_bound(w: Workload, p: Policy) -> tuple[float, str]:
+def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     """A lower bound on the iteration time of `p` (seconds), and a reason when it cannot fit at all.
 
     max of: all compute spread perfectly over the GPUs; every non-resident layer uploaded twice
@@ -209,7 +209,7 @@ def lower_bound(w: Workload, p: Policy) -> tuple[float, str]:
 
 # ---- the search ------------------------------------------------------------------------------------
 
-def search(w: Workload, evaluate: Evaluator, *, space: SearchSpace | None = None, beam: int = 3,
+def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = None, beam: int = 3,
            workers: int = 1, progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """Find the fastest fitting policy for `w`; see the module docstring for the method."""
     space = space or SearchSpace()
@@ -244,7 +244,7 @@ def search(w: Workload, evaluate: Evaluator, *, space: SearchSpace | None = None
     return result
 
 
-def _evaluate_bounded(w: Workload, cands: list[Policy], evaluate: Evaluator, prior: list[Evaluation],
+def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator, prior: list[Evaluation],
                       pool: ProcessPoolExecutor | None, workers: int,
                       progress: Callable[[int, int], None] | None) -> tuple[list[Evaluation], int, int]:
     """Evaluate candidates in order of their lower bound, in batches, pruning once bounds pass the best."""
@@ -286,7 +286,7 @@ def describe(p: Policy) -> str:
             f"{', acts on host' if p.activation_home == 'host' else ''}, {p.host_memory}, {p.optimizer}")
 
 
-def advise(w: Workload, ranked: list[Evaluation]) -> list[str]:
+def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
     """When nothing fits: which memory falls short, by how much, and the smallest change that fits."""
     from tinypipe.table import gib
 

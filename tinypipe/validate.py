@@ -223,7 +223,6 @@ class _Checker:
         self.linear = sorted(range(n), key=lambda x: (self.rank[x], x))  # one valid execution order
 
     def cross_gpu(self) -> None:
-        last = self.s.num_layers - 1
         for a in self.acts:
             g = resource_gpu(a.resource)
             for d in a.deps:
@@ -232,13 +231,9 @@ class _Checker:
                 if g is not None:
                     if h == g or (h is None and b.kind is Kind.OPT_STEP and self.owner.get(b.layer) == g):  # type: ignore[arg-type]
                         continue
-                    if h is None and b.layer == 0 and a.layer == last:  # tied embedding: head on embed's step
-                        continue
                 else:
                     own = self.owner.get(a.layer)  # type: ignore[arg-type]
                     if h == own or (h is None and self.owner.get(b.layer) == own):  # type: ignore[arg-type]
-                        continue
-                    if a.layer == 0 and b.layer == last:  # tied embedding: embed's step on the head
                         continue
                 where = "the host" if h is None else f"g{h}"
                 self.fail(f"cross-GPU dependency: {self.name(a.id)} depends on {self.name(d)} on {where}; "
