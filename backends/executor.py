@@ -4,32 +4,45 @@
 and runs them through an `Interpreter`. Dependencies on actions outside the window are taken as met (an
 earlier window finished them, or another rank's half of a SEND / RECV pair).
 
-CPU: one loop repeatedly starts the lowest-id action that heads its resource's list and whose
-dependencies have finished; SEND / RECV run asynchronously and finish when their transfer does.
-CUDA: the same loop *issues* actions instead: each resource is a stream, each dependency an event
-the stream waits for; OPT_STEP runs on the host once the events it depends on (and the uploads of
-its layer still in flight) have completed.
+One loop *issues* actions: it repeatedly takes the lowest-id action that heads its resource's list
+and whose dependencies are available, and hands it to the rank's `Streams` (`streams.py`): each
+resource is a stream, each dependency an event the stream waits for. On the CPU stand-in the work
+runs as it is issued; on CUDA it is enqueued and the loop goes on. The host blocks only where the
+schedule needs it:
+- OPT_STEP runs on the rank's host worker thread (`hostwork.py`), which first waits for the device
+  work the step reads; actions that depend on a step wait until it has finished.
+- Transfers whose handle the host must poll (gloo) hold their stream until they complete.
+- The loop keeps at most RUNAHEAD_COMPUTE FWD / BWD in flight on the device: a freed block that
+  another stream used is reusable only once the device has passed it, so a host running far ahead
+  would make the caching allocator hold more than the schedule's ledger says.
 
-Every action is timed into `tinypipe.timeline.Record`s (CPU: `time.perf_counter`, CUDA: events),
-the schedule's memory effects are applied to a `Ledger`, and the executed per-resource order kept.
+Every action is timed into `tinypipe.timeline.Record`s (the streams' markers; the host clock for
+OPT_STEP), the schedule's memory effects are applied to a `Ledger`, and the executed per-resource
+order kept.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import torch
 
 from tinypipe.schedule import Action, Kind
 from tinypipe.timeline import Record
 
 from .comm import Handle
+from .hostwork import HostWorker
 from .interpreter import ExecutionError, Interpreter, StepData
+from .streams import make_streams
 
 STUCK_S = 300.0  # no progress for this long: report what each resource waits for
+# FWD / BWD the host may have issued beyond the oldest one the device has not finished. Each is
+# milliseconds of GPU work and under a millisecond of issuing, so 2 keeps the device fed.
+RUNAHEAD_COMPUTE = 2
+_COMPUTE = (Kind.FWD, Kind.BWD)
 
 
 @dataclass
@@ -76,11 +89,12 @@ class RunLog:
 
 
 def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, StepData], *, shift: int = 0,
-                ledger: Ledger | None = None, id_stride: int = 0) -> RunLog:
+                ledger: Ledger | None = None, id_stride: int = 0, host_worker: HostWorker | None = None) -> RunLog:
     """Run `actions` (one rank's, in schedule order) for steps `a.iteration + shift`.
 
     `data` holds the input of each step. Timeline record ids are `a.id + shift * id_stride`, so
     that windows repeating the schedule stay distinct (`id_stride`: the schedule's length).
+    `host_worker` runs the OPT_STEPs (one is made for the window when None).
     """
     interp.data = data
     ledger = ledger if ledger is not None else Ledger()
@@ -94,70 +108,110 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
             for layer in interp.reads(a.layer):  # type: ignore[arg-type]
                 loads_left[(layer, a.iteration + shift)] += 1
     interp.pending_loads = dict(loads_left)
-    cuda = interp.device.type == "cuda"
+    streams = make_streams(interp.device, kept=interp.streams, memory=interp.device_bytes)
+    interp.use = streams.use
+    worker = host_worker if host_worker is not None else HostWorker()
     log = RunLog()
-    timer = _CudaTimer(interp) if cuda else None
-    done: set[int] = set()
-    running: dict[str, tuple[Action, tuple[Handle, Callable[[], None]], float]] = {}
+    available: set[int] = set()  # dependents may be issued after these
+    running: dict[str, tuple[Action, tuple[Handle, Callable[[], None]]]] = {}  # transfers the host polls
+    on_host: dict[int, tuple[Action, Future[tuple[float, float]]]] = {}  # OPT_STEPs submitted, not finished
+    host_times: dict[int, tuple[float, float]] = {}
+    in_flight: deque[int] = deque()  # FWD / BWD issued and maybe not finished on the device
+    reads_in_flight: dict[int, list[int]] = defaultdict(list)  # layer -> LOADs reading its host weights
+    finished: list[int] = []  # ids in the order they finished (host view)
     idle_since = time.perf_counter()
-    action_ids: list[int] = []  # parallel to log.records
+
+    def finish(a: Action) -> None:
+        ledger.end(a)
+        available.add(a.id)
+        finished.append(a.id)
+        log.memory.append((time.perf_counter(), streams.memory_allocated()))
 
     def ready(a: Action) -> bool:
-        return all(d in done or d not in by_id for d in a.deps)
+        if not all(d in available or d not in by_id for d in a.deps):
+            return False
+        if a.kind in _COMPUTE and len(in_flight) >= RUNAHEAD_COMPUTE:
+            while in_flight and streams.done(in_flight[0]):
+                in_flight.popleft()
+            return len(in_flight) < RUNAHEAD_COMPUTE
+        return True
 
-    def finish(a: Action, t0: float) -> None:
-        t1 = time.perf_counter()
-        ledger.end(a)
-        done.add(a.id)
-        action_ids.append(a.id)
-        step = a.iteration + shift
+    try:
+        while queues or running or on_host:
+            progressed = False
+            for res, (a, (handle, on_done)) in list(running.items()):
+                if handle.is_completed():
+                    handle.wait()  # surfaces a failed transfer
+                    on_done()
+                    streams.mark_end(a.id)
+                    del running[res]
+                    finish(a)
+                    progressed = True
+            for aid, (a, fut) in list(on_host.items()):
+                if fut.done():
+                    host_times[aid] = fut.result()  # re-raises the step's error
+                    del on_host[aid]
+                    finish(a)
+                    progressed = True
+            heads = [q[0] for r, q in queues.items() if r not in running and ready(q[0])]
+            if not heads:
+                if not (running or on_host or in_flight):
+                    if not queues:
+                        break
+                    raise ExecutionError(_stuck(interp.rank, queues, available, by_id))
+                if progressed:
+                    idle_since = time.perf_counter()
+                elif time.perf_counter() - idle_since > STUCK_S:
+                    raise ExecutionError(_stuck(interp.rank, queues, available, by_id) + "; still unfinished: "
+                                         + ", ".join(f"{a.id} ({a})" for a, _ in [*running.values(),
+                                                                                  *on_host.values()]))
+                time.sleep(5e-5)
+                continue
+            a = min(heads, key=lambda x: x.id)
+            q = queues[a.resource]
+            q.popleft()
+            if not q:
+                del queues[a.resource]
+            log.order[a.resource].append(a.id)
+            ledger.start(a)
+            step = a.iteration + shift
+            if a.kind == Kind.OPT_STEP:
+                # the worker waits for the device work the step reads: its dependencies (the
+                # gradients' download) and every upload still reading this layer's host weights
+                waits = [d for d in a.deps if d in by_id] + reads_in_flight.pop(a.layer, [])  # type: ignore[arg-type]
+                fut = worker.submit(functools.partial(streams.host_wait, waits),
+                                    functools.partial(interp.dispatch, a, step))
+                on_host[a.id] = (a, fut)
+            else:
+                with streams.issuing(a.resource, a.id, (d for d in a.deps if d in by_id)):
+                    started = interp.dispatch(a, step)
+                    if started is not None and interp.device.type == "cuda":
+                        started[0].wait()  # NCCL: the stream (not the host) waits for the transfer
+                        started[1]()
+                        started = None
+                    if started is None:
+                        streams.mark_end(a.id)
+                if a.kind == Kind.LOAD:
+                    for layer in interp.reads(a.layer):  # type: ignore[arg-type]
+                        reads_in_flight[layer].append(a.id)
+                if a.kind in _COMPUTE:
+                    in_flight.append(a.id)
+                if started is None:
+                    finish(a)
+                else:
+                    running[a.resource] = (a, started)
+            idle_since = time.perf_counter()
+        streams.synchronize()
+    finally:
+        if host_worker is None:
+            worker.close()
+    for aid in finished:
+        a = by_id[aid]
+        times = host_times.get(aid) or streams.times(aid)
+        t0, t1 = times if times is not None else (0.0, 0.0)
         log.records.append(Record(a.id + shift * id_stride, a.resource, a.kind.value, a.label, a.layer,
-                                  a.microbatch, step, t0, t1))
-        log.memory.append((t1, torch.cuda.memory_allocated(interp.device) if cuda else interp.device_bytes()))
-
-    while queues or running:
-        for res, (a, (handle, on_done), t0) in list(running.items()):
-            if handle.is_completed():
-                handle.wait()  # surfaces a failed transfer
-                on_done()
-                del running[res]
-                finish(a, t0)
-                idle_since = time.perf_counter()
-        heads = [q[0] for r, q in queues.items() if r not in running and ready(q[0])]
-        if not heads:
-            if not running:
-                if not queues:
-                    break
-                raise ExecutionError(_stuck(interp.rank, queues, done, by_id))
-            if time.perf_counter() - idle_since > STUCK_S:
-                raise ExecutionError(_stuck(interp.rank, queues, done, by_id) + "; a transfer never completed: "
-                                     + ", ".join(f"{a.id} ({a})" for a, _, _ in running.values()))
-            time.sleep(5e-5)
-            continue
-        a = min(heads, key=lambda x: x.id)
-        q = queues[a.resource]
-        q.popleft()
-        if not q:
-            del queues[a.resource]
-        log.order[a.resource].append(a.id)
-        ledger.start(a)
-        if timer is not None:
-            timer.before(a, by_id, done)  # OPT_STEP: waits here for its gradients to land
-        t0 = time.perf_counter()
-        started = interp.dispatch(a, a.iteration + shift)
-        if timer is not None:
-            if started is not None:
-                started[0].wait()  # NCCL: the stream (not the CPU) waits for the transfer
-                started[1]()
-            timer.after(a)
-            started = None
-        if started is None:
-            finish(a, t0)
-        else:
-            running[a.resource] = (a, started, t0)
-        idle_since = time.perf_counter()
-    if timer is not None:
-        log.records = timer.records(log.records, action_ids)
+                                  a.microbatch, a.iteration + shift, t0, t1))
+    streams.forget()
     for (step, _m), loss in sorted(interp.losses.items()):
         log.losses[step] = log.losses.get(step, 0.0) + float(loss.item())
     interp.losses.clear()
@@ -171,68 +225,3 @@ def _stuck(rank: int, queues: dict[str, deque[Action]], done: set[int], by_id: d
         missing = [d for d in a.deps if d in by_id and d not in done]
         waits.append(f"{res} at {a.id} ({a}) waits for {missing or 'its stream'}")
     return f"rank {rank}: the schedule cannot progress: " + "; ".join(waits)
-
-
-class _CudaTimer:
-    """Streams, dependency events and timing events for the CUDA path."""
-
-    def __init__(self, interp: Interpreter) -> None:
-        self.interp = interp
-        self.start: dict[int, torch.cuda.Event] = {}
-        self.end: dict[int, torch.cuda.Event] = {}
-        self.loads: dict[int, list[torch.cuda.Event]] = defaultdict(list)  # layer -> uploads in flight
-        torch.cuda.synchronize(interp.device)
-        self.base = torch.cuda.Event(enable_timing=True)
-        self.base.record()
-        torch.cuda.synchronize(interp.device)
-        self.base_s = time.perf_counter()
-        self._ctx: torch.cuda.StreamContext | None = None
-        interp.use = lambda t: t.record_stream(torch.cuda.current_stream(interp.device))
-
-    def stream(self, resource: str) -> torch.cuda.Stream:
-        """The resource's stream, made once per rank: a stream is where cuBLAS caches its workspace,
-        so fresh streams for every window would each cost a new one."""
-        streams = self.interp.streams
-        if resource not in streams:
-            streams[resource] = torch.cuda.Stream(self.interp.device)
-        return streams[resource]  # type: ignore[no-any-return]
-
-    def before(self, a: Action, by_id: dict[int, Action], done: set[int]) -> None:
-        deps = [d for d in a.deps if d in self.end]
-        if a.kind == Kind.OPT_STEP:  # host work: the gradients must have landed, the uploads finished
-            for d in deps:
-                self.end[d].synchronize()
-            for ev in self.loads.pop(a.layer, []):  # type: ignore[arg-type]
-                ev.synchronize()
-            return
-        s = self.stream(a.resource)
-        for d in deps:
-            s.wait_event(self.end[d])
-        self._ctx = torch.cuda.stream(s)
-        self._ctx.__enter__()
-        self.start[a.id] = torch.cuda.Event(enable_timing=True)
-        self.start[a.id].record(s)
-
-    def after(self, a: Action) -> None:
-        if a.kind == Kind.OPT_STEP:
-            return
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        self.end[a.id] = ev
-        if a.kind == Kind.LOAD:
-            self.loads[a.layer].append(ev)  # type: ignore[index]
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-
-    def records(self, recs: list[Record], action_ids: list[int]) -> list[Record]:
-        """Device times for the actions issued to streams (host work keeps its host times)."""
-        torch.cuda.synchronize(self.interp.device)
-        out = []
-        for r, aid in zip(recs, action_ids):
-            if r.kind != Kind.OPT_STEP.value and aid in self.start:
-                t0 = self.base_s + self.base.elapsed_time(self.start[aid]) / 1e3
-                t1 = self.base_s + self.base.elapsed_time(self.end[aid]) / 1e3
-                r = Record(r.id, r.resource, r.kind, r.label, r.layer, r.microbatch, r.iteration, t0, t1)
-            out.append(r)
-        return out

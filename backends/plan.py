@@ -29,7 +29,9 @@ from tinypipe.hardware import GPU, Hardware, Host, Link, load_hardware, shipped_
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy, load_policy
 from tinypipe.schedule import Schedule
+from tinypipe.table import gib
 from tinypipe.trace import ProfileTrace, trace_for
+from tinypipe.units import parse_bytes
 
 from .hoststate import AdamWConfig
 from .worker import Job
@@ -156,9 +158,15 @@ def make_plan(args: Any) -> RunPlan:
                          f"({policy.microbatch_size} sequences x {args.seq_len} tokens = {tokens_per_mb})")
     policy = policy.replace(microbatches=args.batch_tokens // tokens_per_mb)
     threads = max(1, (os.cpu_count() or 1) // args.gpus)
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if getattr(args, "gpu_mem", None) else None
+    if gpu_mem is not None and args.backend != "cuda":
+        raise InputError("--gpu-mem: only with --backend cuda (CPU workers have no device memory to cap)")
     if args.backend == "cuda":
         hardware = cuda_hardware(args.gpus, args.hardware)
         dtype = args.dtype or "bf16"
+        if gpu_mem is not None and gpu_mem > min(g.memory_bytes for g in hardware.gpus):
+            raise InputError(f"--gpu-mem {args.gpu_mem}: more than the {gib(hardware.gpus[0].memory_bytes)} "
+                             f"of {hardware.gpus[0].model}")
     else:
         hardware = cpu_hardware(args.gpus, threads=threads)
         dtype = args.dtype or "fp32"
@@ -167,9 +175,10 @@ def make_plan(args: Any) -> RunPlan:
     trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype)
     iterations = min(COMPILED_ITERATIONS, args.steps)
     schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
-    prediction = simulate(schedule, spec, hardware, trace, on_capacity="record")
+    prediction = simulate(schedule, spec, hardware, trace, gpu_mem_bytes=gpu_mem, on_capacity="record")
     if not prediction.fits:
-        raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}: "
+        cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
+        raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
                          f"{prediction.violation}")
     used = sorted(set(schedule.pack_gpu))
     if used != list(range(args.gpus)):
@@ -193,7 +202,8 @@ def make_plan(args: Any) -> RunPlan:
                                 weight_decay=args.weight_decay),
               staleness=1 if policy.optimizer == "async" else 0, backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, resume=args.resume,
-              threads=threads if args.backend == "cpu" else 0, identity=identity)
+              threads=threads if args.backend == "cpu" else max(1, threads - 1),  # cuda: one core issues
+              gpu_mem_bytes=gpu_mem, identity=identity)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition)
 

@@ -44,6 +44,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    f"{d['microbatch_size']} sequences per microbatch)")
     p.add_argument("--microbatch-size", type=int, default=None, metavar="N",
                    help="sequences per microbatch (default: the policy's)")
+    p.add_argument("--gpu-mem", default=None, metavar="BYTES",
+                   help="CUDA: GPU memory each rank may use, e.g. 24GiB: the schedule is planned for it, the "
+                        "caching allocator is capped at it, and a policy that does not fit is refused before "
+                        "training (default: the whole GPU)")
     p.add_argument("--hardware", default=None, help="CUDA only: hardware preset or JSON the schedule is "
                    "compiled for (default: the preset of the local GPU model)")
     p.add_argument("--steps", type=int, default=d["steps"], help=f"optimizer steps (default {d['steps']})")

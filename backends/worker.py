@@ -29,6 +29,7 @@ from . import checkpoint
 from .comm import Comm, DistComm
 from .executor import Ledger, RunLog, run_actions
 from .hoststate import DTYPES, AdamWConfig, HostState
+from .hostwork import HostWorker
 from .interpreter import ExecutionError, Interpreter, StepData, owned_layers, rank_actions
 
 
@@ -50,6 +51,7 @@ class Job:
     checkpoint_every: int = 0
     resume: bool = False
     threads: int = 0  # torch intra-op threads per rank (0: torch's default)
+    gpu_mem_bytes: int | None = None  # CUDA: the caching allocator's cap per rank (None: the whole GPU)
     progress: bool = True
     save_model: bool = True
     keep_masters: bool = False  # return the final fp32 masters in the result (tests)
@@ -194,6 +196,9 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     if sched.num_gpus != world:
         raise ExecutionError(f"the schedule is for {sched.num_gpus} GPUs, this run has {world} ranks")
     device = torch.device("cuda", local_rank) if job.backend == "cuda" else torch.device("cpu")
+    if device.type == "cuda" and job.gpu_mem_bytes is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_mem_bytes / total), device)
     layers = owned_layers(sched, rank)
     stack = build_model(job.model, seed=job.seed, only=set(layers))
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
@@ -229,6 +234,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
                         state={"host": host.state_dict(), "rng": checkpoint.rng_state(), "losses": losses})
 
     step = start
+    optimizer = HostWorker(f"rank{rank}-optim")  # runs the OPT_STEPs beside GPU dispatch
     while step < job.steps:
         n = min(sched.iterations, job.steps - step)
         if job.checkpoint_every and job.out:
@@ -239,7 +245,8 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
         if window is None:
             window = by_prefix[n] = [a for a in actions if a.iteration < n]
         data = {step + k: step_data(batches, step + k) for k in range(n)}
-        part = run_actions(interp, window, data, shift=step, ledger=ledger, id_stride=len(sched.actions))
+        part = run_actions(interp, window, data, shift=step, ledger=ledger, id_stride=len(sched.actions),
+                           host_worker=optimizer)
         log.extend(part)
         losses.update(part.losses)
         left = interp.leftovers()
@@ -256,6 +263,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
             save_checkpoint(step)
         if interrupted:
             break
+    optimizer.close()
     wall = time.perf_counter() - t_begin
     if job.out and job.save_model and not interrupted:
         save_pretrained(host.masters(), stack.config, job.out, rank=rank, world=world, source_dir=stack.source_dir)

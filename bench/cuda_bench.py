@@ -1,0 +1,190 @@
+"""CUDA benchmark (issue 9): `tinypipe run --backend cuda` on Llama-3.1-8B shapes, measured beside its floor
+and the simulator's prediction, one JSON object per run appended to bench/results/cuda_h200.jsonl.
+
+Each case is the run a user would type (random init, bf16 compute, fp32 masters and AdamW state, seq
+2048, 65,536 tokens per optimizer step, `--gpu-mem` cap), run in this process's launcher (one worker
+process per GPU, NCCL), with the saved model switched off (writing 32 GB is not what is measured).
+Measured: steady-state tokens/s (the timeline's mean iteration after the first, CUDA events), peak
+GPU memory (the caching allocator's max_memory_allocated, max over ranks), peak host RSS (ru_maxrss,
+summed over ranks), the host state's bytes per parameter (`HostState.held`). Beside them: the
+simulator's prediction for the same schedule and the floor (`tinypipe.floor`): max(compute at the
+trace's measured per-layer times, PCIe bytes over the measured link rates, host optimizer time).
+
+    python bench/cuda_bench.py --cases 1gpu-sync 2gpu-sync --steps 4 --trace-dir $OUT --out $OUT/cuda_h200.jsonl
+
+Policies: the files in bench/policies/, written by `tinypipe search` (the command is in each case below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ROOT / "bench" / "policies"
+MODEL = "llama-3.1-8b"
+SEQ = 2048
+BATCH_TOKENS = 65536
+GIB = 2**30
+
+# name -> (GPUs, policy file or preset). The policy files are `tinypipe search --model llama-3.1-8b
+# --hardware h200x{N} --gpu-mem 24GiB --batch-tokens 65536 [--allow-async] --out FILE` winners.
+CASES: dict[str, tuple[int, str]] = {
+    "1gpu-sync": (1, "h200x1-24g-sync.json"),
+    "1gpu-async": (1, "h200x1-24g-async.json"),
+    "2gpu-sync": (2, "h200x2-24g-sync.json"),
+    "2gpu-async": (2, "h200x2-24g-async.json"),
+    "4gpu-sync": (4, "h200x4-24g-sync.json"),
+    "4gpu-async": (4, "h200x4-24g-async.json"),
+    "1gpu-preset": (1, "tinypipe"),
+    "2gpu-preset": (2, "tinypipe"),
+}
+
+
+def _policy_arg(spec: str) -> str:
+    path = POLICIES / spec
+    return str(path) if path.exists() else spec
+
+
+def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extra: list[str]) -> dict[str, Any]:
+    """Run one case; the JSON record of what it measured and predicted."""
+    import torch
+    from tinypipe.backends.launch import launch
+    from tinypipe.backends.plan import make_plan
+    from tinypipe.backends.run import add_run_arguments, timeline
+
+    from tinypipe.floor import schedule_floor
+
+    gpus, policy = CASES[name]
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    out = tempfile.mkdtemp(prefix=f"tp-{name}-")
+    argv = ["--backend", "cuda", "--gpus", str(gpus), "--model", MODEL, "--seq-len", str(SEQ),
+            "--batch-tokens", str(BATCH_TOKENS), "--steps", str(steps), "--policy", _policy_arg(policy),
+            "--gpu-mem", gpu_mem, "--out", out, *extra]
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    plan = make_plan(args)
+    job = dataclasses.replace(plan.job, save_model=False)
+    results = launch(job, plan.world)
+    assert results is not None
+    wall = time.perf_counter() - t0
+    tl = timeline(plan, results)
+    if trace_dir:
+        tl.save_chrome_trace(str(Path(trace_dir) / f"{name}.trace.json"))
+    iteration_s = tl.steady_iteration_s()
+    floor = schedule_floor(plan.schedule, plan.spec, plan.hardware, plan.trace)
+    sim = plan.prediction
+    params = plan.spec.params
+    held = sum(r.held["total_bytes"] for r in results)
+    tps = BATCH_TOKENS / iteration_s if iteration_s > 0 else 0.0
+    floor_tps = BATCH_TOKENS / floor.iteration_s
+    busy = _busy_by_resource(tl, iteration_s)
+    return {
+        "case": name, "gpus": gpus, "gpu_mem_cap_gib": _gib_arg(gpu_mem), "policy": plan.policy.to_json(),
+        "optimizer": plan.policy.optimizer, "host_memory": plan.policy.host_memory,
+        "tokens_per_step": BATCH_TOKENS, "steps": steps, "iteration_s": iteration_s, "tokens_per_s": tps,
+        "peak_gpu_bytes": max(r.peak_device_bytes for r in results),
+        "peak_gpu_bytes_per_rank": [r.peak_device_bytes for r in sorted(results, key=lambda r: r.rank)],
+        "peak_host_rss_bytes": sum(r.peak_rss_bytes for r in results),
+        "host_rss_bytes_per_param": sum(r.peak_rss_bytes for r in results) / params,
+        "host_state_bytes": held, "host_state_bytes_per_param": held / params,
+        "predicted_tokens_per_s": sim.tokens_per_s, "predicted_iteration_s": sim.iteration_s,
+        "predicted_peak_gpu_bytes": max((b for d, b in sim.peak_bytes.items() if d != "host"), default=0),
+        "predicted_peak_host_bytes": sim.peak_host_bytes,
+        "floor": floor.to_json(), "floor_tokens_per_s": floor_tps, "achieved_over_floor": tps / floor_tps,
+        "busy_s_per_iteration": busy, "wall_s": wall,
+        "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",
+        "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+    }
+
+
+def _busy_by_resource(tl: Any, iteration_s: float) -> dict[str, float]:
+    """Seconds each resource was busy per steady iteration (union of its records after the first iteration)."""
+    first = min((r.iteration for r in tl.records), default=0)
+    steady = [r for r in tl.records if r.iteration > first]
+    iters = len({r.iteration for r in steady}) or 1
+    out: dict[str, float] = {}
+    for res in sorted({r.resource for r in steady}):
+        spans = sorted((r.start_s, r.end_s) for r in steady if r.resource == res)
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None and cur_s is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None and cur_s is not None:
+            total += cur_e - cur_s
+        out[res] = total / iters
+    return out
+
+
+def _gib_arg(text: str) -> float:
+    from tinypipe.units import parse_bytes
+
+    return parse_bytes(text, "--gpu-mem") / GIB
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("case", "tokens/s", "floor tok/s", "of floor", "predicted", "GPU GiB", "pred GiB", "RSS B/param",
+            "state B/param", "bound by")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append((r["case"], "failed: " + r["error"][:80], "", "", "", "", "", "", "", ""))
+            continue
+        lines.append((r["case"], f"{r['tokens_per_s']:,.0f}", f"{r['floor_tokens_per_s']:,.0f}",
+                      f"{100 * r['achieved_over_floor']:.1f}%", f"{r['predicted_tokens_per_s']:,.0f}",
+                      f"{r['peak_gpu_bytes'] / GIB:.2f}", f"{r['predicted_peak_gpu_bytes'] / GIB:.2f}",
+                      f"{r['host_rss_bytes_per_param']:.2f}", f"{r['host_state_bytes_per_param']:.2f}",
+                      str(r["floor"]["bound_by"])))
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", nargs="+", default=["1gpu-sync", "2gpu-sync"], choices=sorted(CASES))
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per case (the first is warm-up)")
+    ap.add_argument("--gpu-mem", default="24GiB")
+    ap.add_argument("--trace-dir", default=None, help="write each case's Chrome trace here")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_h200.jsonl"))
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `tinypipe run` options")
+    a = ap.parse_args()
+    rows = []
+    for name in a.cases:
+        if CASES[name][0] > _gpus():
+            print(f"{name}: skipped, needs {CASES[name][0]} GPUs", file=sys.stderr)
+            continue
+        try:
+            row = run_case(name, steps=a.steps, gpu_mem=a.gpu_mem, trace_dir=a.trace_dir, extra=a.extra)
+        except Exception as exc:  # noqa: BLE001 - a failed case is a result too
+            row = {"case": name, "gpus": CASES[name][0], "error": f"{type(exc).__name__}: {exc}",
+                   "date": datetime.date.today().isoformat()}
+        rows.append(row)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+    print(table(rows))
+    return 0
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    sys.exit(main())

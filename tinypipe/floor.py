@@ -1,0 +1,81 @@
+"""The floor of a schedule: the busiest resource's own work per iteration, with no waiting at all.
+
+Issue 9 judges a real run against max(compute at the measured per-layer times, PCIe bytes over the
+measured link rates, host optimizer time). Each term is work that one resource must do alone, so no
+execution of the schedule can be faster; achieved / floor says how much of the rest (waits,
+bubbles, dispatch) a run leaves on the table. Computed from the schedule, the model, the trace and
+the hardware description only: the same numbers the simulator starts from, none of its contention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinypipe.hardware import HOST, Hardware
+from tinypipe.hostmem import optimizer_time_factor
+from tinypipe.model import ModelSpec
+from tinypipe.schedule import Kind, Schedule, resource_gpu
+from tinypipe.trace import KindProfile, ProfileTrace
+
+_UP = (Kind.LOAD, Kind.FETCH_ACT)  # host -> GPU
+_DOWN = (Kind.GRAD_OUT, Kind.OFFLOAD_ACT)  # GPU -> host
+
+
+@dataclass(frozen=True)
+class Floor:
+    """Seconds of work per iteration of each resource kind (the busiest instance of each)."""
+
+    compute_s: float  # the busiest GPU's FWD + BWD at the trace's times
+    h2d_s: float  # the busiest GPU's uploads over its link's rate
+    d2h_s: float  # the busiest GPU's downloads over its link's rate
+    host_dma_s: float  # all host <-> GPU bytes over the host's DMA cap
+    optimizer_s: float  # every OPT_STEP at the host's AdamW rate and the layout's factor
+
+    @property
+    def iteration_s(self) -> float:
+        return max(self.compute_s, self.h2d_s, self.d2h_s, self.host_dma_s, self.optimizer_s)
+
+    @property
+    def bound_by(self) -> str:
+        terms = {"compute": self.compute_s, "h2d": self.h2d_s, "d2h": self.d2h_s, "host DMA": self.host_dma_s,
+                 "host optimizer": self.optimizer_s}
+        return max(terms, key=lambda k: terms[k])
+
+    def to_json(self) -> dict[str, float | str]:
+        return {"compute_s": self.compute_s, "h2d_s": self.h2d_s, "d2h_s": self.d2h_s,
+                "host_dma_s": self.host_dma_s, "optimizer_s": self.optimizer_s,
+                "iteration_s": self.iteration_s, "bound_by": self.bound_by}
+
+
+def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace) -> Floor:
+    """The floor of one iteration of `schedule` (its work divided by its iterations)."""
+    n = max(1, schedule.iterations)
+    gpus = schedule.num_gpus
+    compute = [0.0] * gpus
+    up = [0.0] * gpus
+    down = [0.0] * gpus
+    optimizer = 0.0
+    opt_s_per_param = optimizer_time_factor(schedule.host_memory) / hardware.host.adam_params_per_s
+    profiles: dict[int, KindProfile] = {}
+    for a in schedule.actions:
+        k = a.kind
+        g = resource_gpu(a.resource)
+        if k is Kind.OPT_STEP:
+            assert a.layer is not None
+            optimizer += model.layers[a.layer].params * opt_s_per_param
+        elif k is Kind.FWD or k is Kind.BWD:
+            assert a.layer is not None and g is not None
+            p = profiles.get(a.layer)
+            if p is None:
+                p = profiles[a.layer] = trace.layer(model.layers[a.layer])
+            compute[g] += p.fwd_s if k is Kind.FWD else (p.recompute_bwd_s if schedule.recompute else p.bwd_s)
+        elif k in _UP and g is not None:
+            up[g] += a.nbytes
+        elif k in _DOWN and g is not None:
+            down[g] += a.nbytes
+    rate = [hardware.route(HOST, hardware.gpus[g].name).bottleneck_gbps * 1e9 for g in range(gpus)]
+    return Floor(compute_s=max(compute) / n,
+                 h2d_s=max(b / r for b, r in zip(up, rate)) / n,
+                 d2h_s=max(b / r for b, r in zip(down, rate)) / n,
+                 host_dma_s=(sum(up) + sum(down)) / (hardware.host.dma_gbps * 1e9) / n,
+                 optimizer_s=optimizer / n)
