@@ -3,8 +3,9 @@
 Two layouts (DESIGN §1.2; the formulas they are checked against live in `tinypipe.hostmem`):
 
 `replicated` (what peers do): per layer an fp32 master, a separate compute-dtype upload copy and a
-full-size fp32 gradient buffer (both one block per layer, pinned when CUDA is available), AdamW
-moments.
+full-size fp32 gradient buffer (one block each per layer), AdamW moments. Unlike peers, whose
+pinned allocator rounds each block up to a power of two (`hostmem` models that rounding), the
+blocks are carved from one slab, so they hold only alignment padding.
 
 `compact`: the fp32 masters of all owned layers as two 16-bit planes in one slab. The high plane
 *is* the bf16 value (truncated) and is uploaded as it is; the low plane restores the fp32 bits for
@@ -13,6 +14,11 @@ a time and within it in cache-sized chunks (`planes.compact_adamw_step`, bit-ide
 fused AdamW on the joined tensor). Gradients land in a small ring of
 slots (each the size of the largest owned layer) instead of a model-sized buffer. With an fp32
 compute dtype the upload is the joined fp32 master, so training stays exact.
+
+Pinned memory: every block a copy engine reads or writes (the planes and the ring; the upload copies
+and gradient buffers) is a view of one `pinned.PinnedSlab` per HostState, allocated at its exact
+size and page-locked once when CUDA is available (the same carving without CUDA). Only the ring's
+extra slots, allocated when more layers wait than it has slots, get a slab each.
 
 Versions: `version(layer)` counts the optimizer steps applied. A LOAD asks for a version: the
 current one, or (asynchronous optimizer, staleness 1, when the step ran before a LOAD that still
@@ -25,15 +31,16 @@ from __future__ import annotations
 import copy
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, next_pow2
+from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS
 
 from . import planes
+from .pinned import PinnedSlab, Request
 
 LAYOUTS = ("replicated", "compact")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,7 +65,8 @@ class AdamWConfig:
 
 @dataclass(frozen=True)
 class HeldBytes:
-    """Host bytes this rank really holds, by purpose (sum of tensor storage sizes)."""
+    """Host bytes this rank really holds, by purpose (tensor storage sizes; a pinned slab's views by
+    their own sizes, the slab's alignment padding apart)."""
 
     layout: str
     params: int
@@ -68,7 +76,7 @@ class HeldBytes:
     optim_state_bytes: int  # AdamW moments and step counters
     scratch_bytes: int  # compact: the join/update/split buffer
     stale_bytes: int  # compact + async: snapshots of the previous version awaiting their last LOAD
-    pinned_rounding_bytes: int  # what the pinned caching allocator adds (power-of-two blocks)
+    pinned_rounding_bytes: int  # alignment padding of the pinned slabs (no allocator rounding: one slab)
 
     @property
     def total_bytes(self) -> int:
@@ -100,8 +108,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
     return total
 
 
-def _pin(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+def view_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the tensors themselves span (views carved from one slab count separately)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def join_planes_on(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -159,7 +168,7 @@ class HostState:
                 off += t.numel()
             self._index[i], self._numel[i] = index, off
         self.params = sum(self._numel.values())
-        self._pinned_blocks: list[int] = []  # bytes of each pinned allocation (for allocator rounding)
+        self._slabs: list[PinnedSlab] = []  # the pinned slab, then one per extra ring slot
         if layout == "replicated":
             self._init_replicated(params)
         else:
@@ -171,11 +180,11 @@ class HostState:
 
     def _init_replicated(self, params: dict[int, dict[str, torch.Tensor]]) -> None:
         self._master = {i: {n: t.detach() for n, t in params[i].items()} for i in self.layers}
-        self._upload_flat = {i: _pin((self._numel[i],), self.compute_dtype, self.pin) for i in self.layers}
-        self._grad_flat = {i: _pin((self._numel[i],), torch.float32, self.pin) for i in self.layers}
-        if self.pin:
-            self._pinned_blocks += [t.untyped_storage().nbytes() for t in self._upload_flat.values()]
-            self._pinned_blocks += [t.untyped_storage().nbytes() for t in self._grad_flat.values()]
+        slab = self._new_slab([((self._numel[i],), self.compute_dtype) for i in self.layers]
+                              + [((self._numel[i],), torch.float32) for i in self.layers],
+                              "upload copies and gradients")
+        self._upload_flat = {i: slab.take((self._numel[i],), self.compute_dtype) for i in self.layers}
+        self._grad_flat = {i: slab.take((self._numel[i],), torch.float32) for i in self.layers}
         self._upload_version = {i: 0 for i in self.layers}
         self._opt: dict[int, torch.optim.AdamW] = {}
         for i in self.layers:
@@ -191,17 +200,15 @@ class HostState:
         for i in self.layers:
             self._offset[i] = off
             off += self._numel[i]
-        self._slab = _pin((2, max(off, 1)), torch.int16, self.pin)  # [high plane; low plane]
-        if self.pin:
-            self._pinned_blocks.append(self._slab.untyped_storage().nbytes())
+        self._slot_numel = max(self._numel.values(), default=1)
+        ring = (max(slots, 1), self._slot_numel)
+        slab = self._new_slab([((2, max(off, 1)), torch.int16), (ring, torch.float32)], "planes and gradient ring")
+        self._slab = slab.take((2, max(off, 1)), torch.int16)  # [high plane; low plane]
+        self._ring = slab.take(ring, torch.float32)
         biggest_tensor = max((p.numel for i in self.layers for p in self._index[i]), default=1)
         self._scratch = torch.empty(biggest_tensor, dtype=torch.float32)  # optimizer state keys, joins
         self._chunk_scratch = torch.empty(planes.workspace_elems(min(planes.DEFAULT_CHUNK_ELEMS, biggest_tensor)),
                                           dtype=torch.float32)
-        self._slot_numel = max(self._numel.values(), default=1)
-        self._ring = _pin((max(slots, 1), self._slot_numel), torch.float32, self.pin)
-        if self.pin:
-            self._pinned_blocks.append(self._ring.untyped_storage().nbytes())
         self._free_slots: deque[torch.Tensor] = deque(self._ring.unbind(0))
         self._extra_slots: list[torch.Tensor] = []  # beyond the ring, when more layers wait than slots
         self._slot_of: dict[int, torch.Tensor] = {}
@@ -213,6 +220,11 @@ class HostState:
                 self._split(i, p, params[i][p.name].detach().reshape(-1))
             self._work[i] = {p.name: self._scratch[:p.numel].view(p.shape) for p in self._index[i]}
             self._opt[i] = self.optim.make(list(self._work[i].values()))
+
+    def _new_slab(self, requests: Sequence[Request], what: str) -> PinnedSlab:
+        slab = PinnedSlab(requests, pin=self.pin, what=f"the host state of layers {list(self.layers)}: {what}")
+        self._slabs.append(slab)
+        return slab
 
     def _planes(self, layer: int, p: _Param | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         a = self._offset[layer] + (p.offset if p else 0)
@@ -313,10 +325,9 @@ class HostState:
             if self._free_slots:
                 slot = self._free_slots.popleft()
             else:  # more layers wait for the optimizer than the ring has slots: grow, and say so in held()
-                slot = _pin((self._slot_numel,), torch.float32, self.pin)
+                slot = self._new_slab([((self._slot_numel,), torch.float32)], "an extra gradient slot").take(
+                    (self._slot_numel,), torch.float32)
                 self._extra_slots.append(slot)
-                if self.pin:
-                    self._pinned_blocks.append(slot.untyped_storage().nbytes())
             self._slot_of[layer] = slot
             dst = self._views(layer, slot)
         with torch.no_grad():
@@ -429,18 +440,18 @@ class HostState:
     def held(self) -> HeldBytes:
         """The bytes this rank's host state really holds now, by purpose."""
         seen: set[int] = set()
-        rounding = sum(next_pow2(b) - b for b in self._pinned_blocks) if self.pin else 0
+        padding = sum(s.padding_bytes for s in self._slabs)  # the views below cover the rest of the slabs
         optim = storage_bytes(self._optim_tensors(), seen)
         if self.layout == "replicated":
             master = storage_bytes((t for m in self._master.values() for t in m.values()), seen)
-            upload = storage_bytes(self._upload_flat.values(), seen)
-            grads = storage_bytes(self._grad_flat.values(), seen)
-            return HeldBytes(self.layout, self.params, master, upload, grads, optim, 0, 0, rounding)
-        master = storage_bytes([self._slab], seen)
-        grads = storage_bytes([self._ring, *self._extra_slots], seen)
+            upload = view_bytes(self._upload_flat.values())
+            grads = view_bytes(self._grad_flat.values())
+            return HeldBytes(self.layout, self.params, master, upload, grads, optim, 0, 0, padding)
+        master = view_bytes([self._slab])
+        grads = view_bytes([self._ring, *self._extra_slots])
         scratch = storage_bytes([self._scratch, self._chunk_scratch], seen)
         stale = storage_bytes((t for _, t in self._stale.values()), seen)
-        return HeldBytes(self.layout, self.params, master, 0, grads, optim, scratch, stale, rounding)
+        return HeldBytes(self.layout, self.params, master, 0, grads, optim, scratch, stale, padding)
 
 
 def _to(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:

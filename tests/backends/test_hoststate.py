@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from tinypipe.backends.hoststate import AdamWConfig, HostState, join_planes_on  # noqa: E402
+from tinypipe.backends.pinned import ALIGN_BYTES, plan  # noqa: E402
 from tinypipe.backends.planes import split  # noqa: E402
 from tinypipe.backends.reference import layer_adamw  # noqa: E402
 
@@ -28,14 +31,16 @@ def _clone(p: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.T
     return {i: {n: t.clone() for n, t in d.items()} for i, d in p.items()}
 
 
+@pytest.mark.parametrize("pin", [False, True])
 @pytest.mark.parametrize("layout", ["replicated", "compact"])
-def test_layouts_step_exactly_like_torch_adamw(layout: str) -> None:
+def test_layouts_step_exactly_like_torch_adamw(layout: str, pin: bool) -> None:
     """Five AdamW steps through either layout leave the same fp32 masters, bit for bit, as
-    `layer_adamw` (the reference's optimizer) on plain tensors; the upload is the exact master."""
+    `layer_adamw` (the reference's optimizer) on plain tensors; the upload is the exact master.
+    Pinned or not (on a CPU: the same slab, unregistered), the arithmetic is the same."""
     ref = _clone(_params())
     opts = {i: layer_adamw(list(d.values()), lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay)
             for i, d in ref.items()}
-    hs = HostState(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG)
+    hs = HostState(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG, pin=pin)
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         for i in hs.layers:
@@ -96,14 +101,17 @@ def test_previous_version_kept_until_dropped(layout: str) -> None:
 
 
 def test_compact_ring_grows_beyond_its_slots_and_says_so() -> None:
-    """More layers waiting for the optimizer than the ring has slots: an extra slot is allocated,
-    and it shows in the bytes held."""
+    """More layers waiting for the optimizer than the ring has slots: an extra slot is allocated
+    (a slab of its own), and it shows in the bytes held: its 16 fp32 values as gradients, the rest of
+    its 4 KiB as padding."""
     params = {i: {"w": torch.randn(4, 4)} for i in range(DEFAULT_GRAD_RING_SLOTS + 1)}
     hs = HostState(params, layout="compact", compute_dtype=torch.float32, optim=CFG)
-    ring = hs.held().grad_bytes
+    before = hs.held()
     for i in hs.layers:
         hs.receive_grads(i, {"w": torch.ones(4, 4)})
-    assert hs.held().grad_bytes == ring + 16 * 4
+    after = hs.held()
+    assert after.grad_bytes == before.grad_bytes + 16 * 4
+    assert after.pinned_rounding_bytes == before.pinned_rounding_bytes + ALIGN_BYTES - 16 * 4
     for i in hs.layers:
         hs.step(i)
 
@@ -125,7 +133,7 @@ def test_state_dict_round_trip_continues_exactly() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_llama() -> object:
+def tiny_llama() -> Any:
     from tinypipe.backends.hf import build_model
 
     return build_model("tiny-llama", seed=0)
@@ -133,11 +141,12 @@ def tiny_llama() -> object:
 
 @pytest.mark.parametrize("layout", ["replicated", "compact"])
 @pytest.mark.parametrize("layers", [(0, 1, 2), (3, 4, 5)])
-def test_bytes_held_match_hostmem_formulas(tiny_llama: object, layout: str, layers: tuple[int, ...]) -> None:
-    """The storage a rank really holds equals `hostmem.host_bytes` for its layers (no pinned
-    rounding on the CPU), plus what the formulas leave out: AdamW's step counters (4 B per
-    tensor) and, in compact, the scratch buffer of the largest tensor and the chunked optimizer's
-    workspace."""
+def test_bytes_held_match_hostmem_formulas(tiny_llama: Any, layout: str, layers: tuple[int, ...]) -> None:
+    """The storage a rank really holds equals `hostmem.host_bytes` for its layers, plus what the
+    formulas leave out: AdamW's step counters (4 B per tensor), in compact the scratch buffer of the
+    largest tensor and the chunked optimizer's workspace, and the pinned slab's alignment padding in
+    place of the formulas' pinned rounding (none for compact; for replicated the power-of-two blocks
+    of peers, which the slab does not have)."""
     stack = tiny_llama
     state = {i: {n: t.clone() for n, t in d.items()} for i, d in stack.state().items() if i in layers}
     hs = HostState(state, layout=layout, compute_dtype=torch.float32, optim=CFG)
@@ -157,4 +166,66 @@ def test_bytes_held_match_hostmem_formulas(tiny_llama: object, layout: str, laye
 
     work = 4 * workspace_elems(min(DEFAULT_CHUNK_ELEMS, biggest))
     assert held.scratch_bytes == (4 * biggest + work if layout == "compact" else 0)
-    assert held.total_bytes == want.total_bytes - want.pinned_rounding_bytes + 4 * tensors + held.scratch_bytes
+    assert 0 <= held.pinned_rounding_bytes < ALIGN_BYTES * 2 * len(layers)
+    assert held.total_bytes == (want.total_bytes - want.pinned_rounding_bytes + held.pinned_rounding_bytes
+                                + 4 * tensors + held.scratch_bytes)
+
+
+@pytest.mark.parametrize("pin", [False, True])
+@pytest.mark.parametrize("layout", ["replicated", "compact"])
+def test_pinned_blocks_are_one_slab_of_exact_size(tiny_llama: Any, layout: str, pin: bool) -> None:
+    """Every pinned block of a HostState is a view of one allocation whose size is the slab plan's
+    (compact: the two planes, then the ring; replicated: the upload copies, then the fp32 gradient
+    buffers). `held()` splits exactly that slab by purpose, the alignment padding (less than 4 KiB a
+    block) as its pinned rounding, and adds what is not pinned: no power-of-two rounding anywhere."""
+    stack = tiny_llama
+    state = {i: {n: t.clone() for n, t in d.items()} for i, d in stack.state().items()}
+    hs = HostState(state, layout=layout, compute_dtype=torch.bfloat16, optim=CFG, pin=pin)
+    for i in hs.layers:  # one step so the AdamW moments exist
+        hs.receive_grads(i, {n: torch.zeros_like(t) for n, t in state[i].items()})
+        hs.step(i)
+    numel = {i: sum(t.numel() for t in d.values()) for i, d in state.items()}
+    n, tensors = sum(numel.values()), sum(len(d) for d in state.values())
+    if layout == "compact":
+        blocks, size = plan([((2, n), torch.int16), ((DEFAULT_GRAD_RING_SLOTS, max(numel.values())), torch.float32)])
+        views = [hs._slab, hs._ring]
+    else:
+        blocks, size = plan([((numel[i],), torch.bfloat16) for i in hs.layers]
+                            + [((numel[i],), torch.float32) for i in hs.layers])
+        views = [*hs._upload_flat.values(), *hs._grad_flat.values()]
+    assert {v.untyped_storage().data_ptr() for v in views} == {views[0].untyped_storage().data_ptr()}
+    assert views[0].untyped_storage().nbytes() == size
+    held = hs.held()
+    pinned = held.master_bytes + held.grad_bytes if layout == "compact" else held.upload_copy_bytes + held.grad_bytes
+    assert pinned == sum(b.nbytes for b in blocks)
+    assert held.pinned_rounding_bytes == size - pinned < ALIGN_BYTES * len(blocks)
+    moments = 8 * n + 4 * tensors  # exp_avg, exp_avg_sq and a step counter per tensor
+    unpinned = moments + (held.scratch_bytes if layout == "compact" else 4 * n)  # scratch, or the fp32 masters
+    assert held.total_bytes == size + unpinned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["replicated", "compact"])
+def test_cuda_pinned_host_state_trains_like_the_cpu_one(layout: str) -> None:
+    """With CUDA, the slab is registered: its views read as pinned, non_blocking LOADs and GRAD_OUTs
+    through them carry the values, and the steps match a HostState that never saw a GPU."""
+    gpu = torch.device("cuda")
+    pinned = HostState(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG, pin=True)
+    plain = HostState(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG)
+    views = [pinned._slab, pinned._ring] if layout == "compact" else [*pinned._upload_flat.values()]
+    assert all(v.is_pinned() for v in views)
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        for i in pinned.layers:
+            up = pinned.load(i, step, gpu, non_blocking=True)
+            torch.cuda.synchronize()
+            assert all(torch.equal(up[n].cpu(), t) for n, t in plain.load(i, step, CPU).items())
+            grads = {n: torch.randn(t.shape, generator=g) for n, t in up.items()}
+            pinned.receive_grads(i, {n: t.to(gpu) for n, t in grads.items()}, non_blocking=True)
+            torch.cuda.synchronize()
+            plain.receive_grads(i, grads)
+            pinned.step(i)
+            plain.step(i)
+    for i in pinned.layers:
+        assert all(torch.equal(pinned.master(i)[n], t) for n, t in plain.master(i).items())
