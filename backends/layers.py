@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinypipe.model import ModelSpec
+from tinypipe.model import ModelSpec, head_chunk_tokens
 
 IGNORE_INDEX = -100  # labels with this value carry no loss (torch's and Hugging Face's convention)
 
@@ -89,12 +89,109 @@ class Head(nn.Module):
 
         `labels` are already shifted (position t predicts labels[t]); `denom` is the number of loss
         tokens in the whole optimizer step, so the heads' outputs summed over microbatches are the
-        step's mean loss, as in Hugging Face's loss with `num_items_in_batch`.
+        step's mean loss, as in Hugging Face's loss with `num_items_in_batch`. The logits exist one
+        chunk of `head_chunk_tokens(vocab)` tokens at a time (`chunked_lm_loss`), never for the
+        whole microbatch.
         """
-        logits = self.logits(hidden).float()
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
-                                ignore_index=IGNORE_INDEX, reduction="sum")
+        normed = self.norm(hidden)
+        weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        assert isinstance(weight, torch.Tensor)
+        return chunked_lm_loss(normed.reshape(-1, normed.shape[-1]), weight, bias,
+                               labels.reshape(-1).to(normed.device), denom,
+                               chunk_tokens=head_chunk_tokens(weight.shape[0]))
+
+
+def chunked_lm_loss(normed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                    denom: float, *, chunk_tokens: int) -> torch.Tensor:
+    """sum over labels != -100 of cross_entropy(normed @ weight.T + bias, labels), in fp32, / `denom`.
+
+    `normed` [T, h], `weight` [vocab, h], `labels` [T]. Equal, to fp32 rounding, to
+    `F.cross_entropy(F.linear(normed, weight, bias).float(), labels, reduction="sum") / denom`,
+    computed `chunk_tokens` tokens at a time (`_ChunkedLMLoss`).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    out = _ChunkedLMLoss.apply(normed, weight, bias, labels, float(denom), chunk_tokens)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    """LM head + fp32 cross-entropy over chunks of tokens; the backward recomputes each chunk's logits.
+
+    The forward keeps its inputs (the normed hidden states, the weights, the labels) and one fp32
+    log-sum-exp per token: per chunk it computes the logits and their log-sum-exp, adds the chunk's
+    loss and drops the logits. The backward recomputes each chunk's logits, makes them the fp32
+    softmax with that log-sum-exp, subtracts the one-hot labels, scales by grad / denom (0 where the
+    label is -100) and adds the chunk's share to the gradients of the normed hidden states, the
+    weight and the bias. A microbatch so costs one more head GEMM (the recompute) but holds one
+    chunk of logits at a time, as Liger-Kernel's fused linear cross-entropy does
+    (linkedin/Liger-Kernel, ops/fused_linear_cross_entropy.py), which also accumulates the weight's
+    gradient chunk by chunk in the weight's dtype.
+
+    Transient bytes of a chunk of c tokens and a vocabulary of v, in a 2-byte compute dtype: 6 c v,
+    forward and backward alike -- the logits (2 c v) while their fp32 shifted copy (4 c v) is
+    written, then the fp32 softmax while the logits' gradient (2 c v) is written from it; the rest
+    works in place. `tinypipe.model.head_workspace_bytes` counts this.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, normed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor, denom: float, chunk_tokens: int) -> torch.Tensor:
+        valid = labels != IGNORE_INDEX
+        target = torch.where(valid, labels, 0)
+        lse = torch.empty(labels.shape, dtype=torch.float32, device=normed.device)
+        total = torch.zeros((), dtype=torch.float32, device=normed.device)
+        for a, b in _chunks(normed.shape[0], chunk_tokens):
+            logits = F.linear(normed[a:b], weight, bias)
+            top = logits.amax(dim=1, keepdim=True).float()
+            picked = logits.gather(1, target[a:b, None]).squeeze(1).float()
+            shifted = torch.sub(logits, top, out=_fp32_like(logits))
+            del logits
+            lse[a:b] = shifted.exp_().sum(dim=1).log_().add_(top.squeeze(1))
+            del shifted
+            total += torch.where(valid[a:b], lse[a:b] - picked, 0.0).sum()
+        ctx.save_for_backward(normed, weight, bias, labels, lse)
+        ctx.denom, ctx.chunk_tokens = denom, chunk_tokens
         return total / denom
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        normed, weight, bias, labels, lse = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        valid = labels != IGNORE_INDEX
+        target = torch.where(valid, labels, 0)
+        row_scale = torch.where(valid, grad_loss.float() / ctx.denom, 0.0)  # d loss / d logits = this x (p - onehot)
+        grad_x = torch.empty(normed.shape, dtype=normed.dtype, device=normed.device) if need_x else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
+        for a, b in _chunks(normed.shape[0], ctx.chunk_tokens):
+            x = normed[a:b]
+            logits = F.linear(x, weight, bias)
+            probs = torch.sub(logits, lse[a:b, None], out=_fp32_like(logits))
+            del logits
+            probs.exp_()
+            probs[torch.arange(b - a, device=probs.device), target[a:b]] -= 1.0
+            grad_logits = torch.mul(probs, row_scale[a:b, None], out=torch.empty_like(probs, dtype=normed.dtype))
+            del probs
+            if grad_x is not None:
+                torch.mm(grad_logits, weight, out=grad_x[a:b])
+            if grad_w is not None:
+                grad_w.addmm_(grad_logits.t(), x)
+            if grad_b is not None:
+                grad_b.add_(grad_logits.sum(dim=0))
+            del grad_logits  # before the next chunk's logits exist
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _fp32_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=torch.float32, device=t.device)
+
+
+def _chunks(tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of `chunk_tokens` tokens (the last one shorter where it does not divide)."""
+    return [(a, min(a + chunk_tokens, tokens)) for a in range(0, tokens, chunk_tokens)]
 
 
 def attention_mask(seq_len: int, *, device: torch.device, dtype: torch.dtype, attn_implementation: str,

@@ -15,9 +15,13 @@ from hypothesis import strategies as st
 from tinypipe import traces
 from tinypipe.errors import InputError
 from tinypipe.model import (
+    HEAD_CHUNK_BYTES,
     LayerKind,
     ModelSpec,
     from_hf_config,
+    head_chunk_tokens,
+    head_workspace_bytes,
+    head_workspace_fixed_bytes,
     load_config,
     load_model,
     shipped_models,
@@ -105,9 +109,10 @@ def test_gqa_untied_llama() -> None:
     assert spec.params == 80 + 2 * 592 + 88
     assert [(lay.linear_flops_per_token, lay.attn_flops_per_token_per_ctx) for lay in spec.layers] == [
         (0.0, 0.0), (1152.0, 32.0), (1152.0, 32.0), (160.0, 0.0)]
-    # block: 2 x (h + h + q + 2kv + q + h + h + 4i) + 4 x heads = 2 x 120 + 16; head: 2 x 2h + 4 x vocab
+    # block: 2 x (h + h + q + 2kv + q + h + h + 4i) + 4 x heads = 2 x 120 + 16; head (chunked, nothing
+    # per vocabulary entry): RMSNorm's fp32 input 4h + normalised 2h + rstd 4, normed 2h, labels 8, lse 4
     assert [(lay.saved_act_bytes_per_token, lay.boundary_bytes_per_token) for lay in spec.layers] == [
-        (0, 16), (256, 16), (256, 16), (72, 16)]
+        (0, 16), (256, 16), (256, 16), (80, 16)]
     assert spec.layers[1].fwd_flops_per_token(64) == 1152 + 32 * 32
     assert spec.layers[1].param_bytes() == 2 * 592 and spec.layers[1].param_bytes("fp32") == 4 * 592
 
@@ -160,6 +165,23 @@ def test_neox_tiny() -> None:
     assert sequential.params == spec.params
     assert sequential.layers[1].saved_act_bytes_per_token == spec.layers[1].saved_act_bytes_per_token + 16
     assert from_hf_config(dict(NEOX_TINY, attention_bias=False), name="t").params == spec.params - 24 - 8
+
+
+def test_head_sizes_follow_the_chunked_head() -> None:
+    """The head keeps 8h + 16 bytes per token with RMSNorm (4h + 20 with LayerNorm), nothing per
+    vocabulary entry; its workspace is the larger of 2h per token + one 523-token chunk of logits
+    (6 bytes each) and RMSNorm's fp32 backward, 16h per token: the H200 measurement of the chunked
+    Llama-3.1-8B head, at 2,048 to 16,384 tokens."""
+    llama = load_model("llama-3.1-8b")
+    h, v = 4096, 128_256
+    assert llama.layers[-1].saved_act_bytes_per_token == 8 * h + 16 == 32_784
+    assert HEAD_CHUNK_BYTES == 256 * 2**20 and head_chunk_tokens(v) == 523 == HEAD_CHUNK_BYTES // (4 * v)
+    chunk = 6 * 523 * v  # 383.8 MiB
+    assert head_workspace_fixed_bytes(llama, 8192) == chunk and head_workspace_fixed_bytes(llama, 100) == 600 * v
+    assert [head_workspace_bytes(llama, t) for t in (100, 2048, 4096, 8192, 16384)] == [
+        2 * h * 100 + 6 * 100 * v, 2 * h * 2048 + chunk, 2 * h * 4096 + chunk, 16 * h * 8192, 16 * h * 16384]
+    assert from_hf_config(GPT2_TINY, name="t").layers[-1].saved_act_bytes_per_token == 4 * 8 + 20
+    assert head_chunk_tokens(2**40) == 1
 
 
 # --- agreement with transformers ----------------------------------------------------------------------

@@ -13,7 +13,9 @@ microbatch of T = microbatch_size x seq_len tokens:
     saved_act_bytes = T * saved_act_bytes_per_token
     saved_act_bytes_recompute = T * boundary_bytes_per_token (the layer input; 0 for the embedding,
                                 whose input is the token ids)
-    workspace_bytes = WORKSPACE_FRACTION * saved_act_bytes
+    workspace_bytes = WORKSPACE_FRACTION * saved_act_bytes, except for the head, which computes its
+                      logits in chunks: tinypipe.model.head_workspace_bytes (one chunk of logits
+                      plus per-token gradients, so nearly constant in T)
 
 The compute and memory terms add rather than overlap: the memory term stands for the norms, RoPE,
 activations and residual adds, which run as separate bandwidth-bound kernels between the GEMMs.
@@ -31,7 +33,14 @@ import tinypipe.traces as shipped
 from tinypipe.errors import InputError
 from tinypipe.hardware import GPU
 from tinypipe.jsonio import Fields, load_json
-from tinypipe.model import DTYPE_BYTES, LayerKind, LayerSpec, ModelSpec
+from tinypipe.model import (
+    DTYPE_BYTES,
+    LayerKind,
+    LayerSpec,
+    ModelSpec,
+    head_workspace_bytes,
+    head_workspace_fixed_bytes,
+)
 
 # Fraction of the GPU's achieved large-GEMM rate (`GPU.matmul_flops`) that a layer's mix of
 # smaller GEMMs and causal flash attention reaches. Calibrated once against the measured H200
@@ -52,7 +61,8 @@ class KindProfile:
     """Times and sizes of one layer kind for one microbatch (microbatch_size x seq_len tokens).
 
     With recompute the backward re-creates the forward's activations, so while it runs the layer
-    transiently holds saved_act_bytes + workspace_bytes.
+    transiently holds saved_act_bytes + workspace_bytes. `workspace_fixed_bytes` is the part of a
+    workspace that does not grow with the tokens (the LM head's chunk of logits; 0 elsewhere).
     """
 
     fwd_s: float
@@ -61,14 +71,23 @@ class KindProfile:
     saved_act_bytes: int  # kept from forward to backward without recompute
     saved_act_bytes_recompute: int  # kept with recompute (the layer input)
     workspace_bytes: int  # transient peak while the layer computes, on top of saved_act_bytes
+    workspace_fixed_bytes: int = 0  # the part of workspace_bytes that stays the same at any token count
 
     def scaled(self, factor: float) -> KindProfile:
-        """Every time and size times `factor` (linear in tokens)."""
+        """Every time and size times `factor` (linear in tokens), but a workspace with a fixed part.
+
+        Such a workspace (the head's) is the larger of a phase that holds the fixed part and one that
+        grows with the tokens (`tinypipe.model.head_workspace_bytes`); which phase it was is not
+        recorded, so both readings are scaled -- the whole linearly, or only the part above the fixed
+        one -- and the larger kept, which is never below either phase.
+        """
+        ws, fixed = self.workspace_bytes, self.workspace_fixed_bytes
         return KindProfile(fwd_s=self.fwd_s * factor, bwd_s=self.bwd_s * factor,
                            recompute_bwd_s=self.recompute_bwd_s * factor,
                            saved_act_bytes=round(self.saved_act_bytes * factor),
                            saved_act_bytes_recompute=round(self.saved_act_bytes_recompute * factor),
-                           workspace_bytes=round(self.workspace_bytes * factor))
+                           workspace_bytes=max(round(ws * factor), fixed + round((ws - fixed) * factor)),
+                           workspace_fixed_bytes=fixed)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,7 +98,8 @@ class KindProfile:
                    recompute_bwd_s=f.float("recompute_bwd_s", minimum=0.0),
                    saved_act_bytes=f.int("saved_act_bytes", minimum=0),
                    saved_act_bytes_recompute=f.int("saved_act_bytes_recompute", minimum=0),
-                   workspace_bytes=f.int("workspace_bytes", minimum=0))
+                   workspace_bytes=f.int("workspace_bytes", minimum=0),
+                   workspace_fixed_bytes=f.int("workspace_fixed_bytes", 0, minimum=0))
 
 
 @dataclass(frozen=True)
@@ -137,7 +157,8 @@ class ProfileTrace:
                    analytic=f.bool("analytic"), source=f.str("source"))
 
 
-def _kind_profile(layer: LayerSpec, gpu: GPU, tokens: int, seq_len: int, dtype: str) -> KindProfile:
+def _kind_profile(layer: LayerSpec, model: ModelSpec, gpu: GPU, tokens: int, seq_len: int,
+                  dtype: str) -> KindProfile:
     flops = tokens * layer.fwd_flops_per_token(seq_len)
     weight_bytes = (tokens * layer.boundary_bytes_per_token if layer.kind is LayerKind.EMBED
                     else layer.param_bytes(dtype))
@@ -147,9 +168,12 @@ def _kind_profile(layer: LayerSpec, gpu: GPU, tokens: int, seq_len: int, dtype: 
     saved = tokens * layer.saved_act_bytes_per_token
     # recompute keeps the layer input; the embedding's input is the token ids, which are input data
     kept = 0 if layer.kind is LayerKind.EMBED else tokens * layer.boundary_bytes_per_token
+    if layer.kind is LayerKind.HEAD:  # chunked logits: nearly constant in the tokens, not a fraction
+        workspace, fixed = head_workspace_bytes(model, tokens), head_workspace_fixed_bytes(model, tokens)
+    else:
+        workspace, fixed = math.ceil(WORKSPACE_FRACTION * saved), 0
     return KindProfile(fwd_s=fwd_s, bwd_s=2 * fwd_s, recompute_bwd_s=3 * fwd_s, saved_act_bytes=saved,
-                       saved_act_bytes_recompute=kept,
-                       workspace_bytes=math.ceil(WORKSPACE_FRACTION * saved))
+                       saved_act_bytes_recompute=kept, workspace_bytes=workspace, workspace_fixed_bytes=fixed)
 
 
 def analytic_trace(model: ModelSpec, gpu: GPU, *, microbatch_size: int, seq_len: int,
@@ -166,13 +190,13 @@ def analytic_trace(model: ModelSpec, gpu: GPU, *, microbatch_size: int, seq_len:
     kinds: dict[str, KindProfile] = {}
     for layer in model.layers:
         if layer.kind.value not in kinds:
-            kinds[layer.kind.value] = _kind_profile(layer, gpu, tokens, seq_len, dtype)
+            kinds[layer.kind.value] = _kind_profile(layer, model, gpu, tokens, seq_len, dtype)
     return ProfileTrace(
         gpu_model=gpu.model, dtype=dtype, microbatch_size=microbatch_size, seq_len=seq_len, kinds=kinds,
         analytic=True,
         source=(f"analytic: {model.name} on {gpu.model}, FLOPs / ({MATMUL_FRACTION} x {gpu.matmul_flops:.3g} "
                 f"FLOP/s) + bytes / ({MEM_FRACTION} x {gpu.mem_gbps:g} GB/s); backward 2 x forward; "
-                f"workspace {WORKSPACE_FRACTION} x saved activations"))
+                f"workspace {WORKSPACE_FRACTION} x saved activations (head: chunked-loss formula)"))
 
 
 def shipped_traces() -> list[str]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import torch.nn.functional as F  # noqa: E402
 from tinypipe.backends.hf import (  # noqa: E402
     UnsupportedModelError,
     WeightReader,
@@ -19,7 +21,14 @@ from tinypipe.backends.hf import (  # noqa: E402
     to_hf_state_dict,
 )
 from tinypipe.backends.layers import IGNORE_INDEX, Block, Embed, Head, LayerStack, attention_mask  # noqa: E402
+from torch import Tensor  # noqa: E402
+from torch import dtype as TorchDtype  # noqa: E402
+from torch.nn import Module  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
+
+import tinypipe.model  # noqa: E402
+from tinypipe.model import head_chunk_tokens  # noqa: E402
 
 TINY = {  # small configs of each family; Mistral's window (8) is shorter than the test sequences (16)
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
@@ -59,13 +68,13 @@ def scramble(stack: LayerStack, seed: int = 1) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-def shifted(input_ids: torch.Tensor) -> torch.Tensor:
+def shifted(input_ids: Tensor) -> Tensor:
     labels = torch.roll(input_ids, -1, dims=1)
     labels[:, -1] = IGNORE_INDEX
     return labels
 
 
-def hf_model(stack: LayerStack) -> torch.nn.Module:
+def hf_model(stack: LayerStack) -> Module:
     model = AutoModelForCausalLM.from_config(stack.config)
     model.load_state_dict(to_hf_state_dict(stack), strict=True)
     return model.eval()
@@ -211,3 +220,154 @@ def test_blocks_follow_their_inputs_device_and_dtype() -> None:
     low = block.to(torch.bfloat16)
     torch.testing.assert_close(low(hidden.bfloat16()).float(), reference, rtol=0.05, atol=0.05)
     assert low.rotary_on(torch.device("cpu")).inv_freq.dtype == torch.float32
+
+
+# --- the chunked LM head and loss ---------------------------------------------------------------------
+
+def head_case(dtype: TorchDtype, *, bias: bool = False) -> tuple[Head, Tensor, Tensor, int]:
+    """tiny-llama's head (hidden 64, vocab 256) with scrambled weights, a [2, 16] microbatch whose
+    labels include -100 (a prompt, the last position), and its denominator."""
+    stack = build_model("tiny-llama", seed=0)
+    scramble(stack)
+    head = stack.layers[-1]
+    if bias:
+        lm_head = torch.nn.Linear(64, 256, bias=True)
+        with torch.no_grad():
+            lm_head.weight.copy_(head.lm_head.weight)
+            lm_head.bias.copy_(torch.randn(256, generator=torch.Generator().manual_seed(2)))
+        head = Head(head.norm, lm_head)
+    head = head.to(dtype)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 16, 64, generator=g).to(dtype)
+    labels = torch.randint(0, 256, (2, 16), generator=g)
+    labels[0, :5] = IGNORE_INDEX
+    labels[:, -1] = IGNORE_INDEX
+    return head, hidden, labels, 40  # the step's loss tokens: more than this microbatch's 25
+
+
+def plain_head_loss(head: Head, hidden: Tensor, labels: Tensor, denom: int) -> Tensor:
+    """The unchunked loss: the whole microbatch's logits, upcast, cross-entropy summed / denom."""
+    logits = head.lm_head(head.norm(hidden)).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum") / denom
+
+
+def loss_and_grads(head: Head, hidden: Tensor, labels: Tensor, denom: int,
+                   loss: Any = None) -> list[Tensor]:
+    """[loss, d hidden, d every head parameter] by backward from the loss."""
+    head.zero_grad(set_to_none=True)
+    x = hidden.detach().requires_grad_()
+    out = (loss or Head.__call__)(head, x, labels, denom)
+    out.backward()
+    return [out.detach(), x.grad, *(p.grad for p in head.parameters())]
+
+
+def set_chunk(monkeypatch: pytest.MonkeyPatch, tokens: int, vocab: int = 256) -> None:
+    """Make the head's chunks `tokens` tokens long (through the one budget constant)."""
+    monkeypatch.setattr(tinypipe.model, "HEAD_CHUNK_BYTES", tokens * vocab * 4)
+    assert head_chunk_tokens(vocab) == tokens
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 16, 32, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_head_equals_unchunked_loss(monkeypatch: pytest.MonkeyPatch, dtype: TorchDtype,
+                                            chunk: int) -> None:
+    """Head.forward in chunks (ones that divide the 32 tokens or not, one token, more than all) gives
+    the unchunked loss and the gradients of the hidden state, the norm weight and the LM head
+    weight, in their own dtypes: to fp32 rounding in fp32, to bf16 rounding in bf16."""
+    set_chunk(monkeypatch, chunk)
+    head, hidden, labels, denom = head_case(dtype)
+    got = loss_and_grads(head, hidden, labels, denom)
+    want = loss_and_grads(head, hidden, labels, denom, plain_head_loss)
+    assert [g.dtype for g in got] == [torch.float32] + [dtype] * 3
+    assert len(got) == 4 and got[1].shape == hidden.shape
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol * float(w.abs().max()))
+
+
+def test_chunked_head_with_a_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An LM head with a bias (no supported family has one) gets its gradient too."""
+    set_chunk(monkeypatch, 7)
+    head, hidden, labels, denom = head_case(torch.float32, bias=True)
+    got = loss_and_grads(head, hidden, labels, denom)
+    want = loss_and_grads(head, hidden, labels, denom, plain_head_loss)
+    assert len(got) == 5
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-6 * float(w.abs().max()))
+
+
+class LargestVocabTensor(TorchDispatchMode):
+    """Records the shapes of every op's outputs that have a vocabulary-sized dimension."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, Tensor) and self.vocab in t.shape:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_chunked_head_never_holds_the_microbatch_logits(monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:
+    """With 5-token chunks, forward and backward (the interpreter's way: functional_call, and with
+    recompute a no-grad forward, then the forward again and autograd.grad) create no tensor with a
+    vocabulary dimension larger than one chunk's logits, except the LM head weight and its gradient;
+    the unchunked loss does (so the check can fail)."""
+    set_chunk(monkeypatch, 5)
+    head, hidden, labels, denom = head_case(torch.bfloat16)
+    weight_shape = tuple(head.lm_head.weight.shape)
+
+    def run(loss: Any) -> list[tuple[int, ...]]:
+        x = hidden.detach().requires_grad_()
+        leaves = {n: p.detach().requires_grad_() for n, p in head.named_parameters()}
+        with LargestVocabTensor(256) as seen:
+            if recompute:
+                with torch.no_grad():
+                    loss(x, leaves)
+            torch.autograd.grad(loss(x, leaves), [x, *leaves.values()], allow_unused=True)
+        return [s for s in seen.shapes if s not in (weight_shape, weight_shape[::-1])]
+
+    chunked = run(lambda x, w: torch.func.functional_call(head, w, (x, labels, denom)))
+    assert chunked and max(torch.Size(s).numel() for s in chunked) == 5 * 256
+    plain = run(lambda x, w: plain_head_loss(head, x, labels, denom))
+    assert max(torch.Size(s).numel() for s in plain) == 32 * 256
+
+
+def test_chunked_head_through_functional_call_and_tied(monkeypatch: pytest.MonkeyPatch, tied_config: str) -> None:
+    """Through torch.func.functional_call with parameter leaves and autograd.grad (the interpreter's
+    call) the head gives exactly what a direct call and backward give; a tied head (the embedding's
+    matrix passed in, as the reference does) gets the unchunked loss's gradient for it."""
+    set_chunk(monkeypatch, 7)
+    head, hidden, labels, denom = head_case(torch.float32)
+    x = hidden.detach().requires_grad_()
+    leaves = {n: p.detach().requires_grad_() for n, p in head.named_parameters()}
+    out = torch.func.functional_call(head, leaves, (x, labels, denom))
+    got = [out.detach(), *torch.autograd.grad(out, [x, *leaves.values()])]
+    direct = loss_and_grads(head, hidden, labels, denom)
+    for g, d in zip(got, direct, strict=True):
+        assert torch.equal(g, d)
+
+    stack = build_model(tied_config, seed=0)
+    scramble(stack)
+    tied, (name, _) = stack.layers[-1], stack.tied
+    v = stack.config.vocab_size
+    set_chunk(monkeypatch, 7, vocab=v)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 16, stack.config.hidden_size, generator=g)
+    labels = torch.randint(0, v, (2, 16), generator=g)
+    matrix = stack.layers[0].get_parameter(stack.tied[1]).detach()
+    alias = matrix.clone().requires_grad_()
+    out = torch.func.functional_call(tied, {name: alias}, (hidden, labels, denom), strict=False)
+    got = [out.detach(), torch.autograd.grad(out, [alias])[0]]
+    alias = matrix.clone().requires_grad_()
+    logits = F.linear(tied.norm(hidden), alias).float()
+    want = F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1), reduction="sum") / denom
+    want_grads = [want.detach(), torch.autograd.grad(want, [alias])[0]]
+    for a, b in zip(got, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * float(b.abs().max()))
