@@ -63,6 +63,26 @@ class DistComm:
                 for dst in range(world):
                     if src != dst:
                         self.groups[(src, dst)] = dist.new_group([src, dst])
+            self._connect(world)
+
+    def _connect(self, world: int) -> None:
+        """Create every pair's NCCL communicator now, in one global order.
+
+        NCCL builds a group's communicator at its first send / receive, and that call blocks the
+        host until the peer makes it too. Left to the executor, a rank could block in its first
+        receive from a peer while that peer waits for this rank's first send: a deadlock (seen on
+        2x H200 with the 8B model). A one-element exchange per pair, in the same order on every
+        rank, builds them all before any schedule runs.
+        """
+        import torch
+
+        probe = torch.zeros(1, device="cuda")
+        for (src, dst), group in sorted(self.groups.items()):
+            if self.rank == src:
+                self.dist.send(probe, dst, group=group)
+            elif self.rank == dst:
+                self.dist.recv(probe, src, group=group)
+        torch.cuda.synchronize()
 
     def close(self) -> None:
         """Wait for the helper threads (gloo): none may be inside a Work when the group is destroyed."""

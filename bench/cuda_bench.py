@@ -39,8 +39,10 @@ GIB = 2**30
 # --hardware h200x{N} --gpu-mem 24GiB --batch-tokens 65536 [--allow-async] --out FILE` winners.
 CASES: dict[str, tuple[int, str]] = {
     "1gpu-sync": (1, "h200x1-24g-sync.json"),
+    "1gpu-sync-compact": (1, "h200x1-24g-sync-compact.json"),  # the winner with host_memory compact
     "1gpu-async": (1, "h200x1-24g-async.json"),
     "2gpu-sync": (2, "h200x2-24g-sync.json"),
+    "2gpu-sync-compact": (2, "h200x2-24g-sync-compact.json"),
     "2gpu-async": (2, "h200x2-24g-async.json"),
     "4gpu-sync": (4, "h200x4-24g-sync.json"),
     "4gpu-async": (4, "h200x4-24g-async.json"),
