@@ -15,6 +15,11 @@ schedule needs it:
 - The loop keeps at most RUNAHEAD_COMPUTE FWD / BWD in flight on the device: a freed block that
   another stream used is reusable only once the device has passed it, so a host running far ahead
   would make the caching allocator hold more than the schedule's ledger says.
+- RECV gate: a RECV (which allocates its buffer when posted) is issued only once every FWD / BWD
+  of this rank listed before it has been issued. A RECV has no dependencies of its own, so without
+  this every receive of the window was posted at its start: 8B on 2 GPUs asked for hundreds of
+  64 MiB buffers at once against a 24 GiB cap. Issue order still follows a topological order
+  (ids), so the gate cannot deadlock: the lowest unfinished action can always be issued.
 
 Every action is timed into `tinypipe.timeline.Record`s (the streams' markers; the host clock for
 OPT_STEP), the schedule's memory effects are applied to a `Ledger`, and the executed per-resource
@@ -30,7 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from tinypipe.schedule import Action, Kind
+from tinypipe.schedule import Action, Kind, gpu_resource
 from tinypipe.timeline import Record
 
 from .comm import Handle
@@ -84,6 +89,7 @@ class RunLog:
     order: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # resource -> ids started
     memory: list[tuple[float, int]] = field(default_factory=list)  # (t_s, device bytes) after each action
     losses: dict[int, float] = field(default_factory=dict)  # step -> loss (the head's owner only)
+    issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
 
     def extend(self, other: RunLog) -> None:
         self.records += other.records
@@ -91,6 +97,7 @@ class RunLog:
             self.order[r] += ids
         self.memory += other.memory
         self.losses.update(other.losses)
+        self.issued += other.issued
 
 
 def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, StepData], *, shift: int = 0,
@@ -132,9 +139,13 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
         finished.append(a.id)
         log.memory.append((time.perf_counter(), streams.memory_allocated()))
 
+    compute = queues.get(gpu_resource(interp.rank, "compute"))
+
     def ready(a: Action) -> bool:
         if not all(d in available or d not in by_id for d in a.deps):
             return False
+        if a.kind == Kind.RECV and compute and compute[0].id < a.id:
+            return False  # posted no earlier than its place in the schedule: see "RECV gate" in the module docstring
         if a.kind in _COMPUTE and len(in_flight) >= RUNAHEAD_COMPUTE:
             while in_flight and streams.done(in_flight[0]):
                 in_flight.popleft()
@@ -179,6 +190,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
             if not q:
                 del queues[a.resource]
             log.order[a.resource].append(a.id)
+            log.issued.append(a.id)
             ledger.start(a)
             step = a.iteration + shift
             if a.kind == Kind.OPT_STEP:

@@ -84,6 +84,7 @@ class RankResult:
     wall_s: float
     interrupted: bool = False
     masters: dict[int, dict[str, torch.Tensor]] | None = None
+    issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
 
 
 class Group(Protocol):
@@ -274,7 +275,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
         ledger_peak=dict(ledger.peak), ledger_problems=list(ledger.problems), held=host.held().to_json(),
         peak_device_bytes=peak_dev, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
-        masters=host.masters() if job.keep_masters else None)
+        masters=host.masters() if job.keep_masters else None, issued=log.issued)
 
 
 def process_main(local_rank: int, job: Job, world: int, init_method: str, result_path: str | None,
