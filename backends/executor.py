@@ -129,7 +129,6 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     on_host: dict[int, tuple[Action, Future[tuple[float, float]]]] = {}  # OPT_STEPs submitted, not finished
     host_times: dict[int, tuple[float, float]] = {}
     in_flight: deque[int] = deque()  # FWD / BWD issued and maybe not finished on the device
-    reads_in_flight: dict[int, list[int]] = defaultdict(list)  # layer -> LOADs reading its host weights
     finished: list[int] = []  # ids in the order they finished (host view)
     idle_since = time.perf_counter()
 
@@ -194,9 +193,9 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
             ledger.start(a)
             step = a.iteration + shift
             if a.kind == Kind.OPT_STEP:
-                # the worker waits for the device work the step reads: its dependencies (the
-                # gradients' download) and every upload still reading this layer's host weights
-                waits = [d for d in a.deps if d in by_id] + reads_in_flight.pop(a.layer, [])  # type: ignore[arg-type]
+                # the worker waits for the device work the step reads (the gradients' download);
+                # uploads still reading the layer's host memory are the host state's to wait for
+                waits = [d for d in a.deps if d in by_id]
                 fut = worker.submit(functools.partial(streams.host_wait, waits),
                                     functools.partial(interp.dispatch, a, step))
                 on_host[a.id] = (a, fut)
@@ -209,9 +208,6 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                         started = None
                     if started is None:
                         streams.mark_end(a.id)
-                if a.kind == Kind.LOAD:
-                    for layer in interp.reads(a.layer):  # type: ignore[arg-type]
-                        reads_in_flight[layer].append(a.id)
                 if a.kind in _COMPUTE:
                     in_flight.append(a.id)
                 if started is None:

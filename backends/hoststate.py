@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -140,7 +141,8 @@ class HostState:
 
     def __init__(self, params: dict[int, dict[str, torch.Tensor]], *, layout: str, compute_dtype: torch.dtype,
                  optim: AdamWConfig, pin: bool = False,
-                 grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, shared_grad: int | None = None) -> None:
+                 grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, shared_grad: int | None = None,
+                 snapshots: bool = False) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown host memory layout {layout!r}; expected one of {LAYOUTS}")
         if sys.byteorder != "little":  # pragma: no cover - the planes assume little-endian fp32
@@ -168,6 +170,17 @@ class HostState:
                 off += t.numel()
             self._index[i], self._numel[i] = index, off
         self.params = sum(self._numel.values())
+        # compact + asynchronous optimizer: one region per layer in the slab for the previous version's
+        # upload form (the "one extra bf16 copy"), so a step never allocates
+        self.snapshots = snapshots and layout == "compact"
+        # The optimizer step runs on its own thread (backends/hostwork.py) while the issuing thread
+        # uploads other layers, and under the asynchronous optimizer the same layer's older version.
+        # `_lock` guards the version bookkeeping; `_writing[layer]` exists while a step updates the
+        # layer (set once its snapshot is taken); `_reads[layer]` holds CUDA events of uploads still
+        # reading the layer's host memory, which a step waits for before writing it.
+        self._lock = threading.Lock()
+        self._writing: dict[int, threading.Event] = {}
+        self._reads: dict[int, list[Any]] = {}
         self._slabs: list[PinnedSlab] = []  # the pinned slab, then one per extra ring slot
         if layout == "replicated":
             self._init_replicated(params)
@@ -202,9 +215,16 @@ class HostState:
             off += self._numel[i]
         self._slot_numel = max(self._numel.values(), default=1)
         ring = (max(slots, 1), self._slot_numel)
-        slab = self._new_slab([((2, max(off, 1)), torch.int16), (ring, torch.float32)], "planes and gradient ring")
+        snap_rows = 1 if self.compute_dtype == torch.bfloat16 else 2  # the upload form: the high plane, or both
+        snaps = [((snap_rows, self._numel[i]), torch.int16) for i in self.layers] if self.snapshots else []
+        # gradient slots in the compute dtype: what the GPU accumulated, copied as it is (no fp32
+        # temporary on the GPU, half the PCIe bytes); the optimizer widens them chunk by chunk
+        slab = self._new_slab([((2, max(off, 1)), torch.int16), (ring, self.compute_dtype), *snaps],
+                              "planes, gradient ring" + (" and previous-version snapshots" if snaps else ""))
         self._slab = slab.take((2, max(off, 1)), torch.int16)  # [high plane; low plane]
-        self._ring = slab.take(ring, torch.float32)
+        self._ring = slab.take(ring, self.compute_dtype)
+        self._snap_region = {i: slab.take((snap_rows, self._numel[i]), torch.int16) for i in self.layers
+                             } if self.snapshots else {}
         biggest_tensor = max((p.numel for i in self.layers for p in self._index[i]), default=1)
         self._scratch = torch.empty(biggest_tensor, dtype=torch.float32)  # optimizer state keys, joins
         self._chunk_scratch = torch.empty(planes.workspace_elems(min(planes.DEFAULT_CHUNK_ELEMS, biggest_tensor)),
@@ -255,16 +275,38 @@ class HostState:
     # ---- LOAD ------------------------------------------------------------------------------------
     def load(self, layer: int, want: int, device: torch.device, *, non_blocking: bool = False
              ) -> dict[str, torch.Tensor]:
-        """New tensors on `device`, in the compute dtype, holding `layer`'s weights at version `want`."""
+        """New tensors on `device`, in the compute dtype, holding `layer`'s weights at version `want`.
+
+        Safe beside a `step` of the same layer on another thread: while the step writes, `want`
+        equal to the version before it is served from the snapshot the step took first."""
+        while True:
+            with self._lock:
+                busy = self._writing.get(layer)
+                if busy is None or busy.is_set() or want != self._steps[layer]:
+                    out = self._load_locked(layer, want, device, non_blocking, writing=busy is not None)
+                    if device.type == "cuda" and non_blocking:  # the copies read host memory until this
+                        ev = torch.cuda.Event()
+                        ev.record(torch.cuda.current_stream(device))
+                        self._reads.setdefault(layer, []).append(ev)
+                    return out
+            busy.wait()  # the step is taking the snapshot this upload wants
+
+    def _wait_reads(self, layer: int) -> None:
+        for ev in self._reads.pop(layer, []):
+            ev.synchronize()
+
+    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool
+                     ) -> dict[str, torch.Tensor]:
         have = self._steps[layer]
         if self.layout == "replicated":
             if self._upload_version[layer] != want:
-                if have != want:
+                if have != want or writing:
                     raise self._bad_version(layer, want, f"versions {self._upload_version[layer]} (upload copy) "
                                                          f"and {have} (master)")
+                self._wait_reads(layer)  # uploads of the older version still reading the copy
                 self._refresh_upload(layer)
             return {n: _to(v, device, non_blocking) for n, v in self._views(layer, self._upload_flat[layer]).items()}
-        if want == have:
+        if want == have and not writing:
             hi, lo = self._planes(layer)
             return self._from_planes(layer, hi, lo, device, non_blocking)
         stale = self._stale.get(layer)
@@ -273,7 +315,8 @@ class HostState:
             raise self._bad_version(layer, want, f"version {have}{snapshot}")
         snap = stale[1]
         if self.compute_dtype == torch.bfloat16:
-            return {p.name: _to(snap[p.offset:p.offset + p.numel].view(torch.bfloat16).view(p.shape), device,
+            flat = snap.reshape(-1)
+            return {p.name: _to(flat[p.offset:p.offset + p.numel].view(torch.bfloat16).view(p.shape), device,
                                 non_blocking) for p in self._index[layer]}
         return self._from_planes(layer, snap[0], snap[1], device, non_blocking)
 
@@ -296,7 +339,8 @@ class HostState:
     def drop_stale(self, layer: int) -> None:
         """Free the snapshot of the previous version of `layer` (compact): no LOAD will want it."""
         if self.layout == "compact":
-            self._stale.pop(layer, None)
+            with self._lock:
+                self._stale.pop(layer, None)
 
     # ---- GRAD_OUT --------------------------------------------------------------------------------
     def receive_grads(self, layer: int, grads: dict[str, torch.Tensor], *, non_blocking: bool = False) -> None:
@@ -315,7 +359,7 @@ class HostState:
                                   else self._slot_of[layer])
                 with torch.no_grad():
                     for name, g in grads.items():
-                        dst[name].add_(g.to(dst[name].device, torch.float32))
+                        dst[name].add_(g.to(dst[name].device, dst[name].dtype))
                 return
         if self.layout == "replicated":
             dst = self._views(layer, self._grad_flat[layer])
@@ -325,8 +369,8 @@ class HostState:
             if self._free_slots:
                 slot = self._free_slots.popleft()
             else:  # more layers wait for the optimizer than the ring has slots: grow, and say so in held()
-                slot = self._new_slab([((self._slot_numel,), torch.float32)], "an extra gradient slot").take(
-                    (self._slot_numel,), torch.float32)
+                slot = self._new_slab([((self._slot_numel,), self.compute_dtype)], "an extra gradient slot").take(
+                    (self._slot_numel,), self.compute_dtype)
                 self._extra_slots.append(slot)
             self._slot_of[layer] = slot
             dst = self._views(layer, slot)
@@ -349,19 +393,44 @@ class HostState:
                 raise ValueError(f"layer {layer}: OPT_STEP with {self._shares.get(layer, 0)} of its 2 gradient "
                                  "shares (its own GRAD_OUT and the tied head's)")
             self._shares[layer] = 0
-        if self.layout == "replicated":
-            if keep_previous and self._upload_version[layer] != self._steps[layer]:
-                self._refresh_upload(layer)
-            self._opt[layer].step()
-            self._steps[layer] += 1
-            if not keep_previous:
-                self._refresh_upload(layer)
-            return
-        slot = self._slot_of.pop(layer, None)
-        if slot is None:
-            raise ValueError(f"layer {layer}: OPT_STEP before its GRAD_OUT")
-        if keep_previous:
-            self._snapshot(layer)
+        slot = None
+        if self.layout == "compact":
+            slot = self._slot_of.pop(layer, None)
+            if slot is None:
+                raise ValueError(f"layer {layer}: OPT_STEP before its GRAD_OUT")
+        ready = threading.Event()
+        with self._lock:
+            self._writing[layer] = ready
+            reads = self._reads.pop(layer, [])
+        try:
+            for ev in reads:  # uploads still reading this layer's host memory
+                ev.synchronize()
+            if self.layout == "replicated":
+                if keep_previous and self._upload_version[layer] != self._steps[layer]:
+                    self._refresh_upload(layer)
+                ready.set()  # the upload copy holds the version before this step
+                self._opt[layer].step()
+                with self._lock:
+                    self._steps[layer] += 1
+                    if not keep_previous:
+                        self._refresh_upload(layer)
+                return
+            if keep_previous:
+                self._snapshot(layer)
+            ready.set()
+            assert slot is not None
+            self._compact_update(layer, slot)
+            with self._lock:
+                self._steps[layer] += 1
+                if not keep_previous:
+                    self._stale.pop(layer, None)
+            self._free_slots.append(slot)
+        finally:
+            with self._lock:
+                del self._writing[layer]
+            ready.set()
+
+    def _compact_update(self, layer: int, slot: torch.Tensor) -> None:
         grads = self._views(layer, slot)
         opt, work = self._opt[layer], self._work[layer]
         group = opt.param_groups[0]
@@ -379,15 +448,20 @@ class HostState:
                                       step=int(st["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
                                       eps=group["eps"], weight_decay=group["weight_decay"],
                                       scratch=self._chunk_scratch)
-        self._steps[layer] += 1
-        if not keep_previous:
-            self._stale.pop(layer, None)
-        self._free_slots.append(slot)
 
     def _snapshot(self, layer: int) -> None:
+        """Keep the layer's current upload form (the high plane, or both planes for fp32 compute)."""
         hi, lo = self._planes(layer)
-        snap = hi.clone() if self.compute_dtype == torch.bfloat16 else torch.stack([hi, lo])
-        self._stale[layer] = (self._steps[layer], snap)
+        region = self._snap_region.get(layer)
+        if region is None:
+            snap = hi.clone() if self.compute_dtype == torch.bfloat16 else torch.stack([hi, lo])
+        else:
+            snap = region
+            snap[0].copy_(hi)
+            if snap.shape[0] == 2:
+                snap[1].copy_(lo)
+        with self._lock:
+            self._stale[layer] = (self._steps[layer], snap)
 
     # ---- reading, saving -------------------------------------------------------------------------
     def master(self, layer: int) -> dict[str, torch.Tensor]:
@@ -428,7 +502,15 @@ class HostState:
                 self._upload_version = dict(state["upload_version"])
             else:
                 self._slab.copy_(state["slab"])
-                self._stale = {i: (v, t.clone()) for i, (v, t) in state["stale"].items()}
+                self._stale = {}
+                for i, (v, t) in state["stale"].items():
+                    region = self._snap_region.get(i)
+                    if region is not None:
+                        region.view(-1).copy_(t.reshape(-1))
+                        t = region
+                    else:
+                        t = t.clone()
+                    self._stale[i] = (v, t)
         for i in self.layers:
             self._opt[i].load_state_dict(state["optim"][i])
 
@@ -450,7 +532,8 @@ class HostState:
         master = view_bytes([self._slab])
         grads = view_bytes([self._ring, *self._extra_slots])
         scratch = storage_bytes([self._scratch, self._chunk_scratch], seen)
-        stale = storage_bytes((t for _, t in self._stale.values()), seen)
+        stale = (view_bytes(self._snap_region.values()) if self.snapshots
+                 else storage_bytes((t for _, t in self._stale.values()), seen))
         return HeldBytes(self.layout, self.params, master, 0, grads, optim, scratch, stale, padding)
 
 

@@ -43,6 +43,7 @@ DEFAULT_CHUNK_ELEMS = 1 << 22
 # torch's fused CPU AdamW (vector lanes vs scalar tail, 16-element thread split) as in the whole call.
 CHUNK_ALIGN_ELEMS = 64
 _PLANE_DTYPES = (torch.int16, torch.uint16)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # gradients as they land on the host
 
 
 def split(master_fp32: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, *,
@@ -94,27 +95,29 @@ def compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: torch.Tens
     """One AdamW update of the fp32 master held in the planes, chunk by chunk, in place.
 
     `step` is the update's 1-based number (torch's `state["step"]` after its increment); `exp_avg`
-    and `exp_avg_sq` are the fp32 moments, updated in place; `grad_fp32` is read only. Bit-identical
+    and `exp_avg_sq` are the fp32 moments, updated in place; `grad_fp32` is read only: fp32, or the
+    bf16 / fp16 gradient as it left the GPU (widened to fp32 chunk by chunk, which is exact). Bit-identical
     to `torch.optim.AdamW(fused=True)` with the same hyperparameters on the joined tensor (see the
     module docstring for the alignment this needs). `scratch`: optional fp32 workspace of at least
     `workspace_elems(chunk_elems)` elements, reused across calls (one per optimizer thread).
     """
     n = _check_planes(hi, lo)
-    g = _flat(grad_fp32, torch.float32, n, "grad_fp32")
+    g = _flat(grad_fp32, grad_fp32.dtype if grad_fp32.dtype in _GRAD_DTYPES else torch.float32, n, "grad_fp32")
     m = _flat(exp_avg, torch.float32, n, "exp_avg")
     v = _flat(exp_avg_sq, torch.float32, n, "exp_avg_sq")
     if step < 1:
         raise ValueError(f"step is the 1-based number of this update, got {step}")
     h, low = _i16(hi), _i16(lo)
     c = _chunk(chunk_elems, n)
-    master, tmp = _workspace(scratch, c)
+    master, tmp, wide = _workspace(scratch, c)
     step_t = torch.tensor(float(step), dtype=torch.float32)  # torch's fused AdamW keeps steps as fp32
     for s in range(0, n, c):
         e = min(n, s + c)
         k = e - s
         x = master[:k]
         _join_into(h[s:e], low[s:e], x, tmp[:k])
-        torch._fused_adamw_([x], [g[s:e]], [m[s:e]], [v[s:e]], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
+        gc = g[s:e] if g.dtype == torch.float32 else wide[:k].copy_(g[s:e])
+        torch._fused_adamw_([x], [gc], [m[s:e]], [v[s:e]], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         _split_consuming(x.view(torch.int32), h[s:e], low[s:e])
 
@@ -141,8 +144,9 @@ def unfused_compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: to
 
 
 def workspace_elems(chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> int:
-    """fp32 elements of the scratch `compact_adamw_step` needs for `chunk_elems` (master + int32 temp)."""
-    return 2 * _aligned(chunk_elems)
+    """fp32 elements of the scratch `compact_adamw_step` needs for `chunk_elems` (master, int32 temp,
+    and the widened gradient when it arrives in bf16 / fp16)."""
+    return 3 * _aligned(chunk_elems)
 
 
 def _join_into(h: torch.Tensor, low: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
@@ -163,14 +167,14 @@ def _split_consuming(x32: torch.Tensor, h: torch.Tensor, low: torch.Tensor) -> N
     h.copy_(x32)
 
 
-def _workspace(scratch: torch.Tensor | None, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(scratch: torch.Tensor | None, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if scratch is None:
-        scratch = torch.empty(2 * c, dtype=torch.float32)
-    if scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < 2 * c:
-        raise ValueError(f"scratch must be a contiguous fp32 tensor of >= {2 * c} elements "
+        scratch = torch.empty(3 * c, dtype=torch.float32)
+    if scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.numel() < 3 * c:
+        raise ValueError(f"scratch must be a contiguous fp32 tensor of >= {3 * c} elements "
                          f"(workspace_elems(chunk_elems)), got {scratch.dtype} with {scratch.numel()}")
     flat = scratch.view(-1)
-    return flat[:c], flat[c:2 * c].view(torch.int32)
+    return flat[:c], flat[c:2 * c].view(torch.int32), flat[2 * c:3 * c]
 
 
 def _aligned(chunk_elems: int) -> int:

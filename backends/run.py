@@ -175,7 +175,8 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
     pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != "host")
     lines.append(f"device    peak {dev} measured; {pred} predicted")
     held = sum(r.held["total_bytes"] for r in results)
-    formula = host_bytes(plan.spec, plan.schedule.host_memory, compute_dtype=plan.schedule.compute_dtype)
+    formula = host_bytes(plan.spec, plan.schedule.host_memory, compute_dtype=plan.schedule.compute_dtype,
+                         optimizer=plan.policy.optimizer)
     rss = sum(r.peak_rss_bytes for r in results)
     lines.append(f"host      state {_mib(held)} = {held / plan.spec.params:.2f} B/param measured "
                  f"({plan.schedule.host_memory}; formula {formula.bytes_per_param:.2f} B/param); "

@@ -204,7 +204,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     stack = build_model(job.model, seed=job.seed, only=set(layers))
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
     host = HostState(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
-                     optim=job.optim, pin=device.type == "cuda", shared_grad=shared)
+                     optim=job.optim, pin=device.type == "cuda", shared_grad=shared, snapshots=job.staleness > 0)
     for i in layers:
         _strip(stack.layers[i])  # type: ignore[arg-type]
     tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size)

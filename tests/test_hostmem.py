@@ -33,12 +33,18 @@ def test_replicated_is_18_bytes_plus_rounding() -> None:
 
 
 def test_compact_is_12_bytes_plus_ring() -> None:
-    """compact: master planes 4 + moments 8 per parameter, and a 4-slot fp32 ring of the largest layer."""
+    """compact: master planes 4 + moments 8 per parameter, and a 4-slot ring of the largest layer in the
+    compute dtype (bf16: 2 B a slot element, fp32: 4); async adds one upload-form copy (2 B/param in bf16)."""
     h = host_bytes(_model([1000, 1024]), "compact")
     assert (h.master_bytes, h.upload_copy_bytes, h.grad_bytes, h.optim_state_bytes, h.pinned_rounding_bytes) == (
-        8096, 0, 4 * 1024 * 4, 16192, 0)
+        8096, 0, 4 * 1024 * 2, 16192, 0)
+    assert host_bytes(_model([1000, 1024]), "compact", compute_dtype="fp32").grad_bytes == 4 * 1024 * 4
     big = host_bytes(_model([10**6] * 100), "compact")
-    assert 12.0 < big.bytes_per_param < 12.2
+    assert 12.0 < big.bytes_per_param < 12.1
+    lagged = host_bytes(_model([1000, 1024]), "compact", optimizer="async")
+    assert lagged.upload_copy_bytes == 2024 * 2 and lagged.total_bytes == h.total_bytes + 2024 * 2
+    assert host_bytes(_model([1000, 1024]), "replicated", optimizer="async") == host_bytes(
+        _model([1000, 1024]), "replicated")
 
 
 def test_optimizer_factors_are_the_measured_ones() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tinypipe.cost import CostModel, Workload, workload
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware
-from tinypipe.model import ModelSpec
+from tinypipe.model import DTYPE_BYTES, ModelSpec
 from tinypipe.ops import Op, Plan, lower
 from tinypipe.passes import compute_plan, gradient_pass, memory_pass, optimizer_pass, swap_pass, transfer_pass
 from tinypipe.policy.policy import Policy
@@ -55,7 +55,7 @@ def make_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         microbatches=policy.microbatches, iterations=iterations, weight_bytes=w.weight_bytes,
         input_bytes=w.input_bytes, saved_bytes=tuple(trace.layer(x).saved_act_bytes for x in model.layers),
         workspace_bytes=tuple(trace.layer(x).workspace_bytes for x in model.layers),
-        host_grad_bytes=tuple(x.gpu_params * 4 for x in model.layers),
+        host_grad_bytes=tuple(x.gpu_params * DTYPE_BYTES[trace.dtype] for x in model.layers),
         master_bytes=tuple(x.params * 4 for x in model.layers),
         swap=policy.swap, prefetch_depth=policy.prefetch_depth, kept=kept, pinned=pinned,
         activation_home=policy.activation_home, optimizer=policy.optimizer, host_memory=policy.host_memory,

@@ -154,7 +154,7 @@ def workload(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profil
     h2d = host_to_gpu_gbps(hardware)
     pairs = [hardware.route(f"gpu{a}", f"gpu{b}") for a in range(g) for b in range(g) if a != b]
     p2p = min((r.bottleneck_gbps for r in pairs), default=float("inf"))
-    hb = host_bytes(model, policy.host_memory, compute_dtype=dt)
+    hb = host_bytes(model, policy.host_memory, compute_dtype=dt, optimizer=policy.optimizer)
     ring = hb.grad_bytes if policy.host_memory == "compact" else 0
     grad_fp32 = [layer.gpu_params * 4 for layer in model.layers]
     if policy.host_memory == "compact":

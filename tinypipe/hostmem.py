@@ -7,8 +7,10 @@ gradient buffer). 18 B/param plus rounding.
 
 `compact` (tinypipe): the fp32 master stored as two 16-bit planes in one pinned slab — the high
 plane is the bf16 value that is uploaded, the low plane restores fp32 for the optimizer (4 B) —
-AdamW moments (8 B), and a small pinned ring of gradient slots instead of a model-sized buffer.
-12 B/param plus the ring; no rounding (one slab).
+AdamW moments (8 B), and a small pinned ring of gradient slots (in the compute dtype, as the GPU
+accumulated them) instead of a model-sized buffer.
+12 B/param plus the ring; no rounding (one slab). With the asynchronous optimizer, 2 B/param more
+(bf16 compute): the previous version's upload form, kept for the uploads that still want it.
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ class HostBytes:
 
 
 def host_bytes(model: ModelSpec, layout: str, *, compute_dtype: str = "bf16",
-               grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, layers: tuple[int, ...] | None = None) -> HostBytes:
-    """Host bytes to train `model` (or only `layers` of it) with an fp32 master and AdamW."""
+               grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, layers: tuple[int, ...] | None = None,
+               optimizer: str = "sync") -> HostBytes:
+    """Host bytes to train `model` (or only `layers` of it) with an fp32 master and AdamW.
+
+    compact + async optimizer: one more upload-form copy per parameter (the previous version's
+    snapshot region, counted as the upload copy); replicated's upload copy already serves."""
     chosen = [model.layers[i] for i in layers] if layers is not None else list(model.layers)
     n = sum(x.params for x in chosen)
     cd = DTYPE_BYTES[compute_dtype]
@@ -75,8 +81,9 @@ def host_bytes(model: ModelSpec, layout: str, *, compute_dtype: str = "bf16",
         return HostBytes(layout, n, 4 * n, sum(upload), sum(grads), 8 * n, rounding)
     if layout == "compact":
         biggest = max((x.params for x in chosen), default=0)
-        ring = grad_ring_slots * biggest * 4 if chosen else 0
-        return HostBytes(layout, n, 4 * n, 0, ring, 8 * n, 0)
+        ring = grad_ring_slots * biggest * cd if chosen else 0  # slots hold gradients as the GPU made them
+        snapshots = n * cd if optimizer == "async" else 0
+        return HostBytes(layout, n, 4 * n, snapshots, ring, 8 * n, 0)
     raise ValueError(f"unknown host memory layout {layout!r}")
 
 

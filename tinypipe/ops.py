@@ -54,7 +54,7 @@ class Plan:
     input_bytes: tuple[int, ...]  # x.L{l}.m and dx.L{l}.m (0 for the first layer: token ids)
     saved_bytes: tuple[int, ...]  # a.L{l}.m (kept without recompute)
     workspace_bytes: tuple[int, ...]  # ws of each FWD / BWD
-    host_grad_bytes: tuple[int, ...]  # host gring.L{l} slot (fp32), compact layout only
+    host_grad_bytes: tuple[int, ...]  # host gring.L{l} slot (compute dtype), compact layout only
     master_bytes: tuple[int, ...]  # OPT_STEP nbytes: fp32 master of the layer's own parameters
     swap: str = "layer"
     prefetch_depth: int = 1

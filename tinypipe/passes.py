@@ -234,14 +234,17 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     """OPT_STEP L on host.optim after GRAD_OUT L; the next iterations' LOADs wait for it.
 
     sync: the first LOAD of L in iteration i waits for OPT_STEP L of i-1. async (staleness 1):
-    on the one of i-2, and OPT_STEP L of i-1 waits for the last LOAD of L in iteration i, so that
-    all uploads of one iteration read one weight version. Tied embeddings: OPT_STEP of layer 0
+    on the one of i-2; OPT_STEP L of i-1 runs as soon as its gradient has landed, and the uploads
+    of iteration i that come after it read the previous version from a snapshot the host state
+    takes first (backends/hoststate.py; one bf16 copy of the model at most, counted in
+    `hostmem.host_bytes`), so all uploads of one iteration read one weight version and no
+    gradient waits on the host for the next iteration. Tied embeddings: OPT_STEP of layer 0
     also waits for GRAD_OUT of the head (its gradient share) and, under async, for the head's
     last LOAD (and only the embedding's first LOAD: its backward reads no weights); the head's
     first LOAD waits for that OPT_STEP as for its own. GRAD_OUT L of
-    iteration i waits for OPT_STEP L of i-1 (the host gradient of L is consumed). compact + sync: a
+    iteration i waits for OPT_STEP L of i-1 (the host gradient of L is consumed). compact: a
     ring of `ring_slots` host gradient slots per GPU: GRAD_OUT k on a GPU waits for OPT_STEP k -
-    ring_slots of that GPU (async keeps up to one iteration of gradients on the host instead).
+    ring_slots of that GPU.
     """
     pos = {op: i for i, op in enumerate(ops)}
     grad_out: dict[tuple[int, int], Op] = {}
@@ -263,12 +266,10 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
         anchor = go
         if tied and lay == 0:
             o.deps.append(grad_out[head, it])
-        if plan.optimizer == "async" and it + 1 < plan.iterations:
+        if plan.optimizer == "async" and tied and lay == 0 and it + 1 < plan.iterations:
             # tied: the embedding's own backward reads no weights, so its step need only follow the
             # embedding's first upload and the head's last one (which carries the shared matrix)
-            srcs = ((first_load[lay, it + 1], last_load[head, it + 1]) if tied and lay == 0
-                    else (last_load[lay, it + 1],))
-            for ld in srcs:
+            for ld in (first_load[lay, it + 1], last_load[head, it + 1]):
                 o.deps.append(ld)
                 if pos[ld] > pos[anchor]:
                     anchor = ld
@@ -284,7 +285,7 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             ld.deps.append(opt[lay, it - lag])
             if tied and lay == head:
                 ld.deps.append(opt[0, it - lag])
-    if plan.host_memory == "compact" and plan.optimizer == "sync":
+    if plan.host_memory == "compact":
         per_gpu: dict[int, list[Op]] = {}
         for op in ops:
             if op.kind is GRAD_OUT:

@@ -198,7 +198,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes("bf16") for x in model.layers) / up_gbps
     optim = model.params / hw.host.adam_params_per_s * optimizer_time_factor(p.host_memory)
     why = ""
-    hb = host_bytes(model, p.host_memory).total_bytes
+    hb = host_bytes(model, p.host_memory, optimizer=p.optimizer).total_bytes
     if hb > w.host_limit:
         why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} layout, limit {w.host_limit:,}"
     largest = max(x.param_bytes("bf16") for x in model.layers)

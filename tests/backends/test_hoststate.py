@@ -175,7 +175,7 @@ def test_bytes_held_match_hostmem_formulas(tiny_llama: Any, layout: str, layers:
 @pytest.mark.parametrize("layout", ["replicated", "compact"])
 def test_pinned_blocks_are_one_slab_of_exact_size(tiny_llama: Any, layout: str, pin: bool) -> None:
     """Every pinned block of a HostState is a view of one allocation whose size is the slab plan's
-    (compact: the two planes, then the ring; replicated: the upload copies, then the fp32 gradient
+    (compact: the two planes, then the ring in the compute dtype; replicated: the upload copies, then the fp32 gradient
     buffers). `held()` splits exactly that slab by purpose, the alignment padding (less than 4 KiB a
     block) as its pinned rounding, and adds what is not pinned: no power-of-two rounding anywhere."""
     stack = tiny_llama
@@ -187,7 +187,7 @@ def test_pinned_blocks_are_one_slab_of_exact_size(tiny_llama: Any, layout: str, 
     numel = {i: sum(t.numel() for t in d.values()) for i, d in state.items()}
     n, tensors = sum(numel.values()), sum(len(d) for d in state.values())
     if layout == "compact":
-        blocks, size = plan([((2, n), torch.int16), ((DEFAULT_GRAD_RING_SLOTS, max(numel.values())), torch.float32)])
+        blocks, size = plan([((2, n), torch.int16), ((DEFAULT_GRAD_RING_SLOTS, max(numel.values())), torch.bfloat16)])
         views = [hs._slab, hs._ring]
     else:
         blocks, size = plan([((numel[i],), torch.bfloat16) for i in hs.layers]
