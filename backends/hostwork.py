@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 
 class HostWorker:
