@@ -25,6 +25,7 @@ from tinypipe.schedule import Action, Kind, Schedule, resource_gpu
 
 from .comm import Comm, Handle
 from .hoststate import HostState
+from .parking import ParkingLot
 
 Key = tuple[int, int, int]  # (step, layer, microbatch)
 Done = tuple[Handle, Callable[[], None]] | None  # an asynchronous handler returns what to wait for
@@ -96,6 +97,7 @@ class Interpreter:
         self.graphs: dict[Key, tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]] = {}
         self.grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (step, layer) -> accumulator
         self.parked: dict[Key, torch.Tensor] = {}  # inputs offloaded to host memory
+        self.parking = ParkingLot(pin=device.type == "cuda", device=device)  # their reusable pinned buffers
         self.losses: dict[tuple[int, int], torch.Tensor] = {}  # (step, microbatch) -> head output
         self.data: dict[int, StepData] = {}
         self.pending_loads: dict[tuple[int, int], int] = {}  # (layer, step) -> LOADs of the window not yet run
@@ -270,7 +272,7 @@ class Interpreter:
         if x is None:
             raise self.fail(a, "no kept input to offload")
         self.use(x)
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.device.type == "cuda")
+        host = self.parking.take(x.shape, x.dtype)
         host.copy_(x, non_blocking=self.device.type == "cuda")
         self.parked[key] = host  # type: ignore[index]
         return None
@@ -280,7 +282,8 @@ class Interpreter:
         host = self.parked.pop(key, None)  # type: ignore[arg-type]
         if host is None:
             raise self.fail(a, "no offloaded input to fetch")
-        self.x[key] = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host  # type: ignore[index]
+        self.x[key] = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host.clone()  # type: ignore[index]
+        self.parking.give_back(host)
         return None
 
     # ---- between ranks ---------------------------------------------------------------------------------
