@@ -285,6 +285,11 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
 
     rank = local_rank if env_rank is None else env_rank
     stop = threading.Event()
+    hang_s = float(os.environ.get("TINYPIPE_STACKS_AFTER_S", "0") or 0)
+    if hang_s > 0:  # diagnosis of a stuck run: every thread's Python stack on stderr after this long
+        import faulthandler
+
+        faulthandler.dump_traceback_later(hang_s, exit=False)
 
     def on_signal(signum: int, frame: Any) -> None:
         stop.set()
