@@ -170,6 +170,8 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                     progressed = True
             heads = [q[0] for r, q in queues.items() if r not in running and ready(q[0])]
             if not heads:
+                while in_flight and streams.done(in_flight[0]):
+                    in_flight.popleft()
                 if not (running or on_host or in_flight):
                     if not queues:
                         break
@@ -201,11 +203,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                 on_host[a.id] = (a, fut)
             else:
                 with streams.issuing(a.resource, a.id, (d for d in a.deps if d in by_id)):
-                    started = interp.dispatch(a, step)
-                    if started is not None and interp.device.type == "cuda":
-                        started[0].wait()  # NCCL: the stream (not the host) waits for the transfer
-                        started[1]()
-                        started = None
+                    started = streams.settle(interp.dispatch(a, step))
                     if started is None:
                         streams.mark_end(a.id)
                 if a.kind in _COMPUTE:

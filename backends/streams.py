@@ -21,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
+
+Started = tuple[Any, Callable[[], None]] | None  # what an asynchronous handler returns: (handle, on_done)
 
 
 class CpuStreams:
@@ -43,6 +46,10 @@ class CpuStreams:
     def mark_end(self, action_id: int) -> None:
         """The action's work is finished (CPU: now)."""
         self._t1[action_id] = time.perf_counter()
+
+    def settle(self, started: Started) -> Started:
+        """A transfer the handler started: returned for the host to poll (gloo completes it on a thread)."""
+        return started
 
     def done(self, action_id: int) -> bool:
         return True
@@ -109,6 +116,15 @@ class CudaStreams:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(torch.cuda.current_stream(self.device))
         self._end[action_id] = ev
+
+    def settle(self, started: Started) -> Started:
+        """A transfer the handler started (NCCL): the current stream waits for it, the host does not;
+        its completion callback runs now (the buffer it fills is the stream's to order). None."""
+        if started is not None:
+            handle, on_done = started
+            handle.wait()
+            on_done()
+        return None
 
     def done(self, action_id: int) -> bool:
         ev = self._end.get(action_id)
