@@ -175,10 +175,10 @@ class HostState:
         self.snapshots = snapshots and layout == "compact"
         # The optimizer step runs on its own thread (backends/hostwork.py) while the issuing thread
         # uploads other layers, and under the asynchronous optimizer the same layer's older version.
-        # `_lock` guards the version bookkeeping; `_writing[layer]` exists while a step updates the
-        # layer (set once its snapshot is taken); `_reads[layer]` holds CUDA events of uploads still
-        # reading the layer's host memory, which a step waits for before writing it.
-        self._lock = threading.Lock()
+        # `_locks[layer]` guards the layer's version bookkeeping; `_writing[layer]` exists while a step
+        # updates the layer (set once its snapshot is taken); `_reads[layer]` holds CUDA events of
+        # uploads still reading the layer's host memory, which a step waits for before writing it.
+        self._locks = {i: threading.Lock() for i in self.layers}  # per layer: other layers never wait
         self._writing: dict[int, threading.Event] = {}
         self._reads: dict[int, list[Any]] = {}
         self._slabs: list[PinnedSlab] = []  # the pinned slab, then one per extra ring slot
@@ -280,7 +280,7 @@ class HostState:
         Safe beside a `step` of the same layer on another thread: while the step writes, `want`
         equal to the version before it is served from the snapshot the step took first."""
         while True:
-            with self._lock:
+            with self._locks[layer]:
                 busy = self._writing.get(layer)
                 if busy is None or busy.is_set() or want != self._steps[layer]:
                     out = self._load_locked(layer, want, device, non_blocking, writing=busy is not None)
@@ -339,7 +339,7 @@ class HostState:
     def drop_stale(self, layer: int) -> None:
         """Free the snapshot of the previous version of `layer` (compact): no LOAD will want it."""
         if self.layout == "compact":
-            with self._lock:
+            with self._locks[layer]:
                 self._stale.pop(layer, None)
 
     # ---- GRAD_OUT --------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ class HostState:
             if slot is None:
                 raise ValueError(f"layer {layer}: OPT_STEP before its GRAD_OUT")
         ready = threading.Event()
-        with self._lock:
+        with self._locks[layer]:
             self._writing[layer] = ready
             reads = self._reads.pop(layer, [])
         try:
@@ -410,7 +410,7 @@ class HostState:
                     self._refresh_upload(layer)
                 ready.set()  # the upload copy holds the version before this step
                 self._opt[layer].step()
-                with self._lock:
+                with self._locks[layer]:
                     self._steps[layer] += 1
                     if not keep_previous:
                         self._refresh_upload(layer)
@@ -420,13 +420,13 @@ class HostState:
             ready.set()
             assert slot is not None
             self._compact_update(layer, slot)
-            with self._lock:
+            with self._locks[layer]:
                 self._steps[layer] += 1
                 if not keep_previous:
                     self._stale.pop(layer, None)
             self._free_slots.append(slot)
         finally:
-            with self._lock:
+            with self._locks[layer]:
                 del self._writing[layer]
             ready.set()
 
@@ -460,7 +460,7 @@ class HostState:
             snap[0].copy_(hi)
             if snap.shape[0] == 2:
                 snap[1].copy_(lo)
-        with self._lock:
+        with self._locks[layer]:
             self._stale[layer] = (self._steps[layer], snap)
 
     # ---- reading, saving -------------------------------------------------------------------------

@@ -229,3 +229,58 @@ def test_cuda_pinned_host_state_trains_like_the_cpu_one(layout: str) -> None:
             plain.step(i)
     for i in pinned.layers:
         assert all(torch.equal(pinned.master(i)[n], t) for n, t in plain.master(i).items())
+
+
+@pytest.mark.parametrize("layout", ["compact", "replicated"])
+def test_upload_of_the_previous_version_while_a_step_writes(tiny_llama: Any, layout: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asynchronous optimizer, step on another thread: an upload of the version before the step,
+    issued while the step is writing the layer, gets exactly the weights before the step (the
+    snapshot / the kept upload copy), and one of the new version after it gets the updated ones."""
+    import threading
+
+    stack = tiny_llama
+    state = {i: {n: t.clone() for n, t in d.items()} for i, d in stack.state().items()}
+    hs = HostState(state, layout=layout, compute_dtype=torch.bfloat16, optim=CFG, snapshots=True)
+    layer = hs.layers[1]
+    before = hs.load(layer, 0, torch.device("cpu"))
+    hs.receive_grads(layer, {n: torch.ones_like(t) for n, t in state[layer].items()})
+    inside, release = threading.Event(), threading.Event()
+    name = "_compact_update" if layout == "compact" else "_opt"
+    if layout == "compact":
+        original = hs._compact_update
+
+        def paused(lay: int, slot: torch.Tensor) -> None:  # the planes are updated, the version not yet
+            original(lay, slot)
+            inside.set()
+            release.wait(10)
+
+        monkeypatch.setattr(hs, name, paused)
+    else:
+        opt = hs._opt[layer]
+        original_step = opt.step
+
+        def paused_step(*args: Any, **kwargs: Any) -> Any:  # the master is updated, the version not yet
+            out = original_step(*args, **kwargs)
+            inside.set()
+            release.wait(10)
+            return out
+
+        monkeypatch.setattr(opt, "step", paused_step)
+    worker = threading.Thread(target=hs.step, args=(layer,), kwargs={"keep_previous": True})
+    worker.start()
+    assert inside.wait(10)
+    during = hs.load(layer, 0, torch.device("cpu"))  # the step is writing right now
+    release.set()
+    worker.join(10)
+    assert hs.version(layer) == 1
+    for n in before:
+        torch.testing.assert_close(during[n], before[n], rtol=0, atol=0)
+    if layout == "compact":  # the snapshot serves the old version until drop_stale, whatever comes between
+        old = hs.load(layer, 0, torch.device("cpu"))
+        for n in before:
+            torch.testing.assert_close(old[n], before[n], rtol=0, atol=0)
+    # (replicated has one upload copy: the first upload of the new version refreshes it, which is why
+    # the schedule issues a layer's uploads in iteration order on one stream)
+    after = hs.load(layer, 1, torch.device("cpu"))
+    assert any(not torch.equal(after[n], before[n]) for n in before)
