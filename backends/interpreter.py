@@ -190,7 +190,7 @@ class Interpreter:
         assert L is not None and m is not None
         weights = self._weights(a, step)
         x, extra = self._inputs(a, step)
-        if self.schedule.recompute:
+        if self.schedule.recomputes(L):
             with torch.no_grad():
                 out = self._call(L, weights, x, extra)
         else:
@@ -214,7 +214,7 @@ class Interpreter:
             if dy is None:
                 raise self.fail(a, f"no gradient for the output of layer {L} microbatch {m}")
             self.use(dy)
-        if self.schedule.recompute:
+        if self.schedule.recomputes(L):
             weights = self._weights(a, step)
             x, extra = self._inputs(a, step)
             xin = x.detach().requires_grad_() if L > 0 else None

@@ -63,3 +63,12 @@ def test_grid_marks_the_failing_cell() -> None:
         "0     F0.0        LD0\n"
         "1     >>F1.0<<"
     )
+
+
+def test_recompute_spares_the_head() -> None:
+    """Under recompute every layer's backward re-runs its forward except the head's (the last layer),
+    which keeps its small graph; without recompute none does."""
+    from tinypipe.schedule import recomputes
+
+    assert [recomputes(True, i, 4) for i in range(4)] == [True, True, True, False]
+    assert not any(recomputes(False, i, 4) for i in range(4))

@@ -15,6 +15,7 @@ from tinypipe.hardware import Hardware
 from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_time_factor
 from tinypipe.model import DTYPE_BYTES, ModelSpec
 from tinypipe.policy.policy import Policy
+from tinypipe.schedule import recomputes
 from tinypipe.trace import ProfileTrace
 
 GIB = 1 << 30
@@ -145,10 +146,11 @@ def workload(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profil
             raise InputError(f"trace for {trace.gpu_model}: no profile for layer kind "
                              f"{layer.kind.value!r} (layer {layer.index} of {model.name})") from None
         fwd.append(kp.fwd_s)
-        bwd.append(kp.recompute_bwd_s if policy.recompute else kp.bwd_s)
+        redo = recomputes(policy.recompute, layer.index, len(model.layers))
+        bwd.append(kp.recompute_bwd_s if redo else kp.bwd_s)
         x = model.layers[layer.index - 1].boundary_bytes_per_token * tokens if layer.index else 0
         inp.append(x)
-        act.append(x + (0 if policy.recompute else kp.saved_act_bytes))
+        act.append(x + (0 if redo else kp.saved_act_bytes))
         ws = max(ws, kp.workspace_bytes)
     g = len(hardware.gpus)
     h2d = host_to_gpu_gbps(hardware)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS
-from tinypipe.schedule import HOST_OPTIM, KIND_STREAM, Action, Kind, Mem, gpu_resource
+from tinypipe.schedule import HOST_OPTIM, KIND_STREAM, Action, Kind, Mem, gpu_resource, recomputes
 
 FWD, BWD, LOAD, EVICT = Kind.FWD, Kind.BWD, Kind.LOAD, Kind.EVICT
 SEND, RECV, OFFLOAD, FETCH = Kind.SEND, Kind.RECV, Kind.OFFLOAD_ACT, Kind.FETCH_ACT
@@ -81,6 +81,10 @@ class Plan:
         object.__setattr__(self, "num_layers", len(owner))
         object.__setattr__(self, "owner", tuple(owner))
         object.__setattr__(self, "pack_of", tuple(pack_of))
+
+    def recomputes(self, layer: int) -> bool:
+        """Whether BWD of `layer` recomputes its forward (`schedule.recomputes`)."""
+        return recomputes(self.recompute, layer, self.num_layers)
 
     @classmethod
     def toy(cls, sizes: tuple[int, ...], gpus: tuple[int, ...], microbatches: int, *,

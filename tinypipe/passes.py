@@ -321,14 +321,13 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             hit = cache[key] = (Mem(devs[g], name, nbytes),) if nbytes > 0 else ()
         return hit
 
-    keep = not plan.recompute
     compact = plan.host_memory == "compact"
     seen: set[tuple[int, int]] = set()
     for op in ops:
         k, g, lay, m = op.kind, op.gpu, op.layer, op.mb
         if k is FWD:
             ws = mem(g, "ws", lay)
-            op.allocs = mem(g, "x", lay + 1, m) + (mem(g, "a", lay, m) if keep else ()) + ws
+            op.allocs = mem(g, "x", lay + 1, m) + (() if plan.recomputes(lay) else mem(g, "a", lay, m)) + ws
             op.frees = ws
         elif k is BWD:
             ws = mem(g, "ws", lay)
@@ -336,7 +335,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             if (lay, op.it) not in seen:
                 seen.add((lay, op.it))
                 gr = mem(g, "gr", lay)
-            sv = mem(g, "a", lay, m) if keep else ()
+            sv = () if plan.recomputes(lay) else mem(g, "a", lay, m)
             op.allocs = mem(g, "dx", lay, m) + gr + ws
             op.frees = mem(g, "x", lay, m) + sv + mem(g, "dx", lay + 1, m) + ws
         elif k is LOAD:

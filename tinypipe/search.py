@@ -29,6 +29,7 @@ from tinypipe.hardware import Hardware
 from tinypipe.hostmem import host_bytes, optimizer_time_factor
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy
+from tinypipe.schedule import recomputes
 from tinypipe.trace import trace_for
 
 
@@ -191,7 +192,8 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     compute = 0.0
     for layer in model.layers:
         kp = trace.layer(layer)
-        compute += kp.fwd_s + (kp.recompute_bwd_s if p.recompute else kp.bwd_s)
+        redo = recomputes(p.recompute, layer.index, len(model.layers))
+        compute += kp.fwd_s + (kp.recompute_bwd_s if redo else kp.bwd_s)
     compute *= p.microbatches / len(hw.gpus)
     links = sum(hw.route("host", g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
