@@ -16,9 +16,10 @@ from tinypipe.trace import trace_for
 
 @pytest.mark.parametrize(("hw_name", "recompute"), [("h200x1", True), ("h200x2", False)])
 def test_floor_terms_are_the_work_of_one_iteration(hw_name: str, recompute: bool) -> None:
-    """Compute: every microbatch through every layer at the trace's times (forward, then the backward
-    the policy runs: with recompute, every layer but the head), on the busiest GPU; the host optimizer: every parameter at the layout's rate;
-    uploads: the LOAD and FETCH bytes of the busiest GPU over its PCIe rate. The floor is the largest."""
+    """Compute: every microbatch through every layer at the trace's times (forward, then the
+    backward the policy runs: with recompute, every layer but the head), on the busiest GPU; the host
+    optimizer: every parameter at the layout's rate; uploads: the LOAD and FETCH bytes of the busiest
+    GPU over its PCIe rate. The floor is the largest."""
     spec, hw = load_model("llama-3.1-8b"), load_hardware(hw_name)
     policy = PRESETS["tinypipe"].replace(microbatches=8, microbatch_size=4, recompute=recompute)
     trace = trace_for(spec, hw.gpus[0], 4, 2048, "bf16")
