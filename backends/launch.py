@@ -12,10 +12,13 @@ rank's `RankResult`; `launch` returns them on rank 0 and None on the other torch
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,45 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 def _one_line(trace: str) -> str:
+    """The last line of a worker's traceback without the exception's class: what went wrong, in words."""
     lines = [x.strip() for x in trace.strip().splitlines() if x.strip()]
-    return lines[-1] if lines else "unknown error"
+    last = lines[-1] if lines else "unknown error"
+    head, sep, rest = last.partition(": ")
+    if sep and rest and head.replace(".", "").replace("_", "").isalnum() and " " not in head:
+        return rest  # `tinypipe.backends.interpreter.ExecutionError: ...` -> `...`
+    return last
+
+
+def _died(index: int, exit_code: int, out: str | None) -> str:
+    """One line for a rank that died without raising (a signal, an abort), with where to resume from."""
+    try:
+        how = f"was killed by {signal.Signals(-exit_code).name}" if exit_code < 0 else f"exited with code {exit_code}"
+    except ValueError:
+        how = f"died (exit code {exit_code})"
+    text = f"rank {index} {how}; the other ranks were stopped"
+    if out is not None:
+        from . import checkpoint
+
+        found = checkpoint.find(out)
+        if found is not None:
+            try:
+                step = checkpoint.read_record(found)["step"]
+            except TinypipeError:
+                return text
+            text += f"; the last checkpoint is at step {step}: continue with --resume --out {out}"
+    return text
+
+
+@contextlib.contextmanager
+def _quiet_spawn() -> Iterator[None]:
+    """Mute torch.multiprocessing's `Terminating process ...` warnings: the error says it in one line."""
+    log = logging.getLogger("torch.multiprocessing.spawn")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def launch(job: Job, world: int) -> list[RankResult] | None:
@@ -66,12 +106,12 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
         init = f"file://{Path(tmp) / 'store'}"
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers checkpoint and stop themselves
         try:
-            torch.multiprocessing.spawn(process_main, args=(job, world, init, path), nprocs=world, join=True)
+            with _quiet_spawn():
+                torch.multiprocessing.spawn(process_main, args=(job, world, init, path), nprocs=world, join=True)
         except torch.multiprocessing.ProcessRaisedException as exc:
             raise WorkerError(f"rank {exc.error_index} failed: {_one_line(str(exc))}") from None
         except torch.multiprocessing.ProcessExitedException as exc:
-            raise WorkerError(f"rank {exc.error_index} died (exit code {exc.exit_code}); the other ranks were "
-                              "stopped") from None
+            raise WorkerError(_died(exc.error_index, exc.exit_code, job.out)) from None
         finally:
             signal.signal(signal.SIGINT, previous)
         return torch.load(path, weights_only=False)  # type: ignore[no-any-return]

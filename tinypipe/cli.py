@@ -444,29 +444,16 @@ def _print_list(kind: str, names: list[str], as_json: bool) -> int:
 
 def _check_outputs(**paths: str | None) -> None:
     """Fail before any work when an output file cannot be written (`--plot` also needs matplotlib)."""
+    from tinypipe.outputs import check_file
+
     for flag, value in paths.items():
         if value is None:
             continue
-        check_writable_file(Path(value), "--" + flag.replace("_", "-"))
+        check_file(Path(value), "--" + flag.replace("_", "-"))
         if flag == "plot":
             from tinypipe.plot import _pyplot
 
             _pyplot()
-
-
-def check_writable_file(path: Path, flag: str) -> None:
-    """InputError unless `path` can be created or replaced as a file (its directory exists and is writable)."""
-    import os
-
-    if path.is_dir():
-        raise InputError(f"{flag} {path}: is a directory; give a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        raise InputError(f"{flag} {path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {path}: the directory {parent} is not writable")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise InputError(f"{flag} {path}: the file is not writable")
 
 
 def _plot(draw: Callable[..., Any], what: Any, path: str) -> None:
