@@ -103,7 +103,8 @@ def test_run_trains_a_tied_model_and_saves_it_tied(tmp_path: Path, tied_config: 
 
 def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen3_config: str) -> None:
     """A Qwen3 on 3 processes (replicated host, pack swap) stops after 2 of 5 steps, leaving a
-    checkpoint; `--resume` continues: losses and final weights equal the uninterrupted reference."""
+    checkpoint; `--resume` continues: losses and final weights equal the uninterrupted reference, and
+    the checkpoints of step 4 and of the end are both kept."""
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[1, 1, 1, 1, 1], mapping=[0, 1, 2, 0, 1], swap="pack",
                       host_memory="replicated")
@@ -118,7 +119,9 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen
                               str(out), "--checkpoint-every", "4", "--resume"))
     second = launch(dataclasses.replace(resumed.job, progress=False, save_model=False, keep_masters=True), 3)
     assert second is not None and [r.start_step for r in second] == [2, 2, 2]
-    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 4
+    # step 4 (--checkpoint-every 4), then the end (time-based checkpointing, on by default): the last two kept
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 5
+    assert json.loads((out / "checkpoint.old" / "meta.json").read_text())["step"] == 4
     ref = reference(qwen3_config, 5)
     losses = {k: v for r in second for k, v in r.losses.items()}
     assert [losses[k] for k in range(5)] == pytest.approx(ref.losses, rel=1e-6, abs=1e-7)
