@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import signal
 import tempfile
 import threading
@@ -49,6 +50,24 @@ def _one_line(trace: str) -> str:
     if sep and rest and head.replace(".", "").replace("_", "").isalnum() and " " not in head:
         return rest  # `tinypipe.backends.interpreter.ExecutionError: ...` -> `...`
     return last
+
+
+def _first_failure(error_files: list[str], index: int, trace: str) -> tuple[int, str]:
+    """(rank, traceback) of the rank that failed first: when one rank raises, its peers fail next
+    with broken connections, and the one spawn noticed first may be one of them. Each rank that
+    raised wrote its traceback to its error file; the oldest file is the first failure."""
+    written = []
+    for rank, f in enumerate(error_files):
+        try:
+            mtime = os.stat(f).st_mtime_ns
+            with open(f, "rb") as fh:
+                written.append((mtime, rank, str(pickle.load(fh))))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+    if not written:
+        return index, trace
+    _, rank, first = min(written)
+    return rank, first
 
 
 def _died(index: int, exit_code: int, out: str | None) -> str:
@@ -107,11 +126,26 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers checkpoint and stop themselves
         try:
             with _quiet_spawn():
-                torch.multiprocessing.spawn(process_main, args=(job, world, init, path), nprocs=world, join=True)
-        except torch.multiprocessing.ProcessRaisedException as exc:
-            raise WorkerError(f"rank {exc.error_index} failed: {_one_line(str(exc))}") from None
-        except torch.multiprocessing.ProcessExitedException as exc:
-            raise WorkerError(_died(exc.error_index, exc.exit_code, job.out)) from None
+                ctx = torch.multiprocessing.start_processes(process_main, args=(job, world, init, path), nprocs=world,
+                                                            join=False, start_method="spawn")
+                try:
+                    while not ctx.join():
+                        pass
+                except torch.multiprocessing.ProcessRaisedException as exc:
+                    # a rank killed by a signal (not spawn's own SIGTERM) broke its peers' connections
+                    killed = [(r, p.exitcode) for r, p in enumerate(ctx.processes)
+                              if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGTERM
+                              and not os.path.exists(ctx.error_files[r])]
+                    if killed:
+                        raise WorkerError(_died(*killed[0], job.out)) from None
+                    rank, trace = _first_failure(ctx.error_files, exc.error_index, str(exc))
+                    raise WorkerError(f"rank {rank} failed: {_one_line(trace)}") from None
+                except torch.multiprocessing.ProcessExitedException as exc:
+                    raise WorkerError(_died(exc.error_index, exc.exit_code, job.out)) from None
+                finally:
+                    for f in ctx.error_files:
+                        with contextlib.suppress(OSError):
+                            os.unlink(f)
         finally:
             signal.signal(signal.SIGINT, previous)
         return torch.load(path, weights_only=False)  # type: ignore[no-any-return]

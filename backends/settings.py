@@ -70,6 +70,7 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
         for dest in RECORDED:
             if getattr(args, dest, None) is None:
                 setattr(out, dest, _default(dest, DEFAULTS))
+    out.betas = tuple(out.betas)  # a record holds a JSON list
     _check_numbers(out)
     if out.hardware is not None and out.backend != "cuda":
         raise InputError(f"--hardware {out.hardware}: only for --backend cuda (the cpu backend measures this "
