@@ -99,9 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         handler = _HANDLERS.get(args.command)
-        if handler is None:
+        if handler is None:  # plain `tinypipe`: a request for help
             build_parser().print_help()
-            return EXIT_USAGE
+            return 0
         return handler(args)
     except TinypipeError as exc:
         if sys.stderr.isatty():
@@ -453,7 +453,11 @@ def _check_outputs(**paths: str | None) -> None:
         if flag == "plot":
             from tinypipe.plot import _pyplot
 
-            _pyplot()
+            formats = _pyplot().gcf().canvas.get_supported_filetypes()
+            suffix = Path(value).suffix.lower().lstrip(".")
+            if suffix and suffix not in formats:
+                raise InputError(f"--plot {value}: .{suffix} is not a picture format; end the name with .png "
+                                 f"(or .{', .'.join(sorted(f for f in formats if f != 'png'))})")
 
 
 def _plot(draw: Callable[..., Any], what: Any, path: str) -> None:
