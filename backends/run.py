@@ -217,8 +217,8 @@ def _host_lines(plan: Any, results: list[Any]) -> list[str]:
     rss = sum(r.peak_rss_bytes for r in results)
     out = [f"host      state {_mib(total)} = {total / n:.2f} B/param measured ({sched.host_memory}: {parts})",
            f"          formula {per_rank / n:.2f} B/param for the layers each of the {len(results)} rank(s) holds "
-           f"({whole.bytes_per_param:.2f} for the whole model on one rank); not in it: "
-           f"{(held['scratch_bytes'] + held['stale_bytes']) / n:.2f} of scratch and stale copies, AdamW step counters"]
+           f"({whole.bytes_per_param:.2f} for the whole model on one rank); it leaves out the optimizer scratch, "
+           f"stale copies ({(held['scratch_bytes'] + held['stale_bytes']) / n:.2f}) and AdamW's step counters"]
     if len(results) > 1 and sched.host_memory == "compact" and per_rank > whole.total_bytes * 1.05:
         out.append(f"          each rank has its own gradient ring and scratch, sized by its largest layer: on a model "
                    f"of {n:,} parameters they weigh as much as the per-parameter state")

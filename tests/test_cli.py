@@ -82,7 +82,8 @@ def _one_error_line(err: str) -> str:
 
 @pytest.mark.parametrize("policy, fragment", [
     ({"name": "short", "packing": [4, 3]}, "pack sizes sum to 7, but model 'tiny-llama' has 6 layers"),
-    ({"name": "far", "packing": [1, 2, 1, 2], "mapping": [0, 1, 0, 5]}, "pack 1 is mapped to GPU 1, but rtx4090x1 has 1 GPU"),
+    ({"name": "far", "packing": [1, 2, 1, 2], "mapping": [0, 1, 0, 5]},
+     "pack 1 is mapped to GPU 1, but rtx4090x1 has 1 GPU"),
 ])
 def test_simulate_an_invalid_policy_exits_2(capsys: pytest.CaptureFixture[str], tmp_path, policy: dict[str, object],
                                             fragment: str) -> None:

@@ -98,7 +98,8 @@ if HAVE_TORCH:
         "--eps": FLOATS, "--weight-decay": FLOATS, "--seed": st.sampled_from(["0", "7", "-1", "99999999999999999999"]),
         "--dtype": st.sampled_from(["fp32", "bf16", "fp16"]), "--backend": st.sampled_from(["cpu", "cuda", "tpu"]),
         "--hardware": HARDWARE, "--out": OUT_DIRS, "--resume": None, "--checkpoint-minutes": FLOATS,
-        "--checkpoint-every": INTS, "--trace": OUT_FILES, "--data": st.sampled_from(["DATA_OK", "DATA_BAD", "NO_DIR/x"]),
+        "--checkpoint-every": INTS, "--trace": OUT_FILES,
+        "--data": st.sampled_from(["DATA_OK", "DATA_BAD", "NO_DIR/x"]),
     }
 COMMANDS = sorted(FLAGS)
 # Defaults that keep an example fast where the command's own default is slow (llama-3.1-8b, all
