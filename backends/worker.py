@@ -287,8 +287,10 @@ def import_before_groups(model: str, seed: int) -> None:
     `group=group.WORLD` as a default argument, evaluated at import. Imported after
     `init_process_group`, they hold the live default group for good: `destroy_process_group` then
     cannot free it, and gloo's threads (`pt_gloo_runloop`, `gloo_tcp_loop`) run on into interpreter
-    shutdown, racing the peer's exit (a rank killed by SIGABRT after a finished run). Imported
-    first, the defaults are None and the teardown frees the groups and joins their threads.
+    shutdown and static destruction, while the peer exits and closes their sockets: the teardown
+    race behind a finished run's rank dying with SIGABRT ("terminate called without an active
+    exception"; seen about 1 run in 14, not reproduced on the 2-core dev box in ~250 runs).
+    Imported first, the defaults are None and the teardown frees the groups and joins their threads.
     """
     import torch.distributed.nn  # noqa: F401
 

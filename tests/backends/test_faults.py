@@ -110,11 +110,12 @@ TEARDOWN_PROBE = textwrap.dedent("""
 
 
 def test_worker_teardown_frees_its_process_group(tmp_path: Path) -> None:
-    """The cause of a finished run reported as failed (a rank killed by SIGABRT at exit, about 1 run
-    in 14 in the issue): transformers, imported after the process group, pulls in
+    """The teardown defect behind a finished run reported as failed (a rank killed by SIGABRT at
+    exit, about 1 run in 14 in the issue): transformers, imported after the process group, pulls in
     torch.distributed.nn, whose default arguments hold the live default group, so
     destroy_process_group could not free it and gloo's threads ran on into interpreter shutdown.
-    A fresh worker process ends `process_main` with no gloo thread left."""
+    A fresh worker process ends `process_main` with no gloo thread left (this fails without
+    `import_before_groups`)."""
     import pickle
 
     plan = make_plan(parse("--gpus", "1", "--policy", policy_file(tmp_path, packing=[3, 3]), "--steps", "1",
