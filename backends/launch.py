@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -141,7 +142,12 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
                     rank, trace = _first_failure(ctx.error_files, exc.error_index, str(exc))
                     raise WorkerError(f"rank {rank} failed: {_one_line(trace)}") from None
                 except torch.multiprocessing.ProcessExitedException as exc:
-                    raise WorkerError(_died(exc.error_index, exc.exit_code, job.out)) from None
+                    if not os.path.exists(path):
+                        raise WorkerError(_died(exc.error_index, exc.exit_code, job.out)) from None
+                    # every rank had trained, saved and sent its result (rank 0 writes them after the
+                    # gather): a rank that dies in its teardown cannot change the run, so say so and go on
+                    print(f"warning: {_died(exc.error_index, exc.exit_code, None).split(';')[0]} at exit, after "
+                          "every rank had delivered its results; the run is complete", file=sys.stderr)
                 finally:
                     for f in ctx.error_files:
                         with contextlib.suppress(OSError):
