@@ -12,10 +12,15 @@ rank's `RankResult`; `launch` returns them on rank 0 and None on the other torch
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import pickle
 import signal
+import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +44,63 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 def _one_line(trace: str) -> str:
+    """The last line of a worker's traceback without the exception's class: what went wrong, in words."""
     lines = [x.strip() for x in trace.strip().splitlines() if x.strip()]
-    return lines[-1] if lines else "unknown error"
+    last = lines[-1] if lines else "unknown error"
+    head, sep, rest = last.partition(": ")
+    if sep and rest and head.replace(".", "").replace("_", "").isalnum() and " " not in head:
+        return rest  # `tinypipe.backends.interpreter.ExecutionError: ...` -> `...`
+    return last
+
+
+def _first_failure(error_files: list[str], index: int, trace: str) -> tuple[int, str]:
+    """(rank, traceback) of the rank that failed first: when one rank raises, its peers fail next
+    with broken connections, and the one spawn noticed first may be one of them. Each rank that
+    raised wrote its traceback to its error file; the oldest file is the first failure."""
+    written = []
+    for rank, f in enumerate(error_files):
+        try:
+            mtime = os.stat(f).st_mtime_ns
+            with open(f, "rb") as fh:
+                written.append((mtime, rank, str(pickle.load(fh))))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+    if not written:
+        return index, trace
+    _, rank, first = min(written)
+    return rank, first
+
+
+def _died(index: int, exit_code: int, out: str | None) -> str:
+    """One line for a rank that died without raising (a signal, an abort), with where to resume from."""
+    try:
+        how = f"was killed by {signal.Signals(-exit_code).name}" if exit_code < 0 else f"exited with code {exit_code}"
+    except ValueError:
+        how = f"died (exit code {exit_code})"
+    text = f"rank {index} {how}; the other ranks were stopped"
+    if out is not None:
+        from . import checkpoint
+
+        found = checkpoint.find(out)
+        if found is not None:
+            try:
+                step = checkpoint.read_record(found)["step"]
+            except TinypipeError:
+                return text
+            text += f"; the last checkpoint is at step {step}: continue with --resume --out {out}"
+    return text
+
+
+@contextlib.contextmanager
+def _quiet_spawn() -> Iterator[None]:
+    """Mute torch.multiprocessing's `Terminating process ...` warnings: the error says it in one line."""
+    log = logging.getLogger("torch.multiprocessing.spawn")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def launch(job: Job, world: int) -> list[RankResult] | None:
@@ -66,12 +126,32 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
         init = f"file://{Path(tmp) / 'store'}"
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers checkpoint and stop themselves
         try:
-            torch.multiprocessing.spawn(process_main, args=(job, world, init, path), nprocs=world, join=True)
-        except torch.multiprocessing.ProcessRaisedException as exc:
-            raise WorkerError(f"rank {exc.error_index} failed: {_one_line(str(exc))}") from None
-        except torch.multiprocessing.ProcessExitedException as exc:
-            raise WorkerError(f"rank {exc.error_index} died (exit code {exc.exit_code}); the other ranks were "
-                              "stopped") from None
+            with _quiet_spawn():
+                ctx = torch.multiprocessing.start_processes(process_main, args=(job, world, init, path), nprocs=world,
+                                                            join=False, start_method="spawn")
+                try:
+                    while not ctx.join():
+                        pass
+                except torch.multiprocessing.ProcessRaisedException as exc:
+                    # a rank killed by a signal (not spawn's own SIGTERM) broke its peers' connections
+                    killed = [(r, p.exitcode) for r, p in enumerate(ctx.processes)
+                              if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGTERM
+                              and not os.path.exists(ctx.error_files[r])]
+                    if killed:
+                        raise WorkerError(_died(*killed[0], job.out)) from None
+                    rank, trace = _first_failure(ctx.error_files, exc.error_index, str(exc))
+                    raise WorkerError(f"rank {rank} failed: {_one_line(trace)}") from None
+                except torch.multiprocessing.ProcessExitedException as exc:
+                    if not os.path.exists(path):
+                        raise WorkerError(_died(exc.error_index, exc.exit_code, job.out)) from None
+                    # every rank had trained, saved and sent its result (rank 0 writes them after the
+                    # gather): a rank that dies in its teardown cannot change the run, so say so and go on
+                    print(f"warning: {_died(exc.error_index, exc.exit_code, None).split(';')[0]} at exit, after "
+                          "every rank had delivered its results; the run is complete", file=sys.stderr)
+                finally:
+                    for f in ctx.error_files:
+                        with contextlib.suppress(OSError):
+                            os.unlink(f)
         finally:
             signal.signal(signal.SIGINT, previous)
         return torch.load(path, weights_only=False)  # type: ignore[no-any-return]

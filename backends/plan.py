@@ -14,8 +14,10 @@ prediction printed beside the measurement is made with it and an analytic trace.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,7 @@ class RunPlan:
     prediction: SimResult  # the simulator's run of `schedule` on `hardware`
     batch_tokens: int
     addition_task: bool  # the data is the embedded addition task (accuracy is measured)
+    note: str | None = None  # a choice made for the user, shown under the header
 
 
 def _rate(fn: Any, work: float, repeat: int = 3) -> float:
@@ -132,19 +135,18 @@ def _check_model(name: str) -> ModelSpec:
     return source.spec
 
 
-def make_plan(args: Any) -> RunPlan:
-    """Check the `tinypipe run` options and compile the schedule; InputError on any mistake."""
+def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPlan:
+    """Check the `tinypipe run` options and compile the schedule; InputError on any mistake.
+    `phase(text)` hears what starts next (the CLI shows it as progress)."""
     from .data import ADDITION, read_examples
+    from .settings import record, settle
 
-    for flag, v in (("--gpus", args.gpus), ("--steps", args.steps), ("--seq-len", args.seq_len),
-                    ("--batch-tokens", args.batch_tokens)):
-        if v < 1:
-            raise InputError(f"{flag}: must be >= 1, got {v}")
-    if args.checkpoint_every < 0:
-        raise InputError(f"--checkpoint-every: must be >= 0, got {args.checkpoint_every}")
+    args = settle(args)  # defaults or the resumed run's record; numbers and output paths checked
     if args.backend == "cpu" and args.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
         raise InputError(f"--gpus {args.gpus}: too many CPU workers for {os.cpu_count()} cores "
                          f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
+    say = phase or (lambda text: None)
+    say(f"checking the model {args.model}")
     spec = _check_model(args.model)
     if args.seq_len > spec.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
@@ -152,11 +154,17 @@ def make_plan(args: Any) -> RunPlan:
     if not addition:
         read_examples(args.data)
     policy = _policy(args)
+    if args.record and args.policy is None and isinstance(args.record.get("policy"), dict):
+        policy = Policy.from_json(args.record["policy"], where=f"{args.out}: the checkpoint's policy")
+    packs = args.record.get("pack_sizes") if args.record else None
+    pinned = policy if packs is None else policy.replace(packing=tuple(packs), mapping=tuple(args.record["pack_gpu"]))
     tokens_per_mb = policy.microbatch_size * args.seq_len
     if args.batch_tokens % tokens_per_mb:
         raise InputError(f"--batch-tokens {args.batch_tokens}: not a multiple of the microbatch "
                          f"({policy.microbatch_size} sequences x {args.seq_len} tokens = {tokens_per_mb})")
     policy = policy.replace(microbatches=args.batch_tokens // tokens_per_mb)
+    # a resumed run keeps its packs on its ranks (the packer's choice may depend on rates measured now)
+    pinned = pinned.replace(microbatches=policy.microbatches)
     threads = max(1, (os.cpu_count() or 1) // args.gpus)
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if getattr(args, "gpu_mem", None) else None
     if gpu_mem is not None and args.backend != "cuda":
@@ -168,44 +176,80 @@ def make_plan(args: Any) -> RunPlan:
             raise InputError(f"--gpu-mem {args.gpu_mem}: more than the {gib(hardware.gpus[0].memory_bytes)} "
                              f"of {hardware.gpus[0].model}")
     else:
+        say(f"measuring this CPU as {args.gpus} worker(s)")
         hardware = cpu_hardware(args.gpus, threads=threads)
         dtype = args.dtype or "fp32"
     if len(hardware.gpus) > args.gpus:
         hardware = _first_gpus(hardware, args.gpus)
     trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype)
     iterations = min(COMPILED_ITERATIONS, args.steps)
-    schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
-    prediction = simulate(schedule, spec, hardware, trace, gpu_mem_bytes=gpu_mem, on_capacity="record")
+    say("compiling and simulating the schedule")
+    note = None
+    schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
         raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
                          f"{prediction.violation}")
     used = sorted(set(schedule.pack_gpu))
     if used != list(range(args.gpus)):
-        raise InputError(f"policy {policy.name!r} puts packs on GPUs {used}, but the run has --gpus {args.gpus}: "
-                         "every GPU needs at least one pack")
-    out = args.out or str(Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
-    if args.resume:
-        from . import checkpoint
-
-        if checkpoint.find(out) is None:
-            raise InputError(f"--resume: no checkpoint under {out}")
-    else:
-        _refuse_earlier_run(Path(out))
+        spread = _on_every_gpu(policy, spec, hardware, trace, iterations)
+        why = (f"policy {policy.name!r} puts packs on GPUs {used}, but the run has --gpus {args.gpus}: every GPU "
+               "needs at least one pack" + (f" ({spec.name} ties its LM head to its token embedding, so the head's "
+                                            "pack runs on the first pack's GPU)" if spec.tied_embeddings else ""))
+        if spread is None:
+            raise InputError(f"{why}; no policy with more packs fits either: try fewer --gpus")
+        if args.policy is not None or packs is not None:  # the user's choice: say what works instead
+            change = {"packing": spread[0].packing, "num_packs": spread[0].num_packs, "mapping": spread[0].mapping}
+            raise InputError(f"{why}; with {json.dumps(change)} in the policy it runs here")
+        policy, (schedule, prediction) = spread  # the default job: take the spread-out variant
+        note = (f"note: the {policy.name} policy leaves a GPU without a pack here, so its {len(spec.layers)} "
+                f"layers run in {policy.num_packs} balanced packs dealt round-robin")
+    out = args.out
     identity = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": args.seq_len,
                 "batch_tokens": args.batch_tokens, "gpus": args.gpus, "policy": policy.to_json(),
                 "lr": args.lr, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
-                "dtype": dtype}
+                "dtype": dtype, "pack_sizes": [len(p) for p in schedule.pack_layers],
+                "pack_gpu": list(schedule.pack_gpu)}
+    if args.resume:  # the same checks the workers make, before any of them starts
+        from . import checkpoint
+
+        found = checkpoint.find(out)
+        assert found is not None  # settle read it
+        checkpoint.read_meta(found, identity)
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=None if addition else args.data, seed=args.seed,
               optim=AdamWConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps,  # type: ignore[arg-type]
                                 weight_decay=args.weight_decay),
               staleness=1 if policy.optimizer == "async" else 0, backend=args.backend, out=out,
-              checkpoint_every=args.checkpoint_every, resume=args.resume,
-              threads=threads if args.backend == "cpu" else max(1, threads - 1),  # cuda: one core issues
-              gpu_mem_bytes=gpu_mem, identity=identity)
+              checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
+              resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
+              threads=threads if args.backend == "cpu" else max(1, threads - 1))  # cuda: one core issues
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
-                   schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition)
+                   schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
+                   note=note)
+
+
+def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+             iterations: int, gpu_mem: int | None = None) -> tuple[Schedule, SimResult]:
+    schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
+    return schedule, simulate(schedule, spec, hardware, trace, gpu_mem_bytes=gpu_mem, on_capacity="record")
+
+
+def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+                  iterations: int) -> tuple[Policy, tuple[Schedule, SimResult]] | None:
+    """`policy` with its layers in more, balanced packs dealt round-robin, the fewest packs that put
+    at least one on every GPU and fit; None when none does. (A tied model's head shares the first
+    pack's GPU, so it needs a pack more than there are GPUs.)"""
+    gpus = len(hardware.gpus)
+    for k in range(gpus + (1 if spec.tied_embeddings else 0), len(spec.layers) + 1):
+        cand = policy.replace(packing="balanced", num_packs=k, mapping="round-robin")
+        try:
+            schedule, prediction = _compile(cand, spec, hardware, trace, iterations)
+        except InputError:
+            continue
+        if prediction.fits and sorted(set(schedule.pack_gpu)) == list(range(gpus)):
+            return cand, (schedule, prediction)
+    return None
 
 
 def _policy(args: Any) -> Policy:
@@ -230,16 +274,3 @@ def _first_gpus(hw: Hardware, n: int) -> Hardware:
                   and not (x.b.startswith("gpu") and x.b not in keep))
     return Hardware(name=f"{hw.name}[:{n}]", provenance=hw.provenance, source=hw.source, host=hw.host,
                     gpus=hw.gpus[:n], switches=hw.switches, links=links, gpu_p2p=hw.gpu_p2p)
-
-
-def _refuse_earlier_run(out: Path) -> None:
-    """A new run never overwrites an earlier run's checkpoint or saved model in --out."""
-    from . import checkpoint
-
-    held = [p.name for p in (out / "config.json", out / "model.safetensors.index.json", out / "model.safetensors")
-            if p.exists()]
-    if checkpoint.find(str(out)) is not None:
-        held.insert(0, "a checkpoint")
-    if held:
-        raise InputError(f"--out {out}: already holds an earlier run ({', '.join(held)}); continue it with --resume "
-                         "or choose another directory")

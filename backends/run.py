@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 from typing import Any
@@ -23,20 +24,27 @@ if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only wh
 # steps of 512 tokens at lr 3e-3 reach ~34% accuracy (800: ~20%; lr 1e-2 diverges; 2,048-token
 # steps learn slower per token); the 2-worker pipeline runs ~8,400 tokens/s with 4 sequences
 # per microbatch and ~5,200 with the preset's 1, hence the microbatch size of the default job.
+DEFAULT_BETAS = (0.9, 0.98)
 DEFAULTS = {
     "model": "tiny-llama", "policy": "tinypipe", "microbatch_size": 4, "gpus": 2, "steps": 800, "seq_len": 64,
-    "batch_tokens": 512, "lr": 3e-3, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
+    "batch_tokens": 512, "lr": 3e-3, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
+    "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0,
 }
 SPARK = "▁▂▃▄▅▆▇█"
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Register `tinypipe run`'s options on `p` (the CLI's subparser)."""
+    """Register `tinypipe run`'s options on `p` (the CLI's subparser).
+
+    Options a checkpoint records default to None here (see `settings.settle`): a new run takes
+    `DEFAULTS`, `--resume` takes the checkpoint's record of the run.
+    """
     d = DEFAULTS
-    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: worker processes stand in for GPUs (gloo); cuda: one process per GPU (NCCL)")
-    p.add_argument("--gpus", type=int, default=d["gpus"], help=f"devices = worker processes (default {d['gpus']})")
-    p.add_argument("--model", default=d["model"], help="shipped model name, config.json, or a local model "
+    p.add_argument("--backend", choices=("cpu", "cuda"), default=None,
+                   help="cpu: worker processes stand in for GPUs (gloo); cuda: one process per GPU (NCCL) "
+                        f"(default {d['backend']})")
+    p.add_argument("--gpus", type=int, default=None, help=f"devices = worker processes (default {d['gpus']})")
+    p.add_argument("--model", default=None, help="shipped model name, config.json, or a local model "
                    f"directory with safetensors (default {d['model']})")
     p.add_argument("--data", default=None, help="JSONL (text, or prompt/completion) or plain-text file "
                    "(default: the embedded synthetic addition task)")
@@ -50,47 +58,84 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "training (default: the whole GPU)")
     p.add_argument("--hardware", default=None, help="CUDA only: hardware preset or JSON the schedule is "
                    "compiled for (default: the preset of the local GPU model)")
-    p.add_argument("--steps", type=int, default=d["steps"], help=f"optimizer steps (default {d['steps']})")
-    p.add_argument("--seq-len", type=int, default=d["seq_len"], help=f"tokens per sequence (default {d['seq_len']})")
-    p.add_argument("--batch-tokens", type=int, default=d["batch_tokens"],
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']}; with --resume, "
+                   "the resumed run's)")
+    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {d['seq_len']})")
+    p.add_argument("--batch-tokens", type=int, default=None,
                    help="tokens per optimizer step, all microbatches together; microbatches = batch-tokens / "
                         f"(policy microbatch_size x seq-len) (default {d['batch_tokens']})")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="compute dtype (default: fp32 on cpu, bf16 on cuda); masters are always fp32")
-    p.add_argument("--lr", type=float, default=d["lr"], help=f"AdamW learning rate (default {d['lr']})")
-    p.add_argument("--betas", type=float, nargs=2, default=d["betas"], metavar=("B1", "B2"))
-    p.add_argument("--eps", type=float, default=d["eps"])
-    p.add_argument("--weight-decay", type=float, default=d["weight_decay"])
-    p.add_argument("--seed", type=int, default=d["seed"], help="initialisation and data seed")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {d['lr']})")
+    p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
+                   help=f"AdamW betas, each in [0, 1) (default {' '.join(map(str, DEFAULT_BETAS))})")
+    p.add_argument("--eps", type=float, default=None, help=f"AdamW epsilon (default {d['eps']})")
+    p.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay (default {d['weight_decay']})")
+    p.add_argument("--seed", type=int, default=None, help=f"initialisation and data seed (default {d['seed']})")
     p.add_argument("--out", default=None, help="output directory: the fine-tuned model and checkpoints "
                    "(default runs/run-<time>)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                   help="checkpoint every N steps (0: only on Ctrl-C)")
+    p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out, with its "
+                   "settings (options given again must match them; --steps may extend the run)")
+    p.add_argument("--checkpoint-minutes", type=float, default=None, metavar="M",
+                   help=f"checkpoint after every M minutes of training and at the end (default "
+                        f"{d['checkpoint_minutes']:g}; 0: only by --checkpoint-every and on Ctrl-C); the last two "
+                        "are kept")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="also checkpoint every N steps (default 0: off)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of all ranks")
 
 
 def run_main(args: argparse.Namespace) -> int:
     """The `tinypipe run` command; returns the exit code (user mistakes raise InputError)."""
-    from .launch import launch, torchrun_env
+    from tinypipe.errors import InputError
+    from tinypipe.progress import Progress
+
+    from .settings import settle
+
+    args = settle(args)  # before any heavy import: numbers, optimizer settings, output paths, --resume record
+    lead = int(os.environ.get("RANK", "0")) == 0  # torchrun starts every rank here; rank 0 reports
+    note = Progress("run") if lead else None
+
+    def phase(text: str) -> None:
+        if note is not None:
+            note.phase(text)
+
+    phase("tinypipe run: loading PyTorch")
+    from .launch import launch
     from .plan import make_plan
 
-    plan = make_plan(args)
-    env = torchrun_env()
-    lead = env is None or env[0] == 0
-    if lead:
+    plan = make_plan(args, phase=phase)
+    if note is not None:
+        note.close()
         print(_header(plan), file=sys.stderr)
-    before = _accuracy(plan.job.model, plan.job.seed) if lead and plan.addition_task and not plan.job.resume else None
+        if plan.note:
+            print(plan.note, file=sys.stderr)
+    before = None
+    if lead and plan.addition_task and not plan.job.resume:
+        phase("measuring held-out addition accuracy before training")
+        before = _accuracy(plan.job.model, plan.job.seed)
+    phase(f"starting {plan.world} {plan.job.backend} worker process(es)")
     results = launch(plan.job, plan.world)
+    if note is not None:
+        note.close()
     if results is None:  # a torchrun rank other than 0
         return 0
     interrupted = any(r.interrupted for r in results)
     after = None
     if plan.addition_task and not interrupted and plan.job.out:
+        phase("measuring held-out addition accuracy after training")
         after = _accuracy(plan.job.out, plan.job.seed)
+        if note is not None:
+            note.close()
+    trace_error = None
     if args.trace:
-        timeline(plan, results).save_chrome_trace(args.trace)
-    print(summary(plan, results, before, after, trace_path=args.trace))
+        try:
+            timeline(plan, results).save_chrome_trace(args.trace)
+        except OSError as exc:
+            trace_error = f"--trace {args.trace}: cannot write ({exc.strerror or exc}); the run itself is complete"
+    print(summary(plan, results, before, after, trace_path=None if trace_error else args.trace))
+    if trace_error:
+        raise InputError(trace_error)
     return 130 if interrupted else 0
 
 
@@ -143,11 +188,52 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB"
 
 
+HELD_PARTS = (("master_bytes", "fp32 master"), ("upload_copy_bytes", "upload copy"), ("grad_bytes", "gradients"),
+              ("optim_state_bytes", "AdamW state"), ("scratch_bytes", "optimizer scratch"),
+              ("stale_bytes", "stale copies"), ("pinned_rounding_bytes", "pinned rounding"))
+
+
+def _host_lines(plan: Any, results: list[Any]) -> list[str]:
+    """Host state measured, by part, against `hostmem`'s formula for the layers each rank holds.
+
+    The formula's headline (`inspect model`) is for one rank holding the whole model; here each
+    rank has its own gradient ring (compact: 4 slots of its largest layer) and optimizer scratch
+    (compact: its largest tensor, plus the chunked step's workspace), which the formula leaves
+    out, and AdamW keeps a 4-byte step counter per tensor. Measured on tiny-llama (2 ranks,
+    compact): master 4.00 + AdamW 8.00 + rings 6.55 + scratch 2.17 = 20.72 B/param against 15.27
+    for the whole model on one rank and 18.55 for these ranks' layers: on a 181k-parameter model
+    the per-rank parts weigh as much as the per-parameter ones. (Replicated measured 20.00 there,
+    its per-rank formula exactly: no pinned memory on the CPU, an fp32 upload copy.)
+    """
+    from tinypipe.hostmem import host_bytes
+
+    spec, sched, sim = plan.spec, plan.schedule, plan.prediction
+    n = spec.params
+    held = {k: sum(int(r.held.get(k, 0)) for r in results) for k, _ in HELD_PARTS}
+    total = sum(int(r.held["total_bytes"]) for r in results)
+    pinned = plan.job.backend == "cuda"
+    per_rank = 0
+    for r in results:
+        f = host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, layers=tuple(r.layers),
+                       optimizer=plan.policy.optimizer)
+        per_rank += f.total_bytes - (0 if pinned else f.pinned_rounding_bytes)
+    whole = host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, optimizer=plan.policy.optimizer)
+    parts = ", ".join(f"{label} {held[k] / n:.2f}" for k, label in HELD_PARTS if held[k])
+    rss = sum(r.peak_rss_bytes for r in results)
+    out = [f"host      state {_mib(total)} = {total / n:.2f} B/param measured ({sched.host_memory}: {parts})",
+           f"          formula {per_rank / n:.2f} B/param for the layers each of the {len(results)} rank(s) holds "
+           f"({whole.bytes_per_param:.2f} for the whole model on one rank); it leaves out the optimizer scratch, "
+           f"stale copies ({(held['scratch_bytes'] + held['stale_bytes']) / n:.2f}) and AdamW's step counters"]
+    if len(results) > 1 and sched.host_memory == "compact" and per_rank > whole.total_bytes * 1.05:
+        out.append(f"          each rank has its own gradient ring and scratch, sized by its largest layer: on a model "
+                   f"of {n:,} parameters they weigh as much as the per-parameter state")
+    out.append(f"          predicted peak {_mib(sim.peak_host_bytes)}; peak RSS of the workers {_mib(rss)}")
+    return out
+
+
 def summary(plan: Any, results: list[Any], before: float | None, after: float | None, *,
             trace_path: str | None = None) -> str:
     """The end-of-run report for people."""
-    from tinypipe.hostmem import host_bytes
-
     losses: dict[int, float] = {}
     for r in results:
         losses.update(r.losses)
@@ -174,13 +260,7 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
     dev = ", ".join(f"g{r.rank} {_mib(r.peak_device_bytes)}" for r in sorted(results, key=lambda r: r.rank))
     pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != "host")
     lines.append(f"device    peak {dev} measured; {pred} predicted")
-    held = sum(r.held["total_bytes"] for r in results)
-    formula = host_bytes(plan.spec, plan.schedule.host_memory, compute_dtype=plan.schedule.compute_dtype,
-                         optimizer=plan.policy.optimizer)
-    rss = sum(r.peak_rss_bytes for r in results)
-    lines.append(f"host      state {_mib(held)} = {held / plan.spec.params:.2f} B/param measured "
-                 f"({plan.schedule.host_memory}; formula {formula.bytes_per_param:.2f} B/param); "
-                 f"predicted peak {_mib(sim.peak_host_bytes)}; peak RSS of the workers {_mib(rss)}")
+    lines += _host_lines(plan, results)
     if trace_path:
         lines.append(f"trace     {trace_path} (open in Perfetto)")
     if any(r.interrupted for r in results):

@@ -49,6 +49,7 @@ class Job:
     backend: str = "cpu"
     out: str | None = None
     checkpoint_every: int = 0
+    checkpoint_s: float = 0.0  # also checkpoint after this much training time, and at the end (0: off)
     resume: bool = False
     threads: int = 0  # torch intra-op threads per rank (0: torch's default)
     gpu_mem_bytes: int | None = None  # CUDA: the caching allocator's cap per rank (None: the whole GPU)
@@ -57,6 +58,7 @@ class Job:
     keep_masters: bool = False  # return the final fp32 masters in the result (tests)
     stop_after: int | None = None  # behave as if interrupted after this many steps (tests)
     identity: dict[str, Any] = field(default_factory=dict)  # what a checkpoint must match on --resume
+    record: dict[str, Any] = field(default_factory=dict)  # the run's options, recorded for --resume
     timeout_s: float = 600.0
 
     @property
@@ -229,10 +231,14 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     t_begin = time.perf_counter()
     interrupted = False
 
+    saved = [start, time.monotonic()]  # step and time of the last checkpoint (or of the start)
+
     def save_checkpoint(step: int) -> None:
         assert job.out is not None
         checkpoint.save(job.out, rank=rank, step=step, identity=job.identity, barrier=group.barrier,
-                        state={"host": host.state_dict(), "rng": checkpoint.rng_state(), "losses": losses})
+                        state={"host": host.state_dict(), "rng": checkpoint.rng_state(), "losses": losses},
+                        run=job.record)
+        saved[:] = [step, time.monotonic()]
 
     step = start
     optimizer = HostWorker(f"rank{rank}-optim")  # runs the OPT_STEPs beside GPU dispatch
@@ -260,12 +266,17 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
         wants_stop = (stop is not None and stop.is_set()) or (job.stop_after is not None and step >= job.stop_after)
         interrupted = group.any_true(wants_stop) and step < job.steps
         every = job.checkpoint_every
-        if job.out and (interrupted or (every and step % every == 0)):
+        due = bool(job.checkpoint_s) and time.monotonic() - saved[1] >= job.checkpoint_s
+        if job.checkpoint_s:  # each rank's clock votes; all ranks checkpoint together
+            due = group.any_true(due)
+        if job.out and (interrupted or due or (every and step % every == 0)):
             save_checkpoint(step)
         if interrupted:
             break
     optimizer.close()
     wall = time.perf_counter() - t_begin
+    if job.out and job.checkpoint_s and not interrupted and saved[0] != step:  # and at the end
+        save_checkpoint(step)
     if job.out and job.save_model and not interrupted:
         save_pretrained(host.masters(), stack.config, job.out, rank=rank, world=world, source_dir=stack.source_dir)
     peak_dev = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
@@ -276,6 +287,37 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
         peak_device_bytes=peak_dev, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
         masters=host.masters() if job.keep_masters else None, issued=log.issued)
+
+
+def import_before_groups(model: str, seed: int) -> None:
+    """Import what training imports before any process group exists.
+
+    transformers imports `torch.distributed.nn` (through its FSDP integration), whose functions take
+    `group=group.WORLD` as a default argument, evaluated at import. Imported after
+    `init_process_group`, they hold the live default group for good: `destroy_process_group` then
+    cannot free it, and gloo's threads (`pt_gloo_runloop`, `gloo_tcp_loop`) run on into interpreter
+    shutdown and static destruction, while the peer exits and closes their sockets: the teardown
+    race behind a finished run's rank dying with SIGABRT ("terminate called without an active
+    exception"; seen about 1 run in 14, not reproduced on the 2-core dev box in ~250 runs).
+    Imported first, the defaults are None and the teardown frees the groups and joins their threads.
+    """
+    import torch.distributed.nn  # noqa: F401
+
+    from .hf import build_model
+
+    build_model(model, seed=seed, only=set())  # transformers' lazy modules for this model
+
+
+def lingering_group_threads() -> list[str]:
+    """Names of this process's threads that belong to a torch.distributed backend (Linux; tests)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(n for n in names if "gloo" in n or "nccl" in n.lower())
 
 
 def process_main(local_rank: int, job: Job, world: int, init_method: str, result_path: str | None,
@@ -302,6 +344,7 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
     backend = "nccl" if job.backend == "cuda" else "gloo"
     if job.backend == "cuda":
         torch.cuda.set_device(local_rank)
+    import_before_groups(job.model, job.seed)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=job.timeout_s))
     try:

@@ -72,3 +72,90 @@ def test_malformed_model_file(capsys: pytest.CaptureFixture[str], tmp_path) -> N
     f.write_text('{"model_type": "llama", "hidden_size": -4}')
     code, _, err = _run(capsys, "inspect", "model", str(f))
     assert code == 2 and str(f) in err and err.count("\n") == 1
+
+
+def _one_error_line(err: str) -> str:
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("policy, fragment", [
+    ({"name": "short", "packing": [4, 3]}, "pack sizes sum to 7, but model 'tiny-llama' has 6 layers"),
+    ({"name": "far", "packing": [1, 2, 1, 2], "mapping": [0, 1, 0, 5]},
+     "pack 1 is mapped to GPU 1, but rtx4090x1 has 1 GPU"),
+])
+def test_simulate_an_invalid_policy_exits_2(capsys: pytest.CaptureFixture[str], tmp_path, policy: dict[str, object],
+                                            fragment: str) -> None:
+    """A policy that cannot run this model on this hardware is a mistake, as in `inspect schedule`
+    and `run`: one error line and exit 2, never a row in an exit-0 table; no plot is drawn."""
+    f = tmp_path / "policy.json"
+    f.write_text(json.dumps(policy))
+    plot = tmp_path / "t.png"
+    code, out, err = _run(capsys, "simulate", "--model", "tiny-llama", "--hardware", "rtx4090x1", "--policy",
+                          "tinypipe", "--policy", str(f), "--plot", str(plot))
+    assert code == 2 and out == "" and fragment in _one_error_line(err)
+    assert not plot.exists()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["simulate", "--model", "tiny-llama", "--plot", "/proc/tinypipe.png"], "--plot /proc/tinypipe.png: cannot write"),
+    (["simulate", "--model", "tiny-llama", "--trace", "NO_DIR/t.json"], "does not exist"),
+    (["simulate", "--model", "tiny-llama", "--trace", "TMP"], "is a directory"),
+    (["search", "--model", "tiny-llama", "--plot", "/proc/p.png"], "--plot /proc/p.png: cannot write"),
+    (["search", "--model", "tiny-llama", "--out", "/etc/passwd/w.json"], "/etc/passwd is not a directory"),
+    (["inspect", "schedule", "--model", "tiny-llama", "--out", "/proc/s.txt"], "--out /proc/s.txt: cannot write"),
+    (["search", "--top", "-1"], "--top: must be >= 1, got -1"),
+    (["search", "--workers", "0"], "--workers: must be >= 1, got 0"),
+    (["inspect", "schedule", "--steps", "-3"], "--steps: must be >= 1, got -3"),
+    (["simulate", "--batch-tokens", "1000"], "--batch-tokens 1000: not a multiple of policy 'resident'"),
+    (["simulate", "--batch-tokens", "8192", "--microbatches", "4"], "give one"),
+    (["search", "--model", "llama-3.1-8b", "--hardware", "rtx4090x1"], "nothing fits llama-3.1-8b on rtx4090x1"),
+    (["run", "--hardware", "h200x2"], "--hardware h200x2: only for --backend cuda"),
+    (["run", "--lr", "nan"], "--lr: must be a positive number, got nan"),
+    (["run", "--betas", "1.5", "0.9"], "--betas: each must be in [0, 1)"),
+    (["run", "--out", "/proc/run"], "--out /proc/run: cannot write in /proc"),
+])
+def test_mistakes_are_found_before_the_work(capsys: pytest.CaptureFixture[str], tmp_path, argv: list[str],
+                                            fragment: str) -> None:
+    """Unwritable outputs, impossible numbers and settings for another backend end in one error line
+    and exit 2 before anything is computed or trained, never in a traceback after it."""
+    if argv[0] == "run":
+        pytest.importorskip("torch")
+    subst = {"NO_DIR": str(tmp_path / "no" / "such"), "TMP": str(tmp_path)}
+    argv = [subst.get(a.split("/")[0], a.split("/")[0]) + a[len(a.split("/")[0]):] for a in argv]
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and fragment in _one_error_line(err)
+
+
+def test_simulate_compares_on_one_workload(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """Each row says its tokens per step; --batch-tokens gives every policy the same one (their
+    microbatch counts follow their microbatch sizes), and without it a note says they differ."""
+    f = tmp_path / "big.json"
+    f.write_text(json.dumps({"name": "big", "microbatch_size": 2}))
+    code, out, _ = _run(capsys, "simulate", "--model", "tiny-llama", "--policy", "tinypipe", "--policy", str(f),
+                        "--microbatches", "4", "--json")
+    rows = json.loads(out)["results"]
+    assert code == 0 and [r["tokens_per_step"] for r in rows] == [8192, 16384]
+    code, out, _ = _run(capsys, "simulate", "--model", "tiny-llama", "--policy", "tinypipe", "--policy", str(f),
+                        "--microbatches", "4")
+    assert code == 0 and "tokens/step" in out and "different tokens per step" in out
+    code, out, _ = _run(capsys, "simulate", "--model", "tiny-llama", "--policy", "tinypipe", "--policy", str(f),
+                        "--batch-tokens", "16384", "--json")
+    rows = json.loads(out)["results"]
+    assert code == 0 and [r["tokens_per_step"] for r in rows] == [16384, 16384]
+
+
+def test_simulate_says_what_it_wrote(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """--trace (and --plot) name the file written, after the table."""
+    trace = tmp_path / "t.json"
+    code, out, _ = _run(capsys, "simulate", "--model", "tiny-llama", "--policy", "tinypipe", "--trace", str(trace))
+    assert code == 0 and out.rstrip().endswith(f"wrote {trace} (Chrome trace of tinypipe; open in Perfetto)")
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_inspect_model_flops_are_not_rounded_away(capsys: pytest.CaptureFixture[str]) -> None:
+    """tiny-llama's block costs 0.336 MFLOP per token at seq 2048: the table says 0.336, not 0.300."""
+    code, out, _ = _run(capsys, "inspect", "model", "tiny-llama")
+    row = next(x for x in out.splitlines() if x.startswith("block.0..3"))
+    assert code == 0 and "0.336" in row.split()

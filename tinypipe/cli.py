@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tinypipe.errors import InputError, TinypipeError
+from tinypipe.progress import CLEAR, Progress
 
 EXIT_USAGE = 2
 
@@ -55,10 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     isch.add_argument("--out", help="write the schedule's text form here")
     isch.add_argument("--steps", type=int, default=24, help="grid rows to print")
 
-    sim = sub.add_parser("simulate", help="simulate policies side by side on one workload")
+    sim = sub.add_parser("simulate", help="simulate policies side by side (one workload with --batch-tokens)")
     _common_workload(sim)
     sim.add_argument("--policy", action="append", help="preset name or policy JSON (repeatable; "
                      "default: resident, mobius, tinypipe)")
+    sim.add_argument("--batch-tokens", type=int, default=None,
+                     help="tokens per optimizer step for every policy (each policy's microbatch count is set to "
+                          "match; default: each policy's own, shown in the tokens/step column)")
     sim.add_argument("--gpu-mem", help="limit per GPU, e.g. 24GiB (default: the hardware's)")
     sim.add_argument("--host-mem", help="host DRAM limit, e.g. 256GiB (default: the hardware's)")
     sim.add_argument("--trace", help="write a Chrome trace (Perfetto) of the first policy")
@@ -71,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--batch-tokens", type=int, default=65536, help="tokens per optimizer step (default 65536)")
     se.add_argument("--gpu-mem", help="tighter limit per GPU, e.g. 20GiB")
     se.add_argument("--host-mem", help="tighter host DRAM limit, e.g. 128GiB")
-    se.add_argument("--workers", type=int, default=0, help="processes evaluating candidates (default: all cores)")
-    se.add_argument("--top", type=int, default=10)
+    se.add_argument("--workers", type=int, default=None, help="processes evaluating candidates (default: all cores)")
+    se.add_argument("--top", type=int, default=10, help="candidates listed (default 10)")
     se.add_argument("--out", help="write the winning policy JSON here (simulate and run accept it)")
     se.add_argument("--plot", help="write the Pareto front as a PNG")
     se.add_argument("--allow-async", action="store_true",
@@ -95,11 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         handler = _HANDLERS.get(args.command)
-        if handler is None:
+        if handler is None:  # plain `tinypipe`: a request for help
             build_parser().print_help()
-            return EXIT_USAGE
+            return 0
         return handler(args)
     except TinypipeError as exc:
+        if sys.stderr.isatty():
+            sys.stderr.write(CLEAR)  # a progress line on the terminal gives way to the error
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -135,7 +141,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"bf16 weights: {table.gib(rep['bf16_bytes'])}; seq {rep['seq_len']}, microbatch "
               f"{rep['microbatch_size']} sequence(s)\n")
         rows = [[r["name"] if r["count"] == 1 else f"{r['name']}..{r['last'].split('.')[-1]} (x{r['count']})",
-                 r["params"], table.human_bytes(r["bf16_bytes"]), round(r["fwd_flops_per_token"] / 1e6, 1),
+                 r["params"], table.human_bytes(r["bf16_bytes"]), r["fwd_flops_per_token"] / 1e6,
                  r["saved_act_bytes_per_token"], r["boundary_bytes_per_token"]] for r in rep["layers"]]
         print(table.render(["layer", "params", "bf16", "fwd MFLOP/token", "saved act B/token",
                             "boundary B/token"], rows, align="lrrrrr"))
@@ -210,6 +216,13 @@ def _workload(args: argparse.Namespace, policy_name: str) -> tuple[Any, Any, Any
     changes = {k: getattr(args, k) for k in ("microbatches", "microbatch_size") if getattr(args, k, None)}
     if changes:
         policy = policy.replace(**changes)
+    batch_tokens = getattr(args, "batch_tokens", None)
+    if batch_tokens is not None:  # one workload for every policy: its microbatch count follows
+        per_mb = policy.microbatch_size * args.seq_len
+        if batch_tokens % per_mb:
+            raise InputError(f"--batch-tokens {batch_tokens}: not a multiple of policy {policy.name!r}'s microbatch "
+                             f"({policy.microbatch_size} sequence(s) x {args.seq_len} tokens = {per_mb})")
+        policy = policy.replace(microbatches=batch_tokens // per_mb)
     trace = trace_for(model, hw.gpus[0], microbatch_size=policy.microbatch_size, seq_len=args.seq_len)
     return model, hw, policy, trace
 
@@ -220,6 +233,8 @@ def _cmd_inspect_schedule(args: argparse.Namespace) -> int:
     from tinypipe.schedule import grid
     from tinypipe.validate import validate
 
+    _positive("--steps", args.steps)
+    _check_outputs(out=args.out)
     model, hw, policy, trace = _workload(args, args.policy)
     sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
     validate(sched)
@@ -255,17 +270,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     names = args.policy or ["resident", "mobius", "tinypipe"]
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
     host_mem = parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None
+    if args.batch_tokens is not None:
+        _positive("--batch-tokens", args.batch_tokens)
+        if args.microbatches is not None:
+            raise InputError("--batch-tokens and --microbatches: give one (--batch-tokens sets each policy's "
+                             "microbatch count)")
+    _check_outputs(trace=args.trace, plot=args.plot)
+    bar = None if args.json else Progress("simulate")
+    workloads = [_workload(args, name) for name in names]
     rows: list[dict[str, Any]] = []
     first = None
-    for name in names:
-        model, hw, policy, trace = _workload(args, name)
-        try:
-            sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
-        except InputError as exc:
-            rows.append({"policy": policy.name, "fits": False, "why": str(exc)})
-            continue
+    for i, (model, hw, policy, trace) in enumerate(workloads):
+        if bar is not None:
+            bar.phase(f"simulating {policy.name} ({i + 1}/{len(workloads)})")
+        # a policy that cannot run this model on this hardware is a mistake (InputError, exit 2), not a row
+        sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
         res = simulate(sched, model, hw, trace, gpu_mem_bytes=gpu_mem, host_mem_bytes=host_mem, on_capacity="record")
-        rows.append({"policy": policy.name, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
+        rows.append({"policy": policy.name, "tokens_per_step": policy.microbatches * policy.microbatch_size
+                     * args.seq_len, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
                      "peak_gpu_bytes": res.peak_gpu_bytes, "peak_host_bytes": res.peak_host_bytes,
                      "host_bytes_per_param": res.host_bytes_per_param, "fits": res.fits,
                      "why": _over_capacity(res.peak_bytes, res.capacity_bytes),
@@ -273,26 +295,33 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                      "packs": len(sched.pack_layers), "detail": res.to_json()})
         if first is None:
             first = res
+    if bar is not None:
+        bar.close()
+    wrote = []
     if first is not None and args.trace:
         _write_new(Path(args.trace), json.dumps(first.timeline.to_chrome_trace()))
+        wrote.append(f"wrote {args.trace} (Chrome trace of {rows[0]['policy']}; open in Perfetto)")
     if first is not None and args.plot:
         from tinypipe.plot import plot_timeline
 
-        plot_timeline(first.timeline, args.plot)
+        _plot(plot_timeline, first.timeline, args.plot)
+        wrote.append(f"wrote {args.plot} (timeline of {rows[0]['policy']})")
     if args.json:
+        for line in wrote:
+            print(line, file=sys.stderr)
         return _print_json({"model": args.model, "hardware": args.hardware, "seq_len": args.seq_len,
                             "results": rows})
     print(f"{args.model} on {args.hardware}, seq {args.seq_len}, {args.iterations} iterations simulated\n")
-    out = []
-    for r in rows:
-        if "tokens_per_s" not in r:
-            out.append([r["policy"], "-", "-", "-", "-", "-", "-", "-", "no: " + r["why"]])
-            continue
-        out.append([r["policy"], round(r["tokens_per_s"]), round(r["iteration_s"], 3), r["packs"],
-                    table.gib(r["peak_gpu_bytes"]), table.gib(r["peak_host_bytes"]),
-                    round(r["host_bytes_per_param"], 2), r["bottleneck"], "yes" if r["fits"] else "no: " + r["why"]])
-    print(table.render(["policy", "tokens/s", "iteration s", "packs", "peak GPU", "peak host", "host B/param",
-                        "bottleneck", "fits"], out, align="lrrrrrrll"))
+    out = [[r["policy"], r["tokens_per_step"], round(r["tokens_per_s"]), round(r["iteration_s"], 3), r["packs"],
+            table.gib(r["peak_gpu_bytes"]), table.gib(r["peak_host_bytes"]), round(r["host_bytes_per_param"], 2),
+            r["bottleneck"], "yes" if r["fits"] else "no: " + r["why"]] for r in rows]
+    print(table.render(["policy", "tokens/step", "tokens/s", "iteration s", "packs", "peak GPU", "peak host",
+                        "host B/param", "bottleneck", "fits"], out, align="lrrrrrrrll"))
+    if len({r["tokens_per_step"] for r in rows}) > 1:
+        print("\nnote: these policies run different tokens per step (their own microbatch counts and sizes); "
+              "--batch-tokens N runs them all on one workload")
+    if wrote:
+        print("\n" + "\n".join(wrote))
     return 0
 
 
@@ -306,17 +335,22 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.sim.evaluate import SimEvaluator
     from tinypipe.units import parse_bytes
 
-    _positive("--seq-len", args.seq_len)
-    _positive("--batch-tokens", args.batch_tokens)
+    for flag in ("seq_len", "batch_tokens", "top"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.workers is not None:
+        _positive("--workers", args.workers)
     if args.batch_tokens % args.seq_len:
         raise InputError(f"--batch-tokens: {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
+    _check_outputs(out=args.out, plot=args.plot)
     model = load_model(args.model)
     hw = load_hardware(args.hardware)
     w = SearchTarget(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
                  gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                  host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None)
     workers = args.workers or (os.cpu_count() or 1)
-    bar = None if args.json else _Progress("search")
+    bar = None if args.json else Progress("search")
+    if bar is not None:
+        bar.phase(f"search: {model.name} on {hw.name}, {workers} worker process(es)")
     space = SearchSpace(optimizers=("sync", "async") if args.allow_async else ("sync",))
     result = search(w, SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes),
                     space=space, workers=workers, progress=bar)
@@ -327,15 +361,19 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.plot:
         from tinypipe.plot import plot_pareto
 
-        plot_pareto(result, args.plot)
+        _plot(plot_pareto, result, args.plot)
+        print(f"wrote {args.plot} (Pareto front)", file=sys.stderr)
     if args.json:
-        return _print_json({"model": model.name, "hardware": hw.name, "seq_len": w.seq_len,
+        _print_json({"model": model.name, "hardware": hw.name, "seq_len": w.seq_len,
                             "batch_sequences": w.batch_sequences, "considered": result.considered,
                             "pruned": result.pruned, "rejected_by_memory_bound": result.rejected,
                             "simulated": len(result.ranked) - result.rejected,
                             "winner": result.winner.to_json() if result.winner else None,
                             "top": [e.to_json() for e in result.ranked[:args.top]],
                             "pareto": [e.to_json() for e in result.pareto()], "advice": result.advice})
+        if result.winner is None:
+            raise InputError(f"nothing fits {model.name} on {hw.name} (the advice is in the JSON)")
+        return 0
     print(f"{model.name} on {hw.name}: {w.batch_sequences} x {w.seq_len} tokens per step; "
           f"{result.considered} candidates: {len(result.ranked) - result.rejected} simulated, {result.pruned} pruned "
           f"by the time bound, {result.rejected} rejected by the memory bound\n")
@@ -343,7 +381,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         print("nothing fits:")
         for line in result.advice:
             print("  - " + line)
-        return 1
+        raise InputError(f"nothing fits {model.name} on {hw.name}" + (f": {result.advice[0]}" if result.advice else ""))
 
     def rows(evals: list[Any]) -> list[list[Any]]:
         return [[i + 1, round(e.tokens_per_s), table.gib(e.peak_gpu_bytes), table.gib(e.peak_host_bytes),
@@ -370,24 +408,6 @@ def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
             d = max(over, key=lambda x: peak[x] - capacity[x])
             parts.append(f"{label} {peak[d] / GiB:.2f} > {capacity[d] / GiB:.2f} GiB")
     return "; ".join(parts)
-
-
-class _Progress:
-    """A one-line progress bar on stderr (only when it is a terminal)."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.tty and total:
-            n = int(30 * done / total)
-            sys.stderr.write(f"\r{self.what} [{'#' * n}{'.' * (30 - n)}] {done}/{total}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -420,6 +440,32 @@ def _print_list(kind: str, names: list[str], as_json: bool) -> int:
         return _print_json(names)
     print(f"shipped {kind}: " + ", ".join(names))
     return 0
+
+
+def _check_outputs(**paths: str | None) -> None:
+    """Fail before any work when an output file cannot be written (`--plot` also needs matplotlib)."""
+    from tinypipe.outputs import check_file
+
+    for flag, value in paths.items():
+        if value is None:
+            continue
+        check_file(Path(value), "--" + flag.replace("_", "-"))
+        if flag == "plot":
+            from tinypipe.plot import _pyplot
+
+            formats = _pyplot().gcf().canvas.get_supported_filetypes()
+            suffix = Path(value).suffix.lower().lstrip(".")
+            if suffix and suffix not in formats:
+                raise InputError(f"--plot {value}: .{suffix} is not a picture format; end the name with .png "
+                                 f"(or .{', .'.join(sorted(f for f in formats if f != 'png'))})")
+
+
+def _plot(draw: Callable[..., Any], what: Any, path: str) -> None:
+    """Draw a PNG; a file that cannot be written is an InputError."""
+    try:
+        draw(what, path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write: {exc.strerror or exc}") from None
 
 
 def _write_new(path: Path, text: str) -> None:

@@ -43,6 +43,16 @@ def parse(*argv: str) -> argparse.Namespace:
     return ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), *argv])
 
 
+def fake_checkpoint(out: Path, *, step: int, **run: object) -> str:
+    """A run directory whose checkpoint records `run` (over this module's settings) at `step`:
+    what `--resume` reads before anything else."""
+    record = {"seq_len": SEQ, "batch_tokens": SEQ * MBS * MB, "lr": LR, **run}
+    (out / checkpoint.DIR).mkdir(parents=True)
+    meta = {"format": checkpoint.FORMAT, "step": step, "run": record}
+    (out / checkpoint.DIR / "meta.json").write_text(json.dumps(meta))
+    return str(out)
+
+
 def reference(model: str, steps: int) -> object:
     batches = make_batches(None, tokenizer=ByteTokenizer(256), seq_len=SEQ, microbatch_size=MBS, microbatches=MB,
                            seed=0)
@@ -61,7 +71,8 @@ def test_run_trains_two_processes_saves_and_traces(tmp_path: Path, capfd: pytest
                      "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), "--out", str(out), "--trace", str(trace)])
     captured = capfd.readouterr()
     assert code == 0, captured.err
-    for word in ("loss", "accuracy", "tokens/s measured", "predicted by the simulator", "B/param measured", "saved"):
+    for word in ("loss", "accuracy", "tokens/s measured", "predicted by the simulator", "B/param measured", "saved",
+                 "for the layers each of the 2 rank(s) holds", "optimizer scratch"):
         assert word in captured.out
     assert "training [" in captured.err
     events = json.loads(trace.read_text())["traceEvents"]
@@ -103,7 +114,8 @@ def test_run_trains_a_tied_model_and_saves_it_tied(tmp_path: Path, tied_config: 
 
 def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen3_config: str) -> None:
     """A Qwen3 on 3 processes (replicated host, pack swap) stops after 2 of 5 steps, leaving a
-    checkpoint; `--resume` continues: losses and final weights equal the uninterrupted reference."""
+    checkpoint; `--resume` continues: losses and final weights equal the uninterrupted reference, and
+    the checkpoints of step 4 and of the end are both kept."""
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[1, 1, 1, 1, 1], mapping=[0, 1, 2, 0, 1], swap="pack",
                       host_memory="replicated")
@@ -118,7 +130,9 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen
                               str(out), "--checkpoint-every", "4", "--resume"))
     second = launch(dataclasses.replace(resumed.job, progress=False, save_model=False, keep_masters=True), 3)
     assert second is not None and [r.start_step for r in second] == [2, 2, 2]
-    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 4
+    # step 4 (--checkpoint-every 4), then the end (time-based checkpointing, on by default): the last two kept
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 5
+    assert json.loads((out / "checkpoint.old" / "meta.json").read_text())["step"] == 4
     ref = reference(qwen3_config, 5)
     losses = {k: v for r in second for k, v in r.losses.items()}
     assert [losses[k] for k in range(5)] == pytest.approx(ref.losses, rel=1e-6, abs=1e-7)
@@ -128,9 +142,11 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen
             torch.testing.assert_close(masters[i][n], want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path) -> None:
+def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
     """Rank 1 fails at its first action while rank 0 waits for it: the run ends with rank 1's
-    error in one line, and no checkpoint or model is left half-written."""
+    error in one line (its words, not the exception's class; no `Terminating process` warnings
+    from torch on stderr), and no checkpoint or model is left half-written."""
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
     plan = make_plan(parse("--gpus", "2", "--policy", pol, "--steps", "2", "--out", str(tmp_path / "out")))
     sched = plan.schedule
@@ -142,6 +158,8 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path) -
         launch(job, 2)
     msg = str(info.value)
     assert msg.startswith("rank 1 failed:") and "\n" not in msg and "not on the device" in msg
+    assert "Error:" not in msg and "tinypipe." not in msg
+    assert "Terminating process" not in capfd.readouterr().err
     assert not (tmp_path / "out" / "checkpoint").exists()
 
 
@@ -156,6 +174,22 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path) -
     (["--out", "EARLIER_RUN"], "already holds an earlier run"),
     (["--model", "MODEL_DIR_WITHOUT_WEIGHTS"], "no model weights"),
     (["--model", "TIED_MODEL", "--policy", "POLICY_TIED_APART"], "mapping: .*ties its LM head"),
+    (["--model", "TIED_MODEL", "--policy", "mobius"], 'every GPU needs at least one pack .*"num_packs": 3'),
+    (["--lr", "-1"], "--lr: must be a positive number, got -1"),
+    (["--lr", "nan"], "--lr: must be a positive number, got nan"),
+    (["--betas", "1.5", "0.9"], r"--betas: each must be in \[0, 1\)"),
+    (["--eps", "0"], "--eps: must be a positive number"),
+    (["--weight-decay", "-0.1"], "--weight-decay: must be a number >= 0"),
+    (["--seed", "-1"], "--seed: must be in"),
+    (["--checkpoint-minutes", "inf"], "--checkpoint-minutes: must be a number >= 0"),
+    (["--hardware", "h200x2"], "--hardware h200x2: only for --backend cuda"),
+    (["--out", "A_FILE"], "exists and is not a directory"),
+    (["--out", "/proc/tinypipe-run"], "--out /proc/tinypipe-run: cannot write in /proc"),
+    (["--trace", "/proc/trace.json"], "--trace /proc/trace.json: cannot write in /proc"),
+    (["--trace", "NO_DIR/trace.json"], "does not exist"),
+    (["--resume", "--out", "CKPT_AT_30", "--steps", "20"], "--steps 20: the checkpoint .* is already at step 30"),
+    (["--resume", "--out", "CKPT_AT_30", "--lr", "0.5"], "was started with --lr 0.01, this command gives --lr 0.5"),
+    (["--resume", "--out", "CKPT_DONE"], r"is complete \(30 of 30 steps\)"),
 ])
 def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,11 +209,62 @@ def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: s
     (earlier / "config.json").write_text("{}")  # a saved model: a new run must not overwrite it
     subst = {"DATA_NOT_JSONL": str(bad_data), "POLICY_TOO_MANY_LAYERS": policy_file(tmp_path, packing=[4, 3]),
              "EMPTY_DIR": str(tmp_path), "MODEL_DIR_WITHOUT_WEIGHTS": str(model_dir), "EARLIER_RUN": str(earlier),
-             "TIED_MODEL": str(tied), "POLICY_TIED_APART": policy_file(tied_dir, packing=[2, 2, 1], mapping=[0, 0, 1])}
+             "TIED_MODEL": str(tied), "POLICY_TIED_APART": policy_file(tied_dir, packing=[2, 2, 1], mapping=[0, 0, 1]),
+             "A_FILE": str(bad_data), "NO_DIR": str(tmp_path / "no" / "such"),
+             "CKPT_AT_30": fake_checkpoint(tmp_path / "at30", step=30, steps=3000),
+             "CKPT_DONE": fake_checkpoint(tmp_path / "done", step=30, steps=30)}
     args = parse(*[subst.get(a, a) for a in argv])
     with pytest.raises(InputError, match=match) as info:
         make_plan(args)
     assert "\n" not in str(info.value)
+
+
+def test_resume_continues_the_recorded_run(tmp_path: Path) -> None:
+    """`--resume --out DIR` alone takes every setting from the checkpoint's record, the target steps
+    included; a new run's defaults checkpoint every 10 minutes of training."""
+    from tinypipe.backends.settings import RECORDED, record, settle
+
+    first = settle(parse("--steps", "3000", "--model", "tiny-qwen3", "--gpus", "3", "--seed", "7",
+                         "--checkpoint-every", "50", "--out", str(tmp_path / "new")))
+    assert first.checkpoint_minutes == 10.0
+    out = fake_checkpoint(tmp_path / "run", step=30, **record(first))
+    ap = argparse.ArgumentParser()
+    add_run_arguments(ap)
+    again = settle(ap.parse_args(["--resume", "--out", out]))
+    assert {k: getattr(again, k) for k in RECORDED} == {k: getattr(first, k) for k in RECORDED}
+    assert again.steps == 3000 and again.model == "tiny-qwen3" and again.lr == LR
+
+
+def test_a_tied_model_runs_on_every_gpu_under_the_defaults(tmp_path: Path, tied_config: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default policy would put a tied model's head pack, and so every pack, on GPU 0: the
+    default job spreads the layers over more packs dealt round-robin, and says so."""
+    import tinypipe.backends.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: fixed_cpu_hardware(workers))
+    plan = make_plan(parse("--gpus", "2", "--model", tied_config, "--out", str(tmp_path / "out")))
+    assert sorted(set(plan.schedule.pack_gpu)) == [0, 1]
+    assert plan.schedule.pack_gpu[0] == plan.schedule.pack_gpu[-1]  # the head with the embedding
+    assert plan.note is not None and "balanced packs dealt round-robin" in plan.note
+    assert plan.job.checkpoint_s == 600.0
+
+
+def test_checkpoints_by_time_keep_the_last_two(tmp_path: Path) -> None:
+    """With time-based checkpoints every window is due when the interval is tiny (steps 4 and 6 of
+    a 6-step run, 4 iterations a window): both kept, newest in checkpoint/. A long interval leaves
+    only the checkpoint at the end."""
+    from tinypipe.backends.launch import run_threads
+
+    pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
+    plan = make_plan(parse("--gpus", "2", "--policy", pol, "--steps", "6", "--out", str(tmp_path / "plan")))
+    for name, every_s, steps in (("often", 1e-9, [6, 4]), ("rarely", 3600.0, [6])):
+        out = tmp_path / name
+        run_threads(dataclasses.replace(plan.job, out=str(out), checkpoint_s=every_s, progress=False,
+                                        save_model=False), 2)
+        found = [json.loads((out / d / "meta.json").read_text())["step"] for d in (checkpoint.DIR, checkpoint.OLD)
+                 if (out / d).exists()]
+        assert found == steps, name
+        assert not (out / checkpoint.TMP).exists()
 
 
 def test_sparkline_is_compact_and_ordered() -> None:

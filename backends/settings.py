@@ -1,0 +1,146 @@
+"""`tinypipe run`'s settings: defaults, the record a resumed run continues, checks that need no torch.
+
+A run's options default to None on the command line, so this module can tell what was given. A new
+run takes `run.DEFAULTS` for the rest. `--resume` takes the rest from the checkpoint's record of the
+run (`checkpoint/meta.json`, key `run`): `--resume --out DIR` alone continues the run exactly as it
+was started, to its recorded number of steps. A setting given again must equal the record, except
+`--steps` (a longer run; fewer steps than are done is an error), the checkpoint cadence, `--backend`
+and `--hardware`. Everything a user can get wrong without loading a model is checked here, before
+any heavy import or worker: numbers, the optimizer's settings, and every output path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from tinypipe.errors import InputError
+from tinypipe.outputs import check_dir, check_file
+
+# Options recorded in a checkpoint and restored by --resume (argparse dest names).
+RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
+            "lr", "betas", "eps", "weight_decay", "seed", "backend", "checkpoint_every", "checkpoint_minutes")
+FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes")  # may differ from the record
+PLANNED = ("policy", "microbatch_size")  # None stays None: make_plan chooses (the embedded job's, or the policy's)
+SEED_LIMIT = 2**63
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _show(v: Any) -> str:
+    return " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+
+def settle(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with every recorded option filled in and checked (idempotent); InputError on a mistake."""
+    if getattr(args, "settled", False):
+        return args
+    from .run import DEFAULTS
+
+    out = argparse.Namespace(**vars(args))
+    out.record = None  # the checkpoint's meta.json when resuming
+    if args.resume:
+        if not args.out:
+            raise InputError("--resume: give --out DIR, the directory of the run to continue")
+        out.record = _read_record(Path(args.out))
+        ran = out.record.get("run", {})
+        for dest in RECORDED:
+            given, recorded = getattr(args, dest, None), ran.get(dest)
+            if given is None:
+                setattr(out, dest, recorded if dest in ran else _default(dest, DEFAULTS))
+            elif dest in ran and dest not in FREE_ON_RESUME and _norm(given) != _norm(recorded):
+                raise InputError(f"--resume: the run in {args.out} was started with {_flag(dest)} "
+                                 f"{_show(recorded) if recorded is not None else '(default)'}, this command gives "
+                                 f"{_flag(dest)} {_show(given)}; leave it out to continue the run as it was, or "
+                                 "start a new run in another --out")
+        done = int(out.record["step"])
+        if out.steps < done or (out.steps == done and args.steps is not None):
+            raise InputError(f"--steps {out.steps}: the checkpoint in {args.out} is already at step {done}; give "
+                             f"--steps above {done} to train further")
+        if out.steps == done:
+            raise InputError(f"--resume: the run in {args.out} is complete ({done} of {done} steps); give --steps "
+                             f"above {done} to train further")
+    else:
+        for dest in RECORDED:
+            if getattr(args, dest, None) is None:
+                setattr(out, dest, _default(dest, DEFAULTS))
+    out.betas = tuple(out.betas)  # a record holds a JSON list
+    _check_numbers(out)
+    if out.hardware is not None and out.backend != "cuda":
+        raise InputError(f"--hardware {out.hardware}: only for --backend cuda (the cpu backend measures this "
+                         "host's CPU as its hardware)")
+    if not out.out:
+        out.out = str(Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
+    check_dir(Path(out.out), "--out")
+    if not args.resume:
+        _refuse_earlier_run(Path(out.out))
+    if out.trace:
+        check_file(Path(out.trace), "--trace")
+    out.settled = True
+    return out
+
+
+def _default(dest: str, defaults: dict[str, Any]) -> Any:
+    return None if dest in PLANNED else defaults.get(dest)
+
+
+def _norm(v: Any) -> Any:
+    """Values as JSON gives them back (tuples become lists, ints stay ints, floats compare as floats)."""
+    return json.loads(json.dumps(v))
+
+
+def _read_record(out: Path) -> dict[str, Any]:
+    from .checkpoint import find, read_record
+
+    found = find(out)
+    if found is None:
+        raise InputError(f"--resume: no checkpoint under {out}")
+    return read_record(found)
+
+
+def _check_numbers(a: argparse.Namespace) -> None:
+    for dest in ("gpus", "steps", "seq_len", "batch_tokens"):
+        if getattr(a, dest) < 1:
+            raise InputError(f"{_flag(dest)}: must be >= 1, got {getattr(a, dest)}")
+    if a.microbatch_size is not None and a.microbatch_size < 1:
+        raise InputError(f"--microbatch-size: must be >= 1, got {a.microbatch_size}")
+    if a.checkpoint_every < 0:
+        raise InputError(f"--checkpoint-every: must be >= 0, got {a.checkpoint_every}")
+    if not (math.isfinite(a.checkpoint_minutes) and a.checkpoint_minutes >= 0):
+        raise InputError(f"--checkpoint-minutes: must be a number >= 0, got {a.checkpoint_minutes}")
+    if not (math.isfinite(a.lr) and a.lr > 0):
+        raise InputError(f"--lr: must be a positive number, got {a.lr}")
+    b1, b2 = a.betas
+    for i, b in enumerate((b1, b2)):
+        if not (math.isfinite(b) and 0.0 <= b < 1.0):
+            raise InputError(f"--betas: each must be in [0, 1), got {b1} {b2} (B{i + 1} = {b})")
+    if not (math.isfinite(a.eps) and a.eps > 0):
+        raise InputError(f"--eps: must be a positive number, got {a.eps}")
+    if not (math.isfinite(a.weight_decay) and a.weight_decay >= 0):
+        raise InputError(f"--weight-decay: must be a number >= 0, got {a.weight_decay}")
+    if not 0 <= a.seed < SEED_LIMIT:
+        raise InputError(f"--seed: must be in 0..{SEED_LIMIT - 1}, got {a.seed}")
+
+
+def record(args: argparse.Namespace) -> dict[str, Any]:
+    """What a checkpoint records of the run's options (JSON-ready), for `settle` on --resume."""
+    return {dest: _norm(getattr(args, dest)) for dest in RECORDED}
+
+
+def _refuse_earlier_run(out: Path) -> None:
+    """A new run never overwrites an earlier run's checkpoint or saved model in --out."""
+    from . import checkpoint
+
+    held = [p.name for p in (out / "config.json", out / "model.safetensors.index.json", out / "model.safetensors")
+            if p.exists()]
+    if checkpoint.find(str(out)) is not None:
+        held.insert(0, "a checkpoint")
+    if held:
+        raise InputError(f"--out {out}: already holds an earlier run ({', '.join(held)}); continue it with --resume "
+                         "or choose another directory")

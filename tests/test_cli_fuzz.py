@@ -1,0 +1,186 @@
+"""The whole command line under random flags and values: exit 0, or exit 2 with one `error:` line.
+
+Hypothesis draws a subcommand and a handful of its flags with values that are mostly wrong
+(negative, zero, NaN, garbage, missing or unwritable paths, other subcommands' flags). `main` runs
+in this process. `run` plans for real, but a run that passes every check stops where the workers
+would start (nothing trains here: `tests/backends` covers that), and the CPU is described with fixed
+numbers instead of measured, so an example costs milliseconds to a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tinypipe.cli import main
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+class WouldTrain(Exception):  # noqa: N818 - not an error: a valid run reached the workers
+    """Raised instead of starting worker processes."""
+
+
+def _files(root: Path) -> dict[str, str]:
+    """Paths the strategies refer to by name (made once; every output path is fresh or unwritable)."""
+    tied = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "vocab_size": 256, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": True, "attention_bias": False, "initializer_range": 0.02}
+    made = {
+        "TIED": ("tied.json", json.dumps(tied)),
+        "BAD_MODEL": ("bad_model.json", '{"model_type": "llama", "hidden_size": -4}'),
+        "POLICY_OK": ("ok.json", json.dumps({"name": "ok", "packing": [2, 2, 2], "mapping": "round-robin"})),
+        "POLICY_SHORT": ("short.json", json.dumps({"name": "short", "packing": [4, 3]})),
+        "POLICY_FIELD": ("field.json", json.dumps({"name": "x", "packing": "sideways"})),
+        "NOT_JSON": ("not.json", "{this is not json"),
+        "DATA_BAD": ("data.jsonl", '{"text": "fine"}\nnot json\n'),
+        "DATA_OK": ("data.txt", "1+1=2\n" * 200),
+    }
+    out = {}
+    for key, (name, text) in made.items():
+        (root / name).write_text(text)
+        out[key] = str(root / name)
+    earlier = root / "earlier"
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}")
+    ckpt = root / "ckpt" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"format": "tinypipe.checkpoint/1", "step": 30,
+                                                 "run": {"steps": 3000, "lr": 0.003}}))
+    out.update(EARLIER=str(earlier), CKPT=str(root / "ckpt"), DIR=str(root), FILE=out["DATA_OK"])
+    return out
+
+
+INTS = st.sampled_from(["0", "-1", "1", "2", "3", "4", "16", "64", "x", "2.5", "99999999999999999999999"])
+FLOATS = st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1e-3", "0.5", "0.98", "1.5", "x"])
+BYTES = st.sampled_from(["24GiB", "1KiB", "0", "-5GiB", "lots", "1e3GiB"])
+MODELS = st.sampled_from(["tiny-llama", "tiny-llama", "TIED", "llama-9", "BAD_MODEL", "/nonexistent/config.json"])
+HARDWARE = st.sampled_from(["rtx4090x1", "h200x2", "rtx4090x8-pcie4", "dgx-a100", "NOT_JSON"])
+POLICIES = st.sampled_from(["resident", "tinypipe", "mobius", "fastest", "POLICY_OK", "POLICY_SHORT", "POLICY_FIELD",
+                            "NOT_JSON"])
+OUT_FILES = st.sampled_from(["FRESH_FILE", "FRESH_FILE", "/proc/tinypipe-x", "DIR", "/etc/passwd/x", "NO_DIR/x"])
+OUT_DIRS = st.sampled_from(["FRESH_DIR", "FRESH_DIR", "FILE", "/proc/tinypipe-x", "EARLIER", "CKPT"])
+SEQ = st.sampled_from(["1024", "2048", "0", "-5", "100000", "x"])  # (short sequences: hundreds of microbatches)
+
+WORKLOAD = {"--model": MODELS, "--hardware": HARDWARE, "--seq-len": SEQ, "--microbatches": INTS,
+            "--microbatch-size": INTS, "--iterations": st.sampled_from(["1", "2", "0", "-1", "x"]), "--json": None}
+FLAGS: dict[tuple[str, ...], dict[str, Any]] = {
+    ("inspect", "model"): {"NAME": MODELS, "--seq-len": SEQ, "--microbatch-size": INTS, "--hardware": HARDWARE,
+                           "--json": None},
+    ("inspect", "hardware"): {"NAME": HARDWARE, "--json": None},
+    ("inspect", "schedule"): {**WORKLOAD, "--policy": POLICIES, "--out": OUT_FILES, "--steps": INTS},
+    ("simulate",): {**WORKLOAD, "--policy": POLICIES, "--batch-tokens": st.sampled_from(["8192", "4096", "1000", "0"]),
+                    "--gpu-mem": BYTES, "--host-mem": BYTES, "--trace": OUT_FILES, "--plot": OUT_FILES},
+    ("search",): {"--model": st.sampled_from(["tiny-llama", "TIED", "llama-9"]),
+                  "--hardware": st.sampled_from(["rtx4090x1", "h200x2", "dgx-a100", "NOT_JSON"]),
+                  "--seq-len": st.sampled_from(["1024", "2048", "0", "x"]),
+                  "--batch-tokens": st.sampled_from(["4096", "2048", "1000", "0", "-1"]),
+                  "--gpu-mem": BYTES, "--host-mem": BYTES, "--workers": st.sampled_from(["1", "0", "-2", "x"]),
+                  "--top": INTS, "--out": OUT_FILES, "--allow-async": None, "--json": None},
+}
+if HAVE_TORCH:
+    FLAGS[("run",)] = {
+        "--gpus": st.sampled_from(["1", "2", "2", "3", "0", "-1", "1000", "x"]),
+        "--steps": st.sampled_from(["1", "2", "0", "-3", "x"]), "--model": MODELS, "--policy": POLICIES,
+        "--microbatch-size": INTS, "--seq-len": st.sampled_from(["16", "64", "0", "100000", "x"]),
+        "--batch-tokens": st.sampled_from(["64", "128", "512", "50", "0", "x"]), "--lr": FLOATS, "--betas": FLOATS,
+        "--eps": FLOATS, "--weight-decay": FLOATS, "--seed": st.sampled_from(["0", "7", "-1", "99999999999999999999"]),
+        "--dtype": st.sampled_from(["fp32", "bf16", "fp16"]), "--backend": st.sampled_from(["cpu", "cuda", "tpu"]),
+        "--hardware": HARDWARE, "--out": OUT_DIRS, "--resume": None, "--checkpoint-minutes": FLOATS,
+        "--checkpoint-every": INTS, "--trace": OUT_FILES,
+        "--data": st.sampled_from(["DATA_OK", "DATA_BAD", "NO_DIR/x"]),
+    }
+COMMANDS = sorted(FLAGS)
+# Defaults that keep an example fast where the command's own default is slow (llama-3.1-8b, all
+# cores); drawn flags replace them, and the defaults themselves are covered in test_cli.py.
+QUICK = {("inspect", "schedule"): ["--model", "tiny-llama"], ("simulate",): ["--model", "tiny-llama"],
+         ("search",): ["--model", "tiny-llama", "--workers", "1", "--hardware", "h200x2", "--batch-tokens", "4096"]}
+NOISE = st.sampled_from(["--frobnicate", "extra", "--json", "--", "-x", "--model"])
+
+
+@st.composite
+def argv(draw: st.DrawFn) -> list[str]:
+    command = draw(st.sampled_from(COMMANDS))
+    flags = FLAGS[command]
+    chosen = draw(st.lists(st.sampled_from(sorted(flags)), max_size=5, unique=True))
+    out = list(command)
+    for flag in chosen:
+        values = flags[flag]
+        if flag == "NAME":
+            out.append(draw(values))
+        elif values is None:
+            out.append(flag)
+        elif flag == "--betas":
+            out += [flag, draw(values), draw(values)]
+        else:
+            out += [flag, draw(values)]
+    quick = QUICK.get(command, [])
+    for flag, value in zip(quick[::2], quick[1::2]):
+        if flag not in chosen:
+            out += [flag, value]
+    if draw(st.integers(0, 9)) == 0:
+        out.insert(draw(st.integers(1, len(out))), draw(NOISE))
+    return out
+
+
+def _fixed_cpu(workers: int, *, threads: int) -> Any:
+    from tinypipe.hardware import GPU, Hardware, Host, Link
+
+    mem = 64 * 2**30
+    return Hardware(name=f"fuzz-cpu-x{workers}", provenance="spec", source="fixed numbers for the fuzz test",
+                    host=Host(memory_bytes=mem, dma_gbps=10.0, cpu_cores=2, adam_params_per_s=1e8),
+                    gpus=tuple(GPU(f"gpu{i}", "CPU", mem, 2e10, 10.0) for i in range(workers)), switches=("rc0",),
+                    links=(Link("host", "rc0", "mem", 10.0, 0.0),)
+                    + tuple(Link("rc0", f"gpu{i}", "pcie", 10.0, 2e-6) for i in range(workers)))
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return _files(tmp_path_factory.mktemp("fuzz"))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(args=argv())
+def test_every_command_line_ends_in_exit_0_or_one_error_line(args: list[str], places: dict[str, str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the flags: exit 0 without a traceback, or exit 2 with exactly one `error:` line on
+    stderr (the last one) and no traceback; a valid `run` reaches the point of starting workers."""
+    fresh = Path(tempfile.mkdtemp(dir=places["DIR"]))
+    monkeypatch.chdir(fresh)  # the default --out (runs/...) lands here
+    names = {**places, "FRESH_FILE": str(fresh / "out.file"), "FRESH_DIR": str(fresh / "run"),
+             "NO_DIR": str(fresh / "no" / "such")}
+    real = [names.get(a, a) if not a.startswith("NO_DIR/") else names["NO_DIR"] + a[6:] for a in args]
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        if HAVE_TORCH:
+            stack.enter_context(mock.patch("torch.multiprocessing.start_processes", side_effect=WouldTrain))
+            stack.enter_context(mock.patch("tinypipe.backends.launch._run_here", side_effect=WouldTrain))
+            stack.enter_context(mock.patch("tinypipe.backends.run._accuracy", return_value=0.0))
+            stack.enter_context(mock.patch("tinypipe.backends.plan.cpu_hardware", side_effect=_fixed_cpu))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        try:
+            code = main(real)
+        except WouldTrain:
+            return
+        except SystemExit as exc:  # argparse's --help
+            code = exc.code if isinstance(exc.code, int) else 2
+    text = err.getvalue()
+    assert "Traceback" not in text, (real, text)
+    assert code in (0, 2), (real, code, text)
+    if code == 2:
+        lines = [x for x in text.splitlines() if x.strip()]
+        errors = [x for x in lines if x.startswith("error: ")]
+        assert len(errors) == 1 and lines[-1] == errors[0], (real, text)
