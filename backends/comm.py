@@ -70,9 +70,10 @@ class DistComm:
 
         NCCL builds a group's communicator at its first send / receive, and that call blocks the
         host until the peer makes it too. Left to the executor, a rank could block in its first
-        receive from a peer while that peer waits for this rank's first send: a deadlock (seen on
-        2x H200 with the 8B model). A one-element exchange per pair, in the same order on every
-        rank, builds them all before any schedule runs.
+        receive from a peer while that peer waits for this rank's first send: a deadlock (suspected
+        in a 2x H200 8B run that hung; that run hung again with this in place, so it was not the
+        only cause). A one-element exchange per pair, in the same order on every rank, builds them
+        all before any schedule runs.
         """
         import torch
 

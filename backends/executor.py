@@ -140,16 +140,18 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
 
     compute = queues.get(gpu_resource(interp.rank, "compute"))
 
+    def computing() -> int:
+        """FWD / BWD issued and not yet finished on the device (finished ones are dropped)."""
+        while in_flight and streams.done(in_flight[0]):
+            in_flight.popleft()
+        return len(in_flight)
+
     def ready(a: Action) -> bool:
         if not all(d in available or d not in by_id for d in a.deps):
             return False
         if a.kind == Kind.RECV and compute and compute[0].id < a.id:
             return False  # posted no earlier than its place in the schedule: see "RECV gate" in the module docstring
-        if a.kind in _COMPUTE and len(in_flight) >= RUNAHEAD_COMPUTE:
-            while in_flight and streams.done(in_flight[0]):
-                in_flight.popleft()
-            return len(in_flight) < RUNAHEAD_COMPUTE
-        return True
+        return a.kind not in _COMPUTE or len(in_flight) < RUNAHEAD_COMPUTE or computing() < RUNAHEAD_COMPUTE
 
     try:
         while queues or running or on_host:
@@ -170,9 +172,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                     progressed = True
             heads = [q[0] for r, q in queues.items() if r not in running and ready(q[0])]
             if not heads:
-                while in_flight and streams.done(in_flight[0]):
-                    in_flight.popleft()
-                if not (running or on_host or in_flight):
+                if not (running or on_host or computing()):
                     if not queues:
                         break
                     raise ExecutionError(_stuck(interp.rank, queues, available, by_id))

@@ -401,10 +401,8 @@ class HostState:
         ready = threading.Event()
         with self._locks[layer]:
             self._writing[layer] = ready
-            reads = self._reads.pop(layer, [])
         try:
-            for ev in reads:  # uploads still reading this layer's host memory
-                ev.synchronize()
+            self._wait_reads(layer)  # uploads still reading this layer's host memory
             if self.layout == "replicated":
                 if keep_previous and self._upload_version[layer] != self._steps[layer]:
                     self._refresh_upload(layer)

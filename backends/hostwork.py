@@ -3,7 +3,8 @@
 Issue 9's trace: with the optimizer step run by the thread that issues GPU work, the compute stream
 starved for 0.15-0.27 s at every backward layer boundary. Here the dispatch thread hands each step
 to this worker and goes on issuing; the worker first waits for the device work the step reads (the
-gradients' download, the layer's uploads still reading host memory), then runs it. One worker per
+gradients' download; uploads still reading the layer's host memory are the host state's to wait
+for), then runs it. One worker per
 rank, so steps keep the `host.optim` list order; torch's intra-op threads (set per rank from the
 cores the rank gets) parallelise each step.
 """

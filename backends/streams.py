@@ -21,11 +21,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 
-Started = tuple[Any, Callable[[], None]] | None  # what an asynchronous handler returns: (handle, on_done)
+from .interpreter import Done
 
 
 class CpuStreams:
@@ -47,7 +46,7 @@ class CpuStreams:
         """The action's work is finished (CPU: now)."""
         self._t1[action_id] = time.perf_counter()
 
-    def settle(self, started: Started) -> Started:
+    def settle(self, started: Done) -> Done:
         """A transfer the handler started: returned for the host to poll (gloo completes it on a thread)."""
         return started
 
@@ -117,7 +116,7 @@ class CudaStreams:
         ev.record(torch.cuda.current_stream(self.device))
         self._end[action_id] = ev
 
-    def settle(self, started: Started) -> Started:
+    def settle(self, started: Done) -> Done:
         """A transfer the handler started (NCCL): the current stream waits for it, the host does not;
         its completion callback runs now (the buffer it fills is the stream's to order). None."""
         if started is not None:

@@ -91,7 +91,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     held = sum(r.held["total_bytes"] for r in results)
     tps = BATCH_TOKENS / iteration_s if iteration_s > 0 else 0.0
     floor_tps = BATCH_TOKENS / floor.iteration_s
-    busy = _busy_by_resource(tl, iteration_s)
+    busy = _busy_by_resource(tl)
     return {
         "case": name, "gpus": gpus, "gpu_mem_cap_gib": _gib_arg(gpu_mem), "policy": plan.policy.to_json(),
         "optimizer": plan.policy.optimizer, "host_memory": plan.policy.host_memory,
@@ -111,26 +111,15 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     }
 
 
-def _busy_by_resource(tl: Any, iteration_s: float) -> dict[str, float]:
-    """Seconds each resource was busy per steady iteration (union of its records after the first iteration)."""
+def _busy_by_resource(tl: Any) -> dict[str, float]:
+    """Seconds each resource was busy per steady iteration (its records after the first iteration;
+    one resource's actions run one after another, so their durations add up)."""
+    from tinypipe.timeline import Timeline
+
     first = min((r.iteration for r in tl.records), default=0)
-    steady = [r for r in tl.records if r.iteration > first]
+    steady = tuple(r for r in tl.records if r.iteration > first)
     iters = len({r.iteration for r in steady}) or 1
-    out: dict[str, float] = {}
-    for res in sorted({r.resource for r in steady}):
-        spans = sorted((r.start_s, r.end_s) for r in steady if r.resource == res)
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in spans:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None and cur_s is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None and cur_s is not None:
-            total += cur_e - cur_s
-        out[res] = total / iters
-    return out
+    return {res: s / iters for res, s in sorted(Timeline(steady).busy_s().items())}
 
 
 def _gib_arg(text: str) -> float:

@@ -212,7 +212,7 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
                                      f"(layer {a.layer}); it has {', '.join(trace.kinds)}") from None
             p = profiles[a.layer]
             mode.append(_TIMED)
-            cost.append(p.fwd_s if k is Kind.FWD else (p.recompute_bwd_s if schedule.recomputes(a.layer) else p.bwd_s))
+            cost.append(p.fwd_s if k is Kind.FWD else p.backward_s(schedule.recomputes(a.layer)))
         elif k is Kind.EVICT:
             mode.append(_TIMED)
             cost.append(0.0)

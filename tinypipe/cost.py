@@ -147,7 +147,7 @@ def workload(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profil
                              f"{layer.kind.value!r} (layer {layer.index} of {model.name})") from None
         fwd.append(kp.fwd_s)
         redo = recomputes(policy.recompute, layer.index, len(model.layers))
-        bwd.append(kp.recompute_bwd_s if redo else kp.bwd_s)
+        bwd.append(kp.backward_s(redo))
         x = model.layers[layer.index - 1].boundary_bytes_per_token * tokens if layer.index else 0
         inp.append(x)
         act.append(x + (0 if redo else kp.saved_act_bytes))

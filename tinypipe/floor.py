@@ -68,7 +68,7 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
             p = profiles.get(a.layer)
             if p is None:
                 p = profiles[a.layer] = trace.layer(model.layers[a.layer])
-            compute[g] += p.fwd_s if k is Kind.FWD else (p.recompute_bwd_s if schedule.recomputes(a.layer) else p.bwd_s)
+            compute[g] += p.fwd_s if k is Kind.FWD else p.backward_s(schedule.recomputes(a.layer))
         elif k in _UP and g is not None:
             up[g] += a.nbytes
         elif k in _DOWN and g is not None:

@@ -192,8 +192,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     compute = 0.0
     for layer in model.layers:
         kp = trace.layer(layer)
-        redo = recomputes(p.recompute, layer.index, len(model.layers))
-        compute += kp.fwd_s + (kp.recompute_bwd_s if redo else kp.bwd_s)
+        compute += kp.fwd_s + kp.backward_s(recomputes(p.recompute, layer.index, len(model.layers)))
     compute *= p.microbatches / len(hw.gpus)
     links = sum(hw.route("host", g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9

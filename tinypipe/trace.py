@@ -73,6 +73,10 @@ class KindProfile:
     workspace_bytes: int  # transient peak while the layer computes, on top of saved_act_bytes
     workspace_fixed_bytes: int = 0  # the part of workspace_bytes that stays the same at any token count
 
+    def backward_s(self, recomputed: bool) -> float:
+        """The backward's time: with its forward re-run first (`schedule.recomputes`), or from kept activations."""
+        return self.recompute_bwd_s if recomputed else self.bwd_s
+
     def scaled(self, factor: float) -> KindProfile:
         """Every time and size times `factor` (linear in tokens), but a workspace with a fixed part.
 
