@@ -85,6 +85,8 @@ class RankResult:
     steps_run: int
     wall_s: float
     interrupted: bool = False
+    peak_reserved_bytes: int = 0  # the caching allocator's peak reserved memory (CUDA)
+    alloc_retries: int = 0  # allocations that found no cached block within the cap and freed cache (CUDA)
     masters: dict[int, dict[str, torch.Tensor]] | None = None
     issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
 
@@ -281,11 +283,14 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
         save_pretrained(host.masters(), stack.config, job.out, rank=rank, world=world, source_dir=stack.source_dir)
     peak_dev = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                 else max((b for _, b in log.memory), default=0))
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     return RankResult(
         rank=rank, layers=layers, losses=losses, records=log.records, order=dict(log.order), memory=log.memory,
         ledger_peak=dict(ledger.peak), ledger_problems=list(ledger.problems), held=host.held().to_json(),
         peak_device_bytes=peak_dev, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
+        peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)),
+        alloc_retries=int(stats.get("num_alloc_retries", 0)),
         masters=host.masters() if job.keep_masters else None, issued=log.issued)
 
 
@@ -320,6 +325,14 @@ def lingering_group_threads() -> list[str]:
     return sorted(n for n in names if "gloo" in n or "nccl" in n.lower())
 
 
+# The caching allocator grows segments in place instead of keeping one per size: reserved memory
+# stays near what is allocated, so a run planned under `--gpu-mem` does not reach the cap through
+# fragmentation. At the cap the allocator frees its cache, and freeing (cudaFree, or the events of
+# blocks used on other streams) waits for the device: with an NCCL receive posted before its peer's
+# send, that wait needs the peer's host, which may be waiting for this one.
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
 def process_main(local_rank: int, job: Job, world: int, init_method: str, result_path: str | None,
                  env_rank: int | None = None) -> None:
     """The entry of one worker process (`torch.multiprocessing.spawn`, or in-process under torchrun)."""
@@ -343,6 +356,7 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
         torch.set_num_threads(job.threads)
     backend = "nccl" if job.backend == "cuda" else "gloo"
     if job.backend == "cuda":
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # before the allocator's first use
         torch.cuda.set_device(local_rank)
     import_before_groups(job.model, job.seed)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,

@@ -98,6 +98,8 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
         "tokens_per_step": BATCH_TOKENS, "steps": steps, "iteration_s": iteration_s, "tokens_per_s": tps,
         "peak_gpu_bytes": max(r.peak_device_bytes for r in results),
         "peak_gpu_bytes_per_rank": [r.peak_device_bytes for r in sorted(results, key=lambda r: r.rank)],
+        "peak_reserved_gpu_bytes": max(r.peak_reserved_bytes for r in results),
+        "alloc_retries": sum(r.alloc_retries for r in results),
         "peak_host_rss_bytes": sum(r.peak_rss_bytes for r in results),
         "host_rss_bytes_per_param": sum(r.peak_rss_bytes for r in results) / params,
         "host_state_bytes": held, "host_state_bytes_per_param": held / params,

@@ -1,9 +1,20 @@
-# On the lent 2x H200 machine, from the repository root (carry .whl):
+# On the lent H200 machine, from the repository root (carry .whl):
 #   bash bench/device/cuda_bench.sh CASE...    -> $OUT/cuda_h200.jsonl, $OUT/*.trace.json, $OUT/log.txt
+# Each case runs in its own process under its own time limit (CASE_TIMEOUT, seconds): a case that
+# hangs is recorded as failed and the next one still runs.
 . bench/device/setup.sh
 ROOT=$(pwd)
 cd /tmp
 if [ -n "$CUDA_TESTS" ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/backends/test_run.py" -k cuda 2>&1 | tail -15
 fi
-timeout ${BENCH_TIMEOUT:-480} python3 "$ROOT/bench/cuda_bench.py" --cases "$@" --steps ${STEPS:-4} --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" 2>&1 | tee "$OUT/log.txt" | grep -v "^training \[" | tail -40
+for case in "$@"; do
+  timeout -k 10 ${CASE_TIMEOUT:-240} python3 "$ROOT/bench/cuda_bench.py" --cases "$case" --steps ${STEPS:-4} \
+    --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" >>"$OUT/log.txt" 2>&1
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "{\"case\": \"$case\", \"error\": \"exit status $rc (124: killed after ${CASE_TIMEOUT:-240} s)\", \"date\": \"$(date +%F)\"}" >>"$OUT/cuda_h200.jsonl"
+  fi
+  grep -v "^training \[" "$OUT/log.txt" | tail -3
+done
+grep -v "^training \[" "$OUT/log.txt" | tail -60
