@@ -28,7 +28,6 @@ unrefreshed by such a step; compact keeps a snapshot of the upload form until `d
 
 from __future__ import annotations
 
-import copy
 import sys
 import threading
 from collections import deque
@@ -474,19 +473,25 @@ class HostState:
         return {i: self.master(i) for i in self.layers}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: masters (as held), upload copies, moments, versions."""
+        """Everything needed to continue exactly: masters (as held), upload copies, moments, versions.
+
+        The tensors are the live ones, not copies (a copy of an 8B model's state is ~100 GB of host
+        memory): write them out before the next step changes them. Checkpoints are taken between
+        windows, when no optimizer step runs.
+        """
         out: dict[str, Any] = {"layout": self.layout, "steps": dict(self._steps),
-                               "optim": {i: copy.deepcopy(self._opt[i].state_dict()) for i in self.layers}}
+                               "optim": {i: self._opt[i].state_dict() for i in self.layers}}
         if self.layout == "replicated":
-            out["master"] = {i: {n: t.detach().clone() for n, t in m.items()} for i, m in self._master.items()}
-            out["upload"] = {i: t.clone() for i, t in self._upload_flat.items()}
+            out["master"] = {i: {n: t.detach() for n, t in m.items()} for i, m in self._master.items()}
+            out["upload"] = dict(self._upload_flat)
             out["upload_version"] = dict(self._upload_version)
         else:
-            out["slab"] = self._slab.clone()
+            out["slab"] = self._slab  # torch.save writes the slab's whole storage: the ring and snapshots too
             out["stale"] = {i: (v, t.clone()) for i, (v, t) in self._stale.items()}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a loaded checkpoint): the optimizer takes its moment tensors, not copies."""
         if state["layout"] != self.layout or set(state["steps"]) != set(self.layers):
             raise ValueError(f"checkpoint holds layout {state['layout']} for layers {sorted(state['steps'])}; "
                              f"this run has {self.layout} for {list(self.layers)}")

@@ -9,7 +9,7 @@ if [ -n "$CUDA_TESTS" ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/backends/test_run.py" -k cuda 2>&1 | tail -15
 fi
 for case in "$@"; do
-  timeout -k 10 ${CASE_TIMEOUT:-240} python3 "$ROOT/bench/cuda_bench.py" --cases "$case" --steps ${STEPS:-4} \
+  timeout -k 10 ${CASE_TIMEOUT:-240} python3 "$ROOT/bench/cuda_bench.py" --cases "$case" --steps ${STEPS:-6} \
     --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" >>"$OUT/log.txt" 2>&1
   rc=$?
   if [ $rc -ne 0 ]; then

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -123,7 +124,10 @@ def test_state_dict_round_trip_continues_exactly() -> None:
         a.receive_grads(i, {n: torch.full_like(t, 0.5) for n, t in a.master(i).items()})
         a.step(i, keep_previous=True)
     b = HostState(_clone(_params(seed=7)), layout="compact", compute_dtype=torch.float32, optim=CFG)
-    b.load_state_dict(a.state_dict())
+    buf = io.BytesIO()  # through a file, as a checkpoint goes: state_dict hands out the live tensors
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
     for hs in (a, b):
         for i in hs.layers:
             hs.receive_grads(i, {n: torch.full_like(t, -0.25) for n, t in hs.master(i).items()})
