@@ -1,27 +1,22 @@
-"""Hugging Face models as layer stacks: configs, deterministic init, safetensors streaming, saving.
+"""Hugging Face models as layer stacks: configs, deterministic init, safetensors streaming.
 
 `build_model` builds the whole Hugging Face model on the meta device (no memory), splits it into
 the pipeline's layers (`layers.Embed`, `layers.Block` x L, `layers.Head`) and materialises only the
 layers a process owns: from the model directory's safetensors, one tensor at a time, or from a
-seeded initialisation that gives every parameter the same value whatever `only` is. `save_pretrained`
-writes one safetensors shard per layer plus the index and config.json, so that
-`AutoModelForCausalLM.from_pretrained(out_dir)` loads the result.
+seeded initialisation that gives every parameter the same value whatever `only` is. Saving a
+trained stack is `hf_save.py`'s.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from tinypipe.errors import InputError
@@ -35,9 +30,6 @@ DEFAULT_INIT_STD = 0.02  # transformers' default `initializer_range`
 TIED = ("lm_head.weight", "embed_tokens.weight")  # the shared matrix: name in the Head, name in the Embed
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
 
 
 class UnsupportedModelError(InputError):
@@ -295,57 +287,3 @@ class WeightReader:
         if file not in self._open:
             self._open[file] = safe_open(str(self.directory / file), framework="pt")
         return self._open[file].get_tensor(name)
-
-
-def shard_name(i: int, n: int) -> str:
-    """The safetensors file that holds layer i of n."""
-    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
-def save_pretrained(stack_state: dict[int, dict[str, torch.Tensor]], config: Any, out_dir: str | Path, *,
-                    rank: int, world: int, source_dir: str | Path | None = None) -> None:
-    """Write the layers in `stack_state` so that `AutoModelForCausalLM.from_pretrained(out_dir)` loads them.
-
-    Every rank calls this with the layers it holds ({layer index: {name in layer: tensor}}); each
-    layer goes to its own shard (`shard_name`), written atomically, so no rank waits for another.
-    Rank 0 also writes the index (which is known from the config alone), config.json (dtype set
-    to the saved tensors') and the tokenizer files of `source_dir`.
-    """
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside world of {world}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    metas, names, _ = split_meta(config)
-    n = len(names)
-    dtypes = {t.dtype for tensors in stack_state.values() for t in tensors.values()}
-    for i, tensors in stack_state.items():
-        renamed = {names[i][p]: t.detach().to("cpu").contiguous() for p, t in tensors.items()}
-        tmp = out / f".{shard_name(i, n)}.tmp{os.getpid()}"
-        save_file(renamed, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / shard_name(i, n))
-    if rank != 0:
-        return
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    total = sum({id(p): p.numel() for m in metas for p in m.parameters()}.values()) * dtype.itemsize  # tied: once
-    weight_map = {hf: shard_name(i, n) for i, layer_names in enumerate(names) for hf in layer_names.values()}
-    _write_atomic(out / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                               indent=2, sort_keys=True) + "\n")
-    saved = copy.deepcopy(config)
-    set_config_dtype(saved, dtype)
-    saved.save_pretrained(str(out))
-    if source_dir is not None:
-        for fname in TOKENIZER_FILES:
-            src = Path(source_dir) / fname
-            if src.is_file():
-                shutil.copyfile(src, out / fname)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def to_hf_state_dict(stack: LayerStack) -> dict[str, torch.Tensor]:
-    """The owned layers' parameters under their Hugging Face names."""
-    return {stack.names[i][p]: t for i, tensors in stack.state().items() for p, t in tensors.items()}

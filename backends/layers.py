@@ -9,7 +9,6 @@ lines that differ between transformers versions are in `_call_decoder_layer` and
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,11 +298,3 @@ class LayerStack:
             raise ValueError(f"layer {i} ({self.spec.layers[i].name}) is not materialised in this process")
         return layer
 
-
-def __getattr__(name: str) -> Callable[..., Any]:
-    """`build_model` and `save_pretrained` live in `hf.py` (which imports this module); found here too."""
-    if name in ("build_model", "save_pretrained"):
-        from tinypipe.backends import hf
-
-        return getattr(hf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -138,7 +138,8 @@ def _check_model(name: str) -> ModelSpec:
 def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPlan:
     """Check the `tinypipe run` options and compile the schedule; InputError on any mistake.
     `phase(text)` hears what starts next (the CLI shows it as progress)."""
-    from .data import ADDITION, read_examples
+    from .data.addition import ADDITION
+    from .data.examples import read_examples
     from .settings import record, settle
 
     args = settle(args)  # defaults or the resumed run's record; numbers and output paths checked

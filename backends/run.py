@@ -151,7 +151,7 @@ def _accuracy(model: str, seed: int) -> float:
     """Held-out addition accuracy of a whole model (a shipped name or a saved directory)."""
     import torch
 
-    from .data import AdditionTask, task_accuracy
+    from .data.addition import AdditionTask, task_accuracy
     from .hf import build_model
 
     stack = build_model(model, seed=seed)

@@ -194,8 +194,10 @@ def _progress(job: Job, step: int, loss: float | None, started: float, done_step
 def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
                stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
     """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
-    from .data import load_tokenizer, make_batches
-    from .hf import build_model, save_pretrained
+    from .data.batches import make_batches
+    from .data.tokenizers import load_tokenizer
+    from .hf import build_model
+    from .hf_save import save_pretrained
 
     sched = job.schedule
     if sched.num_gpus != world:

@@ -9,17 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.data import (  # noqa: E402
-    AdditionTask,
-    ByteTokenizer,
-    Example,
-    HFTokenizer,
-    load_tokenizer,
-    make_batches,
-    pack,
-    read_examples,
-    task_accuracy,
-)
+from tinypipe.backends.data.addition import AdditionTask, task_accuracy  # noqa: E402
+from tinypipe.backends.data.batches import make_batches  # noqa: E402
+from tinypipe.backends.data.examples import Example, pack, read_examples  # noqa: E402
+from tinypipe.backends.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
 
 from tinypipe.errors import InputError  # noqa: E402
 

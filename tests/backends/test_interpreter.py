@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
 from handmade import build  # noqa: E402
-from tinypipe.backends.data import ByteTokenizer, make_batches  # noqa: E402
+from tinypipe.backends.data.batches import make_batches  # noqa: E402
+from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.executor import run_actions  # noqa: E402
 from tinypipe.backends.hoststate import AdamWConfig, HostState  # noqa: E402
 from tinypipe.backends.interpreter import (  # noqa: E402

@@ -12,14 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import torch.nn.functional as F  # noqa: E402
-from tinypipe.backends.hf import (  # noqa: E402
-    UnsupportedModelError,
-    WeightReader,
-    build_model,
-    save_pretrained,
-    shard_name,
-    to_hf_state_dict,
-)
+from tinypipe.backends.hf import UnsupportedModelError, WeightReader, build_model  # noqa: E402
+from tinypipe.backends.hf_save import save_pretrained, shard_name, to_hf_state_dict  # noqa: E402
 from tinypipe.backends.layers import IGNORE_INDEX, Block, Embed, Head, LayerStack, attention_mask  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch import dtype as TorchDtype  # noqa: E402

@@ -9,7 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tinypipe.backends.data import ByteTokenizer, make_batches  # noqa: E402
+from tinypipe.backends.data.batches import make_batches  # noqa: E402
+from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.hf import build_model  # noqa: E402
 from tinypipe.backends.layers import IGNORE_INDEX  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402

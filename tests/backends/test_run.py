@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 from conftest import TINY_QWEN3, TINY_QWEN3_TIED, fixed_cpu_hardware  # noqa: E402
 from tinypipe.backends import checkpoint  # noqa: E402
-from tinypipe.backends.data import ByteTokenizer, make_batches  # noqa: E402
+from tinypipe.backends.data.batches import make_batches  # noqa: E402
+from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.launch import WorkerError, launch  # noqa: E402
 from tinypipe.backends.plan import make_plan  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402

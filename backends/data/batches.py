@@ -1,0 +1,72 @@
+"""Step k's microbatches from a source of sequences: a packed file or the addition task.
+
+`Batches.step(k)` serves step k's microbatches; the same arguments give the same batches in every
+process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tinypipe.errors import InputError
+
+from .addition import ADDITION, AdditionSequences, AdditionTask
+from .examples import PackedSequences, SequenceSource, pack, read_examples
+from .tokenizers import Tokenizer
+
+
+class Batches:
+    """Step k's microbatches: `microbatches` pairs (input_ids, labels), each [microbatch_size, seq_len].
+
+    Step k, microbatch m, row r is sequence ((k * replicas + replica) * microbatches + m) *
+    microbatch_size + r of the source, so data-parallel replicas read disjoint sequences and any
+    step can be served again (after a resume) without replaying the ones before it.
+    """
+
+    def __init__(self, source: SequenceSource, *, microbatch_size: int, microbatches: int,
+                 replica: int = 0, replicas: int = 1) -> None:
+        if microbatch_size < 1 or microbatches < 1:
+            raise InputError(f"microbatch_size and microbatches must be >= 1, got {microbatch_size}, "
+                             f"{microbatches}")
+        if not 0 <= replica < replicas:
+            raise ValueError(f"replica {replica} outside 0..{replicas - 1}")
+        self.source = source
+        self.microbatch_size, self.microbatches = microbatch_size, microbatches
+        self.replica, self.replicas = replica, replicas
+
+    @property
+    def seq_len(self) -> int:
+        return self.source.seq_len
+
+    def step(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        first = (k * self.replicas + self.replica) * self.microbatches * self.microbatch_size
+        out = []
+        for m in range(self.microbatches):
+            rows = [self.source[first + m * self.microbatch_size + r] for r in range(self.microbatch_size)]
+            out.append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
+        return out
+
+    def __iter__(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        k = 0
+        while True:
+            yield self.step(k)
+            k += 1
+
+
+def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int, microbatch_size: int,
+                 microbatches: int, seed: int, replica: int = 0, replicas: int = 1,
+                 task: AdditionTask | None = None) -> Batches:
+    """Batches from a data file, or from the addition task when `data` is None or "addition"."""
+    if seq_len < 1:
+        raise InputError(f"seq_len must be >= 1, got {seq_len}")
+    source: SequenceSource
+    if data is None or (str(data) == ADDITION and not Path(ADDITION).exists()):
+        source = AdditionSequences(task or AdditionTask(seed=seed), tokenizer, seq_len)
+    else:
+        inputs, labels = pack(read_examples(data), tokenizer, seq_len)
+        source = PackedSequences(inputs, labels, seed=seed)
+    return Batches(source, microbatch_size=microbatch_size, microbatches=microbatches,
+                   replica=replica, replicas=replicas)
