@@ -21,7 +21,7 @@ from _common import machine, write_json
 from tinypipe.compile import compile_schedule, make_plan, run_passes
 from tinypipe.hardware import load_hardware
 from tinypipe.model import load_model
-from tinypipe.policy import PRESETS, packing
+from tinypipe.policy import PRESETS, mobius
 from tinypipe.policy.mapping import _cached_order
 from tinypipe.table import render
 from tinypipe.trace import trace_for
@@ -31,7 +31,7 @@ TARGET_S = 1.0
 
 
 def cold() -> None:
-    packing._MOBIUS_CACHE.clear()
+    mobius._MOBIUS_CACHE.clear()
     _cached_order.cache_clear()
 
 

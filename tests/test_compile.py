@@ -27,7 +27,7 @@ from tinypipe.cost import CostModel
 from tinypipe.errors import InputError
 from tinypipe.hardware import GPU, Hardware, Host, Link
 from tinypipe.model import LayerKind, LayerSpec, ModelSpec
-from tinypipe.policy import packing
+from tinypipe.policy import mobius
 from tinypipe.policy.policy import PRESETS, Policy
 from tinypipe.schedule import Kind, Schedule
 from tinypipe.trace import KindProfile, ProfileTrace
@@ -328,7 +328,7 @@ def cases(draw: st.DrawFn) -> tuple[Policy, ModelSpec, Hardware, int]:
 def test_random_policies_compile_to_valid_schedules(case: tuple[Policy, ModelSpec, Hardware, int]) -> None:
     """Random models, GPUs, microbatches and policies compile to valid schedules, M FWD/BWD per layer."""
     policy, model, hw, iterations = case
-    with mock.patch.object(packing, "MOBIUS_TIME_LIMIT_S", 0.2):
+    with mock.patch.object(mobius, "MOBIUS_TIME_LIMIT_S", 0.2):
         sched = compile_schedule(policy, model, hw, toy_trace(), iterations=iterations)
     validate(sched)
     assert counts_ok(sched)

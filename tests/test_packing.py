@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tinypipe.cost import Workload, estimate, gpu_peak_bytes
 from tinypipe.hardware import load_hardware
-from tinypipe.policy import packing
+from tinypipe.policy import mobius, packing
 from tinypipe.policy.mapping import best_cycle, cross, round_robin, shared_links
 
 GIB = 1 << 30
@@ -73,7 +73,7 @@ def test_balanced_is_optimal(costs: list[float], data: st.DataObject) -> None:
 def test_mobius_respects_memory_bound() -> None:
     """Each Mobius pack plus the next one on its GPU (being prefetched) fits, with gradients on the way back."""
     w = wl(12, 2, mem=3 * GIB, swap="pack")
-    sizes = packing.mobius(w, rr(2), time_limit_s=5.0)
+    sizes = mobius.mobius(w, rr(2), time_limit_s=5.0)
     assert sum(sizes) == 12 and len(sizes) % 2 == 0
     b = [0, *accumulate(sizes)]
     wb = [sum(w.weight_bytes[b[s]:b[s + 1]]) for s in range(len(sizes))]
@@ -89,14 +89,14 @@ def test_mobius_respects_memory_bound() -> None:
 def test_mobius_falls_back_to_balanced() -> None:
     """When nothing fits (or the MILP finds nothing in time) Mobius returns the balanced partition."""
     w = wl(12, 2, mem=GIB + GIB // 4, swap="pack")
-    counts = packing.mobius_counts(w)
-    assert packing.mobius(w, rr(2)) == packing.balanced(w.layer_time_s, counts[0])
+    counts = mobius.mobius_counts(w)
+    assert mobius.mobius(w, rr(2)) == packing.balanced(w.layer_time_s, counts[0])
 
 
 def test_mobius_counts_are_gpu_multiples() -> None:
     """Mobius tries multiples of the GPU count, smallest first; all layers when there are few."""
-    assert packing.mobius_counts(wl(12, 2, mem=4 * GIB)) == [8, 10, 12]
-    assert packing.mobius_counts(wl(3, 4)) == [3]
+    assert mobius.mobius_counts(wl(12, 2, mem=4 * GIB)) == [8, 10, 12]
+    assert mobius.mobius_counts(wl(3, 4)) == [3]
 
 
 # ---- holistic --------------------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_holistic_uses_layer_swapping_memory() -> None:
     pack = replace(layer, swap="pack")
     big = packing.holistic(layer, rr(2))
     assert estimate(layer, big, round_robin(len(big), 2)).fits
-    assert not estimate(pack, big, round_robin(len(big), 2)).fits or len(big) <= len(packing.mobius(pack, rr(2)))
+    assert not estimate(pack, big, round_robin(len(big), 2)).fits or len(big) <= len(mobius.mobius(pack, rr(2)))
 
 
 def test_holistic_respects_a_fixed_count() -> None:

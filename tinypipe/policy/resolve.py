@@ -5,7 +5,7 @@ from __future__ import annotations
 from tinypipe.cost import Workload, gpu_peak_bytes
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware
-from tinypipe.policy import packing
+from tinypipe.policy import mobius, packing
 from tinypipe.policy.mapping import cross, round_robin
 from tinypipe.policy.policy import Policy
 
@@ -85,7 +85,7 @@ def resolve(policy: Policy, w: Workload, hardware: Hardware, *, model_name: str 
     elif spec == "per-gpu":
         sizes = packing.per_gpu(times, n_gpus)
     elif spec == "mobius":
-        sizes = packing.mobius(w, mapper, counts=counts)
+        sizes = mobius.mobius(w, mapper, counts=counts)
     else:
         sizes = packing.holistic(w, mapper, counts=counts)
     return sizes, mapper(len(sizes))
