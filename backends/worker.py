@@ -28,7 +28,8 @@ from tinypipe.timeline import Record
 from . import checkpoint
 from .comm import Comm, DistComm
 from .executor import Ledger, RunLog, run_actions
-from .hoststate import DTYPES, AdamWConfig, HostState
+from .hostlayouts import make_host_state
+from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker
 from .interpreter import ExecutionError, Interpreter, StepData, owned_layers, rank_actions
 
@@ -209,7 +210,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     layers = owned_layers(sched, rank)
     stack = build_model(job.model, seed=job.seed, only=set(layers))
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
-    host = HostState(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
+    host = make_host_state(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
                      optim=job.optim, pin=device.type == "cuda", shared_grad=shared, snapshots=job.staleness > 0)
     for i in layers:
         _strip(stack.layers[i])  # type: ignore[arg-type]

@@ -17,7 +17,8 @@ from handmade import build  # noqa: E402
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.executor import run_actions  # noqa: E402
-from tinypipe.backends.hoststate import AdamWConfig, HostState  # noqa: E402
+from tinypipe.backends.hostlayouts import make_host_state  # noqa: E402
+from tinypipe.backends.hoststate import AdamWConfig  # noqa: E402
 from tinypipe.backends.interpreter import (  # noqa: E402
     ExecutionError,
     Interpreter,
@@ -81,7 +82,7 @@ def assert_same_training(results: list, ref: object) -> None:
 
 def _small_interpreter() -> tuple[Interpreter, Schedule]:
     sched = build([[0], [1]], [0, 0], microbatches=1, iterations=1)
-    host = HostState({0: {"w": torch.zeros(2)}, 1: {"w": torch.zeros(2)}}, layout="compact",
+    host = make_host_state({0: {"w": torch.zeros(2)}, 1: {"w": torch.zeros(2)}}, layout="compact",
                      compute_dtype=torch.float32, optim=OPTIM)
     return Interpreter(rank=0, schedule=sched, layers=[None, None], host=host, comm=None,
                        device=torch.device("cpu"), hidden_size=4), sched
@@ -222,7 +223,7 @@ def test_tied_head_away_from_the_embedding_is_refused() -> None:
     """A rank given the tied head without the embedding (a schedule not compiled for the tied
     model) fails at once, naming both GPUs."""
     sched = build([[0, 1, 2], [3, 4]], [0, 1], microbatches=1, iterations=1)
-    host = HostState({3: {"w": torch.zeros(2)}, 4: {"w": torch.zeros(2)}}, layout="replicated",
+    host = make_host_state({3: {"w": torch.zeros(2)}, 4: {"w": torch.zeros(2)}}, layout="replicated",
                      compute_dtype=torch.float32, optim=OPTIM)
     with pytest.raises(ExecutionError, match="must be on one GPU.*GPUs 1 and 0"):
         Interpreter(rank=1, schedule=sched, layers=[None] * 5, host=host, comm=None, device=torch.device("cpu"),
