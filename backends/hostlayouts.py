@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS
+from tinypipe.policy.policy import HOST_LAYOUTS
 
 from .host_compact import CompactHostState
 from .host_replicated import ReplicatedHostState
-from .hoststate import LAYOUTS, AdamWConfig, HostState
+from .hoststate import AdamWConfig, HostState
 
 
 def make_host_state(params: dict[int, dict[str, torch.Tensor]], *, layout: str, compute_dtype: torch.dtype,
@@ -20,4 +21,4 @@ def make_host_state(params: dict[int, dict[str, torch.Tensor]], *, layout: str, 
     if layout == "compact":
         return CompactHostState(params, compute_dtype=compute_dtype, optim=optim, pin=pin, shared_grad=shared_grad,
                                 grad_ring_slots=grad_ring_slots, snapshots=snapshots)
-    raise ValueError(f"unknown host memory layout {layout!r}; expected one of {LAYOUTS}")
+    raise ValueError(f"unknown host memory layout {layout!r}; expected one of {HOST_LAYOUTS}")

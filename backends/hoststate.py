@@ -40,7 +40,6 @@ import torch
 
 from .pinned import PinnedSlab, Request
 
-LAYOUTS = ("replicated", "compact")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

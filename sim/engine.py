@@ -19,7 +19,7 @@ from typing import Any
 import simpy
 
 from tinypipe.errors import InputError, ScheduleError
-from tinypipe.hardware import Hardware
+from tinypipe.hardware import HOST, Hardware
 from tinypipe.hostmem import optimizer_time_factor
 from tinypipe.model import ModelSpec
 from tinypipe.schedule import Kind, Schedule, resource_gpu
@@ -31,7 +31,6 @@ from .network import Network
 from .rendezvous import pair_sends
 from .result import SimResult, build_result
 
-HOST = "host"  # the host memory node of every Hardware
 HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
 _TIMED, _COPY, _PAIR = 0, 1, 2
 _HOST_TO_GPU = (Kind.LOAD, Kind.FETCH_ACT)

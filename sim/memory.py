@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from tinypipe.errors import CapacityError, ScheduleError
 from tinypipe.schedule import Action
 
-GiB = 2**30
-
 
 def capacity_message(device: str, action: Action, needed: int, free: int, capacity: int,
                      buffers: list[str], t_s: float) -> str:

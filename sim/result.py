@@ -7,8 +7,7 @@ from typing import Any
 
 from tinypipe.schedule import Schedule
 from tinypipe.timeline import Timeline, resource_sort_key, steady_state
-
-GiB = 2**30
+from tinypipe.units import GIB
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class SimResult:
     def table_row(self) -> dict[str, Any]:
         """One row for a results table, keyed by TABLE_COLUMNS (numbers unformatted)."""
         return {"iteration_s": self.iteration_s, "tokens_per_s": self.tokens_per_s,
-                "peak_gpu_gib": self.peak_gpu_bytes / GiB, "peak_host_gib": self.peak_host_bytes / GiB,
+                "peak_gpu_gib": self.peak_gpu_bytes / GIB, "peak_host_gib": self.peak_host_bytes / GIB,
                 "host_bytes_per_param": self.host_bytes_per_param, "fits": self.fits,
                 "bottleneck": self.critical_path.bottleneck}
 

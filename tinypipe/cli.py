@@ -399,14 +399,14 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
     """`host 143.75 > 64.00 GiB; GPU 46.42 > 24.00 GiB` for every kind of device over its capacity."""
-    from tinypipe.table import GiB
+    from tinypipe.units import GIB
 
     parts = []
     for label, devs in (("host", [d for d in peak if d == "host"]), ("GPU", [d for d in peak if d != "host"])):
         over = [d for d in devs if peak[d] > capacity.get(d, peak[d])]
         if over:
             d = max(over, key=lambda x: peak[x] - capacity[x])
-            parts.append(f"{label} {peak[d] / GiB:.2f} > {capacity[d] / GiB:.2f} GiB")
+            parts.append(f"{label} {peak[d] / GIB:.2f} > {capacity[d] / GIB:.2f} GiB")
     return "; ".join(parts)
 
 

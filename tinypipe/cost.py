@@ -17,8 +17,7 @@ from tinypipe.model import DTYPE_BYTES, ModelSpec
 from tinypipe.policy.policy import Policy
 from tinypipe.schedule import recomputes
 from tinypipe.trace import ProfileTrace
-
-GIB = 1 << 30
+from tinypipe.units import GIB
 
 
 @dataclass(frozen=True, kw_only=True)

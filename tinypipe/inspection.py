@@ -7,8 +7,7 @@ from typing import Any
 from tinypipe.hardware import Hardware
 from tinypipe.hostmem import host_bytes
 from tinypipe.model import LayerSpec, ModelSpec
-
-LAYOUTS = ("replicated", "compact")
+from tinypipe.policy.policy import HOST_LAYOUTS
 
 
 def layer_groups(model: ModelSpec, seq_len: int) -> list[dict[str, Any]]:
@@ -61,7 +60,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
                  hardware: list[Hardware]) -> dict[str, Any]:
     """Everything `inspect model` shows, as plain data (the `--json` form)."""
     tokens = seq_len * microbatch_size
-    host = {lay: host_bytes(model, lay) for lay in LAYOUTS}
+    host = {lay: host_bytes(model, lay) for lay in HOST_LAYOUTS}
     packs = [{"layers": k, "gpu_bytes": pack_footprint(model, k, tokens=tokens)} for k in (1, 2, 4, 8, 16)
              if k <= model.num_blocks]
     largest = max(model.layers, key=lambda x: x.gpu_params)
@@ -72,7 +71,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
         fit.append({
             "hardware": hw.name, "gpus": len(hw.gpus), "gpu_bytes": gpu_mem, "host_bytes": hw.host.memory_bytes,
             "gpu_fits": min_gpu <= gpu_mem,
-            **{f"host_fits_{lay}": host[lay].total_bytes <= hw.host.memory_bytes for lay in LAYOUTS},
+            **{f"host_fits_{lay}": host[lay].total_bytes <= hw.host.memory_bytes for lay in HOST_LAYOUTS},
             "resident_fits": _resident_bytes(model) <= gpu_mem * len(hw.gpus),
         })
     return {

@@ -10,7 +10,7 @@ from tinypipe.schedule import HOST_OPTIM, KIND_STREAM, Action, Kind, Mem, gpu_re
 FWD, BWD, LOAD, EVICT = Kind.FWD, Kind.BWD, Kind.LOAD, Kind.EVICT
 SEND, RECV, OFFLOAD, FETCH = Kind.SEND, Kind.RECV, Kind.OFFLOAD_ACT, Kind.FETCH_ACT
 GRAD_OUT, OPT_STEP = Kind.GRAD_OUT, Kind.OPT_STEP
-HOST = -1  # `gpu` of ops on host.optim
+ON_HOST = -1  # the `gpu` of an op that runs on the host (OPT_STEP, on `host.optim`); not a device name
 
 
 class Op:
@@ -37,7 +37,7 @@ class Op:
         self.id = -1
 
     def __repr__(self) -> str:
-        where = "host" if self.gpu == HOST else f"g{self.gpu}"
+        where = "host" if self.gpu == ON_HOST else f"g{self.gpu}"
         mb = "" if self.mb is None else f" m{self.mb}"
         return f"<{where} {self.kind.value} L{self.layer}{mb} i{self.it}>"
 
@@ -126,7 +126,7 @@ def lower(ops: list[Op]) -> tuple[Action, ...]:
     for i, op in enumerate(ops):
         res = names.get((op.gpu, op.kind))
         if res is None:
-            res = names[op.gpu, op.kind] = (HOST_OPTIM if op.gpu == HOST
+            res = names[op.gpu, op.kind] = (HOST_OPTIM if op.gpu == ON_HOST
                                             else gpu_resource(op.gpu, KIND_STREAM[op.kind]))
         dl = op.deps
         nd = len(dl)

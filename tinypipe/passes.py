@@ -11,9 +11,9 @@ from tinypipe.ops import (
     FETCH,
     FWD,
     GRAD_OUT,
-    HOST,
     LOAD,
     OFFLOAD,
+    ON_HOST,
     OPT_STEP,
     RECV,
     SEND,
@@ -262,7 +262,7 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     after: dict[Op, list[Op]] = {}
     opt: dict[tuple[int, int], Op] = {}
     for (lay, it), go in grad_out.items():
-        o = Op(OPT_STEP, HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
+        o = Op(OPT_STEP, ON_HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
         anchor = go
         if tied and lay == 0:
             o.deps.append(grad_out[head, it])
@@ -306,7 +306,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     one Mem object (they are immutable), which keeps this pass cheap.
     """
     cache: dict[tuple[int, str, int, int | None], tuple[Mem, ...]] = {}
-    devs = {g: ("host" if g == HOST else f"g{g}") for g in {*plan.pack_gpu, HOST}}
+    devs = {g: ("host" if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
     sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
              "gr": plan.weight_bytes, "ws": plan.workspace_bytes, "act": plan.input_bytes,
              "gring": plan.host_grad_bytes}
@@ -347,15 +347,15 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
         elif k is RECV:
             op.allocs = mem(g, "dx" if op.grad else "x", lay, m)
         elif k is OFFLOAD:
-            op.allocs, op.frees = mem(HOST, "act", lay, m), mem(g, "x", lay, m)
+            op.allocs, op.frees = mem(ON_HOST, "act", lay, m), mem(g, "x", lay, m)
         elif k is FETCH:
-            op.allocs, op.frees = mem(g, "x", lay, m), mem(HOST, "act", lay, m)
+            op.allocs, op.frees = mem(g, "x", lay, m), mem(ON_HOST, "act", lay, m)
         elif k is GRAD_OUT:
             op.frees = mem(g, "gr", lay)
             if compact:
-                op.allocs = mem(HOST, "gring", lay)
+                op.allocs = mem(ON_HOST, "gring", lay)
         elif k is OPT_STEP and compact:
-            op.frees = mem(HOST, "gring", lay)
+            op.frees = mem(ON_HOST, "gring", lay)
     return ops
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from tinypipe.errors import InputError
 from tinypipe.timeline import Timeline
+from tinypipe.units import GIB
 
 # One color per action kind (matplotlib's tab10/tab20 palette).
 KIND_COLORS: dict[str, str] = {
@@ -18,7 +19,6 @@ KIND_COLORS: dict[str, str] = {
     "RECV": "#c5b0d5", "OFFLOAD_ACT": "#8c564b", "FETCH_ACT": "#c49c94", "GRAD_OUT": "#d62728",
     "OPT_STEP": "#e377c2",
 }
-GiB = 2**30
 
 
 def _pyplot() -> Any:
@@ -66,7 +66,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str = "", widt
         mem_ax = axes[i][0]
         for dev, samples in mem.items():
             ts = [t - t0 for t, _ in samples] + [t_end - t0]
-            gib = [b / GiB for _, b in samples] + [samples[-1][1] / GiB]
+            gib = [b / GIB for _, b in samples] + [samples[-1][1] / GIB]
             mem_ax.step(ts, gib, where="post", label=dev)
         mem_ax.set_ylabel("host GiB" if mem is host_mem else "GPU GiB")
         mem_ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
@@ -85,16 +85,15 @@ def plot_pareto(result: Any, path: str | Path, *, title: str = "") -> Path:
     fit = [e for e in result.ranked if e.fits]
     if not fit:
         raise InputError("no candidate fits: nothing to plot")
-    gib = float(1 << 30)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    sc = ax.scatter([e.peak_gpu_bytes / gib for e in fit], [e.tokens_per_s for e in fit],
-                    c=[e.peak_host_bytes / gib for e in fit], cmap="viridis", s=18, alpha=0.8)
+    sc = ax.scatter([e.peak_gpu_bytes / GIB for e in fit], [e.tokens_per_s for e in fit],
+                    c=[e.peak_host_bytes / GIB for e in fit], cmap="viridis", s=18, alpha=0.8)
     fig.colorbar(sc, ax=ax, label="peak host memory, GiB")
     front = sorted(result.pareto(), key=lambda e: e.peak_gpu_bytes)
-    ax.scatter([e.peak_gpu_bytes / gib for e in front], [e.tokens_per_s for e in front], s=60, facecolors="none",
+    ax.scatter([e.peak_gpu_bytes / GIB for e in front], [e.tokens_per_s for e in front], s=60, facecolors="none",
                edgecolors="red", label="Pareto front (3 axes)")
     win = result.winner
-    ax.plot([win.peak_gpu_bytes / gib], [win.tokens_per_s], "k*", markersize=14, label="winner")
+    ax.plot([win.peak_gpu_bytes / GIB], [win.tokens_per_s], "k*", markersize=14, label="winner")
     ax.set_xlabel("peak GPU memory, GiB (simulated)")
     ax.set_ylabel("tokens/s (simulated)")
     w = result.workload

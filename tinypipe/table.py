@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-GiB = 1024**3
+from tinypipe.units import GIB
 
 
 def gib(nbytes: float) -> str:
     """Bytes as GiB with two decimals: `15.04 GiB`."""
-    return f"{nbytes / GiB:,.2f} GiB"
+    return f"{nbytes / GIB:,.2f} GiB"
 
 
 def human_bytes(nbytes: float) -> str:

@@ -1,10 +1,13 @@
-"""Parsing sizes given by people (`24GiB`, `1.5TB`, `512MiB`, `1073741824`) into bytes."""
+"""Units of bytes: the binary ones, and parsing sizes given by people (`24GiB`, `1.5TB`, `1073741824`)."""
 
 from __future__ import annotations
 
 import re
 
 from tinypipe.errors import InputError
+
+MIB = 2**20
+GIB = 2**30
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

@@ -18,6 +18,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from tinypipe.cost import Workload
+from tinypipe.units import GIB
 
 from .packing import Mapper, balanced
 
@@ -120,10 +121,9 @@ def mobius_milp(w: Workload, num_packs: int, mapping: tuple[int, ...], *, time_l
     nc = n * (s_n - 1)
     t0, tT, tB = nc, nc + s_n, nc + s_n + 1
     nvar = nc + s_n + 2
-    gib = float(1 << 30)
     comp = [m * (f + b) for f, b in zip(w.fwd_s, w.bwd_s)]
-    wts = [b / gib for b in w.weight_bytes]
-    act = [m * a / gib if w.activation_home == "gpu" else 0.0 for a in w.act_bytes]
+    wts = [b / GIB for b in w.weight_bytes]
+    act = [m * a / GIB if w.activation_home == "gpu" else 0.0 for a in w.act_bytes]
     rows: list[tuple[dict[int, float], float, float]] = []
 
     def pack_sum(s: int, v: Sequence[float], scale: float = 1.0) -> tuple[dict[int, float], float]:
@@ -163,9 +163,9 @@ def mobius_milp(w: Workload, num_packs: int, mapping: tuple[int, ...], *, time_l
     by_gpu: dict[int, list[int]] = {}
     for s, g in enumerate(mapping):
         by_gpu.setdefault(g, []).append(s)
-    cap = {g: (w.gpu_memory_bytes[g] - w.cost.gpu_reserve_bytes - w.workspace_bytes) / gib for g in by_gpu}
+    cap = {g: (w.gpu_memory_bytes[g] - w.cost.gpu_reserve_bytes - w.workspace_bytes) / GIB for g in by_gpu}
     for g, packs in by_gpu.items():
-        rate = w.h2d_gbps[g] * 1e9 * w.cost.h2d_efficiency / gib  # GiB/s
+        rate = w.h2d_gbps[g] * 1e9 * w.cost.h2d_efficiency / GIB  # GiB/s
         a_coef, a_const = add(*((c, k, 1.0) for c, k in (pack_sum(s, act) for s in packs)))
         for i, s in enumerate(packs):
             cc, ck = pack_sum(s, comp)
