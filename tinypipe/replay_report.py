@@ -142,7 +142,8 @@ class ReplayReport:
                 f"predicted), {u} per iteration):"]
         out.append(table.render(
             ["kind", "per iteration", "measured ms", "predicted ms", "measured/predicted", f"delta {u}"],
-            [[x.kind, round(x.per_iteration, 2), x.measured_ms, x.predicted_ms,
+            [[x.kind, int(x.per_iteration) if x.per_iteration == int(x.per_iteration) else round(x.per_iteration, 2),
+              x.measured_ms, x.predicted_ms,
               "-" if x.ratio is None else f"{x.ratio:.3f}", k * x.delta_s] for x in self.kinds[:top]],
             align="lrrrrr"))
         if len(self.kinds) > top:
