@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tinypipe.sim import SimResult, simulate
 
-from tinypipe.compile import compile_schedule
+from tinypipe.compile import WINDOW_ITERATIONS, compile_schedule
 from tinypipe.errors import InputError
 from tinypipe.hardware import GPU, Hardware, Host, Link, load_hardware, shipped_hardware
 from tinypipe.model import ModelSpec
@@ -39,7 +39,6 @@ from .hoststate import AdamWConfig
 from .worker import Job
 
 MAX_CPU_WORKERS_PER_CORE = 4  # more CPU workers than this per core is a mistake, not a test
-COMPILED_ITERATIONS = 4  # iterations per window (see worker.py): overlap between them is kept
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,7 @@ class RunPlan:
     batch_tokens: int
     addition_task: bool  # the data is the embedded addition task (accuracy is measured)
     note: str | None = None  # a choice made for the user, shown under the header
+    compiled_policy: Policy | None = None  # what `schedule` was compiled from (packs pinned on --resume)
 
 
 def _rate(fn: Any, work: float, repeat: int = 3) -> float:
@@ -183,10 +183,11 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
     if len(hardware.gpus) > args.gpus:
         hardware = _first_gpus(hardware, args.gpus)
     trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype)
-    iterations = min(COMPILED_ITERATIONS, args.steps)
+    iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
     note = None
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
+    compiled = pinned
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
         raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
@@ -203,6 +204,7 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
             change = {"packing": spread[0].packing, "num_packs": spread[0].num_packs, "mapping": spread[0].mapping}
             raise InputError(f"{why}; with {json.dumps(change)} in the policy it runs here")
         policy, (schedule, prediction) = spread  # the default job: take the spread-out variant
+        compiled = policy
         note = (f"note: the {policy.name} policy leaves a GPU without a pack here, so its {len(spec.layers)} "
                 f"layers run in {policy.num_packs} balanced packs dealt round-robin")
     out = args.out
@@ -227,7 +229,7 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
               threads=threads if args.backend == "cpu" else max(1, threads - 1))  # cuda: one core issues
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
-                   note=note)
+                   note=note, compiled_policy=compiled)
 
 
 def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,

@@ -130,7 +130,7 @@ def run_main(args: argparse.Namespace) -> int:
     trace_error = None
     if args.trace:
         try:
-            timeline(plan, results).save_chrome_trace(args.trace)
+            timeline(plan, results).save_chrome_trace(args.trace, other_data={"run": replay_record(plan)})
         except OSError as exc:
             trace_error = f"--trace {args.trace}: cannot write ({exc.strerror or exc}); the run itself is complete"
     print(summary(plan, results, before, after, trace_path=None if trace_error else args.trace))
@@ -167,6 +167,24 @@ def timeline(plan: Any, results: list[Any]) -> Any:
     memory = {f"g{res.rank}": tuple(res.memory) for res in results}
     return Timeline(records, memory, source=plan.job.backend,
                     meta={"model": plan.spec.name, "policy": plan.policy.name, "hardware": plan.hardware.name})
+
+
+def replay_record(plan: Any) -> dict[str, Any]:
+    """What `tinypipe replay` needs to recompile this run's schedule (a trace's `otherData.run`): the
+    model's config, the hardware and policy as compiled, the workload, and the window (K, id stride)."""
+    from tinypipe.jsonio import load_json
+    from tinypipe.model import config_path
+
+    s, job = plan.schedule, plan.job
+    # packs pinned as --resume pins them: the packer's choice can depend on rates measured at start-up
+    policy = (plan.compiled_policy or plan.policy).replace(packing=tuple(len(p) for p in s.pack_layers),
+                                                           mapping=tuple(s.pack_gpu))
+    return {"model": job.model, "model_name": plan.spec.name, "model_config": load_json(config_path(job.model)[0]),
+            "hardware": plan.hardware.to_json(), "policy": policy.to_json(),
+            "seq_len": job.seq_len, "microbatches": s.microbatches, "microbatch_size": job.microbatch_size,
+            "batch_tokens": plan.batch_tokens, "gpus": plan.world, "gpu_mem_bytes": job.gpu_mem_bytes,
+            "dtype": s.compute_dtype, "backend": job.backend, "steps": job.steps, "iterations": s.iterations,
+            "id_stride": len(s.actions)}
 
 
 def sparkline(values: list[float], width: int = 48) -> str:

@@ -70,7 +70,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     import torch
     from tinypipe.backends.launch import launch
     from tinypipe.backends.plan import make_plan
-    from tinypipe.backends.run import add_run_arguments, timeline
+    from tinypipe.backends.run import add_run_arguments, replay_record, timeline
 
     from tinypipe.floor import schedule_floor
 
@@ -90,7 +90,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     wall = time.perf_counter() - t0
     tl = timeline(plan, results)
     if trace_dir:
-        tl.save_chrome_trace(str(Path(trace_dir) / f"{name}.trace.json"))
+        tl.save_chrome_trace(str(Path(trace_dir) / f"{name}.trace.json"), other_data={"run": replay_record(plan)})
     shutil.rmtree(out, ignore_errors=True)
     each = tl.iteration_times_s()
     iteration_s = statistics.fmean(each[WARMUP:]) if len(each) > WARMUP else tl.steady_iteration_s()

@@ -8,12 +8,16 @@ OFFLOAD_ACT, GRAD_OUT, SEND/RECV) are fluid flows over the hardware route (sim/n
 and its RECV rendezvous: the copy starts when both halves are ready and both end when it ends; each
 half's record starts when its own stream reached it (as a CUDA event recorded before it would).
 Memory effects go through the ledgers (sim/memory.py).
+
+Replay (`tinypipe replay`) swaps in measured times: `durations` gives actions a fixed duration instead
+of their cost (a SEND / RECV half: its time after both halves are ready), and `lanes` gives the
+per-resource lists to run instead of the schedule's (e.g. one `host.optim` list per rank's thread).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import simpy
@@ -57,7 +61,8 @@ class Engine:
     """One simulation run of one schedule; `run()` returns the Timeline."""
 
     def __init__(self, schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-                 memory: Memory) -> None:
+                 memory: Memory, *, durations: Mapping[int, float] | None = None,
+                 lanes: Mapping[str, Sequence[int]] | None = None) -> None:
         self.schedule = schedule
         self.env = simpy.Environment()
         self.memory = memory
@@ -69,7 +74,13 @@ class Engine:
         self._waiters: dict[int, simpy.Event] = {}  # action id -> event fired when it ends
         self._rendezvous: dict[int, simpy.Event] = {}  # half that arrived first -> its wake-up event
         self._mode, self._cost = _costs(schedule, model, hardware, trace, self.partner)
-        for ids in schedule.by_resource().values():
+        self._fixed: dict[int, float] = {}  # action id -> measured duration (replay)
+        for aid, d in (durations or {}).items():
+            if not 0 <= aid < n or not d >= 0:
+                raise InputError(f"durations: action {aid}: {d!r} s; expected an action id in 0..{n - 1} "
+                                 "and a duration >= 0")
+            self._fixed[aid] = float(d)
+        for ids in (schedule.by_resource() if lanes is None else lanes).values():
             if ids:
                 self.env.process(self._run(ids))
 
@@ -110,7 +121,11 @@ class Engine:
             if a.allocs:
                 memory.alloc(a, t0)
             m = mode[aid]
-            if m == _TIMED:
+            fixed = self._fixed.get(aid)
+            if m != _PAIR and fixed is not None:
+                if fixed > 0:
+                    yield env.timeout(fixed)
+            elif m == _TIMED:
                 dur = cost[aid]
                 if dur > 0:
                     yield env.timeout(dur)
@@ -122,11 +137,14 @@ class Engine:
                 if other is None:  # first half here: wait for the other to start the copy
                     mine = self._rendezvous[aid] = env.event()
                     done = yield mine
-                else:
-                    nbytes, lat, links = cost[aid]
-                    done = net.copy(nbytes, lat, links)
+                else:  # both here: the copy starts (unless both halves' durations are given)
+                    if fixed is not None and self.partner[aid] in self._fixed:
+                        done = env.event().succeed()
+                    else:
+                        nbytes, lat, links = cost[aid]
+                        done = net.copy(nbytes, lat, links)
                     other.succeed(done)
-                yield done
+                yield done if fixed is None else env.timeout(fixed)
             t1 = env.now
             if a.frees:
                 memory.free(a, t1)
@@ -239,13 +257,15 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
 
 def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
              gpu_mem_bytes: int | Sequence[int] | None = None, host_mem_bytes: int | None = None,
-             on_capacity: str = "raise") -> SimResult:
+             on_capacity: str = "raise", durations: Mapping[int, float] | None = None,
+             lanes: Mapping[str, Sequence[int]] | None = None) -> SimResult:
     """Simulate `schedule` on `hardware` with compute times from `trace`; return its SimResult.
 
     Capacities are the hardware's memory sizes unless `gpu_mem_bytes` (one value for every GPU, or
     one per GPU) or `host_mem_bytes` replace them (e.g. a 24 GiB limit on an 80 GiB card).
     `on_capacity="raise"` raises CapacityError at the first allocation that does not fit;
     `"record"` lets the run finish and returns `fits=False` with the first violation.
+    `durations` (action id -> s) and `lanes` (resource -> ids in order) are replay's: see the module docstring.
     """
     if on_capacity not in ("raise", "record"):
         raise InputError(f"on_capacity must be 'raise' or 'record', got {on_capacity!r}")
@@ -265,7 +285,7 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
     static = {d: schedule.static(d) for d in capacity}
     wall0 = time.perf_counter()
     memory = Memory(capacity, static, on_capacity=on_capacity)
-    engine = Engine(schedule, model, hardware, trace, memory)
+    engine = Engine(schedule, model, hardware, trace, memory, durations=durations, lanes=lanes)
     timeline = engine.run()
     wall_s = time.perf_counter() - wall0
     return build_result(schedule, timeline, partner=engine.partner, params=model.params,

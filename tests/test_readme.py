@@ -23,3 +23,19 @@ def test_readme_default_job_numbers_come_from_bench_default_run() -> None:
     assert int(m[5].replace(",", "")) == r["steady_tokens_per_s"] and int(m[6]) == round(r["wall_s"])
     assert f"({r['predicted_tokens_per_s']:,} tokens/s)" in readme
     assert f"loss      {r['loss_first']:.4f}" in r["summary"] and f"{r['loss_last']:.4f}" in r["summary"]
+
+
+def test_readme_replay_table_comes_from_bench_replay_h200() -> None:
+    """Each row of the README's replay table (steady iterations 2..3) equals bench/results/replay_h200.json,
+    which `python bench/replay_h200.py` writes from `tinypipe replay`'s report."""
+    readme = (ROOT / "README.md").read_text()
+    cases = json.loads((ROOT / "bench" / "results" / "replay_h200.json").read_text())["cases"]
+    labels = {"1gpu-sync-compact": "1 GPU, compact, sync (2026-11-30)", "1gpu-async": "1 GPU, compact, async",
+              "2gpu-sync-compact": "2 GPUs, compact, sync", "2gpu-async": "2 GPUs, compact, async"}
+    for case, label in labels.items():
+        r = cases[case]["warmup2"]
+        s = r["steady_s"]
+        kinds = ", ".join(f"{k['kind']} {k['ratio']:.2f}x" for k in r["kinds"][:3])
+        row = (f"| {label} | {s['measured']:.3f} | {s['replayed']:.3f} ({100 * r['replay_error']:+.2f}%) | "
+               f"{s['predicted']:.3f} ({100 * r['prediction_error']:+.1f}%) | {kinds} |")
+        assert row in readme, row

@@ -317,6 +317,42 @@ def test_mismatched_inputs_are_input_errors() -> None:
         sim(b.schedule(), on_capacity="ignore")
 
 
+def test_replay_durations_replace_each_actions_cost() -> None:
+    """`durations` (replay's hook) fixes an action's time instead of its cost: a FWD 1500 µs instead of
+    1000, a 100 MB LOAD 300 µs instead of 4005 (no flow on the link), and each SEND / RECV half its
+    own time after the later half is ready (SEND 20 µs, RECV 70 µs from 1500 µs, not one 50 µs copy).
+    Actions without a duration keep their cost (the receiver's FWD: 2000 µs)."""
+    b = Builder()
+    ld = b("LOAD", "g0.h2d", layer=0, nbytes=100_000_000)
+    f = b("FWD", "g0.compute", layer=0, microbatch=0, deps=(ld,))
+    s = b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000, deps=(f,))
+    rv = b("RECV", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000)
+    b("FWD", "g1.compute", layer=1, microbatch=0, deps=(rv,))
+    r = sim(b.schedule(), durations={ld: 300e-6, f: 1500e-6, s: 20e-6, rv: 70e-6})
+    assert log(r) == [
+        "0.000 300.000 g0.h2d LD0",
+        "0.000 1870.000 g1.recv R1.0",
+        "300.000 1800.000 g0.compute F0.0",
+        "1800.000 1820.000 g0.send S1.0",
+        "1870.000 3870.000 g1.compute F1.0",
+    ]
+    assert r.link_bytes == {}
+    with pytest.raises(InputError, match=r"durations: action 9: -1.0 s"):
+        sim(b.schedule(), durations={9: -1.0})
+
+
+def test_replay_lanes_replace_the_resource_lists() -> None:
+    """`lanes` (replay's hook) runs the given lists instead of the schedule's per-resource ones: two
+    OPT_STEPs of `host.optim` on lanes of their own (one optimizer thread per rank) overlap."""
+    b = Builder()
+    o1 = b("OPT_STEP", "host.optim", layer=1)
+    o2 = b("OPT_STEP", "host.optim", layer=2)
+    one = sim(b.schedule(), durations={o1: 1e-3, o2: 1e-3})
+    two = sim(b.schedule(), durations={o1: 1e-3, o2: 1e-3}, lanes={"host.optim.g0": (o1,), "host.optim.g1": (o2,)})
+    assert log(one) == ["0.000 1000.000 host.optim OPT1", "1000.000 2000.000 host.optim OPT2"]
+    assert log(two) == ["0.000 1000.000 host.optim OPT1", "0.000 1000.000 host.optim OPT2"]
+
+
 # ---- properties over hand-built pipeline schedules -------------------------------------------------
 
 def chain_model(blocks: int) -> ModelSpec:

@@ -1,4 +1,4 @@
-"""The `tinypipe` command: inspect, simulate, search, run. The one core module that may import sim/backends.
+"""The `tinypipe` command: inspect, simulate, search, run, replay. The one core module that may import sim/backends.
 
 User mistakes end in one line `error: ...` and exit code 2, never a traceback.
 """
@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--allow-async", action="store_true",
                     help="also consider the async optimizer (staleness 1: changes the training semantics)")
     se.add_argument("--json", action="store_true")
+
+    from tinypipe.replay_command import add_replay_arguments
+
+    add_replay_arguments(sub.add_parser("replay", help="re-run a real run's trace in the simulator with its measured "
+                                        "durations; where measurement, replay and prediction diverge"))
 
     run = sub.add_parser("run", help="train through the compiled schedule (PyTorch)")
     try:
@@ -421,6 +426,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 _HANDLERS: dict[str | None, Callable[[argparse.Namespace], int]] = {
     "inspect": _cmd_inspect, "simulate": _cmd_simulate, "run": _cmd_run, "search": _cmd_search,
 }
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from tinypipe.replay_command import replay_main
+    from tinypipe.sim import simulate
+    from tinypipe.sim.rendezvous import pair_sends
+
+    return replay_main(args, simulate=simulate, pair_sends=pair_sends)
+
+
+_HANDLERS["replay"] = _cmd_replay
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -20,10 +20,14 @@ from tinypipe.policy.resolve import residency, resolve
 from tinypipe.schedule import Action, Schedule
 from tinypipe.trace import ProfileTrace
 
+# Iterations `tinypipe run` compiles and executes per window (backends/worker.py; fewer when the run has
+# fewer steps): overlap between iterations is kept inside a window, and the window repeats.
+WINDOW_ITERATIONS = 4
+
 PASSES = (swap_pass, transfer_pass, gradient_pass, optimizer_pass, memory_pass)
 
-__all__ = ["PASSES", "Op", "Plan", "compile_schedule", "compute_plan", "gradient_pass", "lower", "make_plan",
-           "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass"]
+__all__ = ["PASSES", "WINDOW_ITERATIONS", "Op", "Plan", "compile_schedule", "compute_plan", "gradient_pass", "lower",
+           "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass"]
 
 def run_passes(plan: Plan) -> tuple[Action, ...]:
     """compute_plan, then every pass in PASSES, then lower."""

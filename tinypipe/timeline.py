@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -144,8 +144,11 @@ class Timeline:
         return {d: max((b for _, b in s), default=0) for d, s in self.memory.items()}
 
     # ---- Chrome trace ----------------------------------------------------------------------------
-    def to_chrome_trace(self) -> dict[str, Any]:
-        """Chrome trace JSON (Perfetto, chrome://tracing): pid per device, tid per stream, times in µs."""
+    def to_chrome_trace(self, other_data: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Chrome trace JSON (Perfetto, chrome://tracing): pid per device, tid per stream, times in µs.
+
+        `otherData` holds the source and `meta`, then `other_data` (a real run adds what `tinypipe
+        replay` needs to recompile its schedule, under "run")."""
         devices = sorted({r.device for r in self.records} | set(self.memory),
                          key=lambda d: resource_sort_key(d + "."))
         pid = {d: i for i, d in enumerate(devices)}
@@ -176,10 +179,10 @@ class Timeline:
                 events.append({"ph": "C", "name": "memory", "pid": pid[d], "tid": 0,
                                "ts": (t - t0) * 1e6, "args": {"MiB": b / 2**20}})
         return {"traceEvents": events, "displayTimeUnit": "ms",
-                "otherData": {"source": self.source, **self.meta}}
+                "otherData": {"source": self.source, **self.meta, **(other_data or {})}}
 
-    def save_chrome_trace(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_chrome_trace()), encoding="utf-8")
+    def save_chrome_trace(self, path: str | Path, other_data: Mapping[str, Any] | None = None) -> None:
+        Path(path).write_text(json.dumps(self.to_chrome_trace(other_data)), encoding="utf-8")
 
     # ---- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
