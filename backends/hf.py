@@ -20,7 +20,8 @@ from safetensors import safe_open
 from torch import nn
 
 from tinypipe.errors import InputError
-from tinypipe.model import ModelSpec, config_path, load_config, load_model, shipped_models
+from tinypipe.hfconfig import config_path, load_config, load_model, shipped_models
+from tinypipe.model import ModelSpec
 
 from .layers import Block, Embed, Head, LayerStack
 

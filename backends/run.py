@@ -172,8 +172,8 @@ def timeline(plan: Any, results: list[Any]) -> Any:
 def replay_record(plan: Any) -> dict[str, Any]:
     """What `tinypipe replay` needs to recompile this run's schedule (a trace's `otherData.run`): the
     model's config, the hardware and policy as compiled, the workload, and the window (K, id stride)."""
+    from tinypipe.hfconfig import config_path
     from tinypipe.jsonio import load_json
-    from tinypipe.model import config_path
 
     s, job = plan.schedule, plan.job
     # packs pinned as --resume pins them: the packer's choice can depend on rates measured at start-up

@@ -26,7 +26,7 @@ from tinypipe.sim import simulate
 from tinypipe.compile import compile_schedule, make_plan
 from tinypipe.cost import CostModel, estimate
 from tinypipe.hardware import load_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS
 from tinypipe.table import render
 from tinypipe.trace import trace_for

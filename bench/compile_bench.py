@@ -20,7 +20,7 @@ from _common import machine, write_json
 
 from tinypipe.compile import compile_schedule, make_plan, run_passes
 from tinypipe.hardware import load_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS, mobius
 from tinypipe.policy.mapping import _cached_order
 from tinypipe.table import render

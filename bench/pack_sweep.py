@@ -17,7 +17,7 @@ from tinypipe.sim import simulate
 
 from tinypipe.compile import compile_schedule
 from tinypipe.hardware import load_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS
 from tinypipe.table import gib, render
 from tinypipe.trace import trace_for

@@ -16,7 +16,7 @@ from _common import write_json
 from tinypipe.sim.evaluate import SimEvaluator
 
 from tinypipe.hardware import load_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.search import SearchTarget, search
 from tinypipe.table import gib, render
 

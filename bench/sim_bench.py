@@ -21,7 +21,7 @@ from _common import machine, write_json
 from tinypipe import sim
 from tinypipe.compile import compile_schedule
 from tinypipe.hardware import load_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS
 from tinypipe.table import render
 from tinypipe.trace import trace_for

@@ -17,7 +17,7 @@ from tinypipe.sim.evaluate import SimEvaluator
 from tinypipe.compile import compile_schedule
 from tinypipe.errors import TinypipeError
 from tinypipe.hardware import load_hardware, shipped_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS
 from tinypipe.search import SearchTarget, search
 from tinypipe.table import render

@@ -8,7 +8,7 @@ import tinypipe.traces as shipped
 
 from tinypipe.cost import CostModel, workload
 from tinypipe.hardware import load_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS
 from tinypipe.trace import trace_for
 

@@ -243,7 +243,7 @@ def test_golden_schedules(case: str) -> None:
 def test_every_preset_on_shipped_model_is_valid() -> None:
     """The three presets compile tiny-llama on the shipped 8-GPU box into valid schedules."""
     from tinypipe.hardware import load_hardware
-    from tinypipe.model import load_model
+    from tinypipe.hfconfig import load_model
     from tinypipe.trace import analytic_trace
 
     model, hw = load_model("tiny-llama"), load_hardware("rtx4090x8-pcie4")
@@ -272,7 +272,7 @@ def test_policy_that_cannot_apply_names_the_field(change: dict, field: str) -> N
 def test_llama70b_compiles_fast() -> None:
     """llama-3.1-70b on 8 GPUs, 32 microbatches, 3 iterations: a valid ~50k-action schedule, quickly."""
     from tinypipe.hardware import load_hardware
-    from tinypipe.model import load_model
+    from tinypipe.hfconfig import load_model
     from tinypipe.trace import analytic_trace
 
     model, hw = load_model("llama-3.1-70b"), load_hardware("rtx4090x8-pcie4")

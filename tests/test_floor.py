@@ -7,8 +7,8 @@ import pytest
 from tinypipe.compile import compile_schedule
 from tinypipe.floor import schedule_floor
 from tinypipe.hardware import load_hardware
+from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import optimizer_time_factor
-from tinypipe.model import load_model
 from tinypipe.policy import PRESETS
 from tinypipe.schedule import Kind
 from tinypipe.trace import trace_for

@@ -14,17 +14,14 @@ from hypothesis import strategies as st
 
 from tinypipe import traces
 from tinypipe.errors import InputError
+from tinypipe.hfconfig import from_hf_config, load_config, load_model, shipped_models
 from tinypipe.model import (
     HEAD_CHUNK_BYTES,
     LayerKind,
     ModelSpec,
-    from_hf_config,
     head_chunk_tokens,
     head_workspace_bytes,
     head_workspace_fixed_bytes,
-    load_config,
-    load_model,
-    shipped_models,
 )
 
 SHIPPED = ["gpt2-xl", "llama-3.1-70b", "llama-3.1-8b", "mistral-7b", "pythia-1b", "qwen2-7b", "qwen3-1.7b",

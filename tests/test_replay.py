@@ -21,7 +21,7 @@ from tinypipe.sim.rendezvous import pair_sends
 from tinypipe.cli import main
 from tinypipe.compile import compile_schedule
 from tinypipe.hardware import load_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.policy import load_policy
 from tinypipe.replay import load_run_trace
 from tinypipe.replay_command import add_replay_arguments, replay, settle

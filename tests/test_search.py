@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tinypipe.hardware import load_hardware
-from tinypipe.model import load_model
+from tinypipe.hfconfig import load_model
 from tinypipe.policy import Policy
 from tinypipe.search import Evaluation, SearchSpace, SearchTarget, lower_bound, search, stage1
 

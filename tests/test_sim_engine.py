@@ -20,8 +20,9 @@ from tinypipe.sim.engine import link_capacities
 from tinypipe.compile import compile_schedule
 from tinypipe.errors import CapacityError, InputError, ScheduleError, TinypipeError
 from tinypipe.hardware import GPU, Hardware, Host, Link
+from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import COMPACT_OPTIM_FACTOR
-from tinypipe.model import LayerKind, LayerSpec, ModelSpec, load_model
+from tinypipe.model import LayerKind, LayerSpec, ModelSpec
 from tinypipe.policy import PRESETS
 from tinypipe.schedule import Action, Kind, Mem, Schedule
 from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace

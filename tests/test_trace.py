@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from tinypipe.errors import InputError
 from tinypipe.hardware import load_hardware
-from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes, load_model
+from tinypipe.hfconfig import load_model
+from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes
 from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace, load_trace, shipped_traces, trace_for
 
 MIB = 2**20

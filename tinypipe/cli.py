@@ -127,8 +127,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.what == "model":
         from tinypipe.hardware import load_hardware, shipped_hardware
+        from tinypipe.hfconfig import load_model, shipped_models
         from tinypipe.inspection import model_report
-        from tinypipe.model import load_model, shipped_models
 
         if not args.name:
             return _print_list("models", shipped_models(), args.json)
@@ -207,7 +207,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _workload(args: argparse.Namespace, policy_name: str) -> tuple[Any, Any, Any, Any]:
     """Model, hardware, policy (with CLI overrides) and trace for one policy name."""
     from tinypipe.hardware import load_hardware
-    from tinypipe.model import load_model
+    from tinypipe.hfconfig import load_model
     from tinypipe.policy import load_policy
     from tinypipe.trace import trace_for
 
@@ -335,7 +335,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
     from tinypipe import table
     from tinypipe.hardware import load_hardware
-    from tinypipe.model import load_model
+    from tinypipe.hfconfig import load_model
     from tinypipe.search import SearchSpace, SearchTarget, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
     from tinypipe.units import parse_bytes

@@ -17,7 +17,8 @@ from typing import Any
 from tinypipe.compile import WINDOW_ITERATIONS, compile_schedule
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware, load_hardware
-from tinypipe.model import ModelSpec, from_hf_config, load_model
+from tinypipe.hfconfig import from_hf_config, load_model
+from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy, load_policy
 from tinypipe.replay import (
     RunTrace,
