@@ -135,4 +135,5 @@ def load(directory: Path, rank: int) -> dict[str, Any]:
         raise InputError(f"{path}: missing; the checkpoint does not match this run's ranks")
     import torch
 
-    return torch.load(path, weights_only=False)  # type: ignore[no-any-return]
+    state: dict[str, Any] = torch.load(path, weights_only=False)  # written by `save`
+    return state

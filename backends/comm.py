@@ -100,7 +100,7 @@ class DistComm:
             self.pool.shutdown(wait=True)
 
     def _handle(self, work: Any) -> Handle:
-        return work if self.pool is None else _Waited(self.pool.submit(work.wait))  # type: ignore[no-any-return]
+        return work if self.pool is None else _Waited(self.pool.submit(work.wait))
 
     def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
         return self._handle(self.dist.isend(tensor, peer, group=self.groups.get((self.rank, peer))))

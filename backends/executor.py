@@ -117,7 +117,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     loads_left: dict[tuple[int, int], int] = defaultdict(int)
     for a in actions:
         if a.kind == Kind.LOAD:
-            for layer in interp.reads(a.layer):  # type: ignore[arg-type]
+            for layer in interp.reads(a.layer):
                 loads_left[(layer, a.iteration + shift)] += 1
     interp.pending_loads = dict(loads_left)
     streams = make_streams(interp.device, kept=interp.streams, memory=interp.device_bytes)

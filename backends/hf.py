@@ -74,7 +74,8 @@ def load_source(name_or_path: str, *, attn_implementation: str = ATTN_IMPLEMENTA
 def _shipped_folder() -> Path:
     from tinypipe import traces
 
-    return traces.folder("models")
+    folder: Path = traces.folder("models")  # tinypipe.traces: data files, untyped here
+    return folder
 
 
 def build_model(name_or_path: str, *, seed: int, only: set[int] | None = None,
@@ -193,11 +194,11 @@ def sliding_window(config: Any, k: int) -> int | None:
     if window is None:
         return None
     if layer_types:  # 5.x and late 4.x Qwen2/Qwen3 configs say it per layer
-        return window if layer_types[k] == "sliding_attention" else None
+        return int(window) if layer_types[k] == "sliding_attention" else None
     if config.model_type == "mistral":
-        return window
+        return int(window)
     if getattr(config, "use_sliding_window", False):  # 4.4x Qwen2/Qwen3
-        return window if k >= getattr(config, "max_window_layers", 0) else None
+        return int(window) if k >= getattr(config, "max_window_layers", 0) else None
     return None
 
 
@@ -287,4 +288,5 @@ class WeightReader:
                              + (f" ({where})" if where else ""))
         if file not in self._open:
             self._open[file] = safe_open(str(self.directory / file), framework="pt")
-        return self._open[file].get_tensor(name)
+        tensor: torch.Tensor = self._open[file].get_tensor(name)
+        return tensor

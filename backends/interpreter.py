@@ -123,7 +123,6 @@ class Interpreter:
 
     # ---- weights -------------------------------------------------------------------------------------
     def _load(self, a: Action, step: int) -> Done:
-        assert a.layer is not None
         want = self.want_version(step)
         nb = self.device.type == "cuda"
         weights = self.host.load(a.layer, want, self.device, non_blocking=nb)
@@ -144,7 +143,6 @@ class Interpreter:
 
     def _evict(self, a: Action, step: int) -> Done:
         """Drop the layer's weights; a layer LOADed again before this EVICT stays until the next one."""
-        assert a.layer is not None
         n = self.loads.get(a.layer, 0)
         if n == 0:
             raise self.fail(a, "the layer is not on the device")
@@ -154,7 +152,6 @@ class Interpreter:
         return None
 
     def _weights(self, a: Action, step: int) -> dict[str, torch.Tensor]:
-        assert a.layer is not None
         have = self.weights.get(a.layer)
         if have is None:
             raise self.fail(a, "the layer's weights are not on the device (no LOAD before it)")
@@ -183,7 +180,8 @@ class Interpreter:
     def _call(self, L: int, weights: dict[str, torch.Tensor], x: torch.Tensor, extra: tuple[Any, ...]) -> torch.Tensor:
         module = self.layers[L]
         assert module is not None
-        return torch.func.functional_call(module, weights, (x, *extra))  # type: ignore[no-any-return]
+        out: torch.Tensor = torch.func.functional_call(module, weights, (x, *extra))
+        return out
 
     def _fwd(self, a: Action, step: int) -> Done:
         L, m = a.layer, a.microbatch
@@ -242,7 +240,6 @@ class Interpreter:
 
     # ---- host transfers ----------------------------------------------------------------------------------
     def _grad_out(self, a: Action, step: int) -> Done:
-        assert a.layer is not None
         grads = self.grads.pop((step, a.layer), None)
         if grads is None:
             raise self.fail(a, "no accumulated gradients (no BWD of this layer in this step)")
@@ -255,7 +252,6 @@ class Interpreter:
         return None
 
     def _opt_step(self, a: Action, step: int) -> Done:
-        assert a.layer is not None
         if self.host.version(a.layer) != step:
             raise self.fail(a, f"the host holds version {self.host.version(a.layer)} of the layer, "
                                f"step {step}'s update needs {step}")
@@ -266,23 +262,29 @@ class Interpreter:
         self.host.step(a.layer, keep_previous=keep)
         return None
 
+    def _key(self, a: Action, step: int) -> tuple[int, int, int]:
+        """(step, layer, microbatch) of the buffer a per-microbatch action moves."""
+        if a.microbatch is None:
+            raise self.fail(a, "needs a microbatch")
+        return step, a.layer, a.microbatch
+
     def _offload(self, a: Action, step: int) -> Done:
-        key = (step, a.layer, a.microbatch)
-        x = self.x.pop(key, None)  # type: ignore[arg-type]
+        key = self._key(a, step)
+        x = self.x.pop(key, None)
         if x is None:
             raise self.fail(a, "no kept input to offload")
         self.use(x)
         host = self.parking.take(x.shape, x.dtype)
         host.copy_(x, non_blocking=self.device.type == "cuda")
-        self.parked[key] = host  # type: ignore[index]
+        self.parked[key] = host
         return None
 
     def _fetch(self, a: Action, step: int) -> Done:
-        key = (step, a.layer, a.microbatch)
-        host = self.parked.pop(key, None)  # type: ignore[arg-type]
+        key = self._key(a, step)
+        host = self.parked.pop(key, None)
         if host is None:
             raise self.fail(a, "no offloaded input to fetch")
-        self.x[key] = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host.clone()  # type: ignore[index]
+        self.x[key] = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host.clone()
         self.parking.give_back(host)
         return None
 
@@ -305,7 +307,7 @@ class Interpreter:
         if self.comm is None or a.peer is None:
             raise self.fail(a, "a SEND needs a peer and a communicator")
         store = self.dx if self.is_backward(a) else self.x
-        t = store.pop((step, a.layer, a.microbatch), None)  # type: ignore[arg-type]
+        t = store.pop(self._key(a, step), None)
         if t is None:
             raise self.fail(a, "nothing to send (the FWD / BWD producing it has not run)")
         self.use(t)
@@ -318,10 +320,10 @@ class Interpreter:
         mb = self.data[step].microbatches[a.microbatch or 0][0]
         buf = torch.empty((*mb.shape, self.hidden_size), dtype=self.compute_dtype, device=self.device)
         store = self.dx if self.is_backward(a) else self.x
-        key = (step, a.layer, a.microbatch)
+        key = self._key(a, step)
 
         def arrived() -> None:
-            store[key] = buf  # type: ignore[index]
+            store[key] = buf
 
         return self.comm.irecv(buf, a.peer), arrived
 

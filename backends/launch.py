@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
 
 from tinypipe.errors import TinypipeError
 
@@ -114,7 +115,7 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
         with tempfile.TemporaryDirectory() as tmp:
             path = str(Path(tmp) / "results.pt") if rank == 0 else None
             process_main(local_rank, job, world, "env://", path, env_rank=rank)
-            return torch.load(path, weights_only=False) if path else None  # type: ignore[no-any-return]
+            return torch.load(path, weights_only=False) if path else None
     if world == 1 and job.backend == "cpu":
         from .worker import LocalGroup
 
@@ -127,12 +128,12 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers checkpoint and stop themselves
         try:
             with _quiet_spawn():
-                ctx = torch.multiprocessing.start_processes(process_main, args=(job, world, init, path), nprocs=world,
+                ctx = start_processes(process_main, args=(job, world, init, path), nprocs=world,
                                                             join=False, start_method="spawn")
                 try:
                     while not ctx.join():
                         pass
-                except torch.multiprocessing.ProcessRaisedException as exc:
+                except ProcessRaisedException as exc:
                     # a rank killed by a signal (not spawn's own SIGTERM) broke its peers' connections
                     killed = [(r, p.exitcode) for r, p in enumerate(ctx.processes)
                               if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGTERM
@@ -141,7 +142,7 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
                         raise WorkerError(_died(*killed[0], job.out)) from None
                     rank, trace = _first_failure(ctx.error_files, exc.error_index, str(exc))
                     raise WorkerError(f"rank {rank} failed: {_one_line(trace)}") from None
-                except torch.multiprocessing.ProcessExitedException as exc:
+                except ProcessExitedException as exc:
                     if not os.path.exists(path):
                         raise WorkerError(_died(exc.error_index, exc.exit_code, job.out)) from None
                     # every rank had trained, saved and sent its result (rank 0 writes them after the
@@ -154,7 +155,8 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
                             os.unlink(f)
         finally:
             signal.signal(signal.SIGINT, previous)
-        return torch.load(path, weights_only=False)  # type: ignore[no-any-return]
+        results: list[RankResult] = torch.load(path, weights_only=False)  # written by rank 0 (process_main)
+        return results
 
 
 def _run_here(job: Job, group: LocalGroup) -> RankResult:

@@ -9,6 +9,7 @@ lines that differ between transformers versions are in `_call_decoder_layer` and
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,8 @@ class Embed(nn.Module):
         self.embed_tokens = embed_tokens
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
+        return hidden
 
 
 class Block(nn.Module):
@@ -81,7 +83,8 @@ class Head(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits [b, s, vocab] in the compute dtype."""
-        return self.lm_head(self.norm(hidden))
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return logits
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, denom: float) -> torch.Tensor:
         """Sum of cross-entropies (fp32) over labels != -100, divided by `denom`.
@@ -110,7 +113,8 @@ def chunked_lm_loss(normed: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    out = _ChunkedLMLoss.apply(normed, weight, bias, labels, float(denom), chunk_tokens)
+    apply: Callable[..., Any] = _ChunkedLMLoss.apply  # torch's Function.apply is unannotated
+    out = apply(normed, weight, bias, labels, float(denom), chunk_tokens)
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -228,7 +232,8 @@ def _call_decoder_layer(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tens
     if position_embeddings is not None:
         kwargs["position_embeddings"] = position_embeddings
     out = layer(hidden, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    hidden_out: torch.Tensor = out[0] if isinstance(out, tuple) else out
+    return hidden_out
 
 
 @dataclass
@@ -290,7 +295,8 @@ class LayerStack:
         hidden = self._layer(0)(input_ids)
         for i in range(1, len(self.layers) - 1):
             hidden = self._layer(i)(hidden)
-        return self._layer(len(self.layers) - 1)(hidden, labels, denom)
+        loss: torch.Tensor = self._layer(len(self.layers) - 1)(hidden, labels, denom)
+        return loss
 
     def _layer(self, i: int) -> nn.Module:
         layer = self.layers[i]

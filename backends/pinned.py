@@ -118,7 +118,7 @@ class PinnedSlab:
         self.what = what
         self._bytes = _host_bytes(self.nbytes)
         self._taken = 0
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[int], PinnedSlab] | None = None
         if pin and self.nbytes and torch.cuda.is_available():
             ptr = self._bytes.data_ptr()
             _register(ptr, self.nbytes, what)

@@ -221,7 +221,7 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
         checkpoint.read_meta(found, identity)
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=None if addition else args.data, seed=args.seed,
-              optim=AdamWConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps,  # type: ignore[arg-type]
+              optim=AdamWConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps,
                                 weight_decay=args.weight_decay),
               staleness=1 if policy.optimizer == "async" else 0, backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,

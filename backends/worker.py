@@ -211,9 +211,12 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     stack = build_model(job.model, seed=job.seed, only=set(layers))
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
     host = make_host_state(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
-                     optim=job.optim, pin=device.type == "cuda", shared_grad=shared, snapshots=job.staleness > 0)
+                           optim=job.optim, pin=device.type == "cuda", shared_grad=shared,
+                           snapshots=job.staleness > 0)
     for i in layers:
-        _strip(stack.layers[i])  # type: ignore[arg-type]
+        module = stack.layers[i]
+        assert module is not None  # built for the layers this rank owns
+        _strip(module)
     tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size)
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
                            microbatches=sched.microbatches, seed=job.seed)

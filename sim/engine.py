@@ -214,7 +214,7 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
                                     + ("is itself" if d == a.id else f"does not exist (ids are 0..{n - 1})"))
         k = a.kind
         if k is Kind.FWD or k is Kind.BWD or k is Kind.OPT_STEP:
-            if a.layer is None or not 0 <= a.layer < len(model.layers):
+            if not 0 <= a.layer < len(model.layers):
                 raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
             layer = model.layers[a.layer]
             if k is Kind.OPT_STEP:

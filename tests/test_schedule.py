@@ -38,8 +38,8 @@ mems = st.lists(st.builds(Mem, st.sampled_from(["g0", "g1", "host"]), buffers, s
                 max_size=3).map(tuple)
 
 
-@given(st.lists(st.tuples(kinds, st.sampled_from(["g0.compute", "g1.recv", "host.optim"]), opt_int, opt_int,
-                          opt_int, st.integers(0, 5), st.integers(0, 10**10), st.none() | st.integers(0, 7),
+@given(st.lists(st.tuples(kinds, st.sampled_from(["g0.compute", "g1.recv", "host.optim"]), st.integers(0, 1000),
+                          opt_int, opt_int, st.integers(0, 5), st.integers(0, 10**10), st.none() | st.integers(0, 7),
                           st.lists(st.integers(0, 50), max_size=3).map(tuple), mems, mems), max_size=20))
 def test_dumps_loads_identity(rows: list) -> None:
     """Any schedule dumps to text and loads back equal."""
@@ -52,6 +52,12 @@ def test_bad_text_is_input_error() -> None:
     """A malformed line is an InputError naming the line."""
     with pytest.raises(InputError, match="line 7"):
         Schedule.loads("# gpus=1\n" * 6 + "0 g0.compute FLY L1\n")
+
+
+def test_action_without_layer_is_input_error() -> None:
+    """Every action names its layer: a line without `L<n>` is refused, naming the line."""
+    with pytest.raises(InputError, match="line 7: action without a layer"):
+        Schedule.loads("# gpus=1\n" * 6 + "0 g0.compute FWD m0 i0\n")
 
 
 def test_grid_marks_the_failing_cell() -> None:

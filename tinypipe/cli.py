@@ -420,7 +420,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"`tinypipe run` needs the torch extra: pip install 'tinypipe[torch]' ({args._run_missing})")
     from tinypipe.backends.run import run_main
 
-    return run_main(args)
+    status: int = run_main(args)
+    return status
 
 
 _HANDLERS: dict[str | None, Callable[[argparse.Namespace], int]] = {

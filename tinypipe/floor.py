@@ -61,10 +61,9 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
         k = a.kind
         g = resource_gpu(a.resource)
         if k is Kind.OPT_STEP:
-            assert a.layer is not None
             optimizer += model.layers[a.layer].params * opt_s_per_param
         elif k is Kind.FWD or k is Kind.BWD:
-            assert a.layer is not None and g is not None
+            assert g is not None
             p = profiles.get(a.layer)
             if p is None:
                 p = profiles[a.layer] = trace.layer(model.layers[a.layer])

@@ -145,12 +145,16 @@ def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
         if layer_mode:
             span = max(len(grp) for grp in groups) + depth
             for k in range(span, len(window)):
-                window[k].load.deps.append(window[k - span].evict)  # type: ignore[union-attr,arg-type]
+                load, gone = window[k].load, window[k - span].evict
+                assert load is not None and gone is not None  # every segment of the window has both
+                load.deps.append(gone)
         else:
             for j in range(depth + 1, len(groups)):
-                gone = max(groups[j - depth - 1], key=lambda sg: sg.last_use).evict
+                evict = max(groups[j - depth - 1], key=lambda sg: sg.last_use).evict
+                assert evict is not None
                 for seg in groups[j]:
-                    seg.load.deps.append(gone)  # type: ignore[union-attr,arg-type]
+                    assert seg.load is not None
+                    seg.load.deps.append(evict)
     return _splice(ops, before, after)
 
 

@@ -198,7 +198,7 @@ def lanes(schedule: Schedule, window: Sequence[Record], source: str) -> dict[str
         for i in ids:
             a = schedule.actions[i]
             g = resource_gpu(res)
-            if res == HOST_OPTIM and a.layer is not None:
+            if res == HOST_OPTIM:
                 out[f"{HOST_OPTIM}.g{owner[a.layer]}"].append(i)
             elif source == "cpu" and g is not None and res.split(".", 1)[1] in CPU_THREAD_STREAMS:
                 out[f"g{g}.thread"].append(i)

@@ -33,6 +33,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from tinypipe.errors import InputError
 
@@ -112,7 +113,7 @@ class Action:
     id: int
     kind: Kind
     resource: str
-    layer: int | None = None
+    layer: int  # every action acts on one layer (a SEND / RECV: the layer whose buffer it moves)
     pack: int | None = None
     microbatch: int | None = None
     iteration: int = 0
@@ -125,8 +126,7 @@ class Action:
     def __str__(self) -> str:
         """Short form for people: `g1.h2d LOAD L12`, `g0.compute FWD L3 m2`, `g0.send SEND L3 m0 >g1`."""
         parts = [self.resource, self.kind.value]
-        if self.layer is not None:
-            parts.append(f"L{self.layer}")
+        parts.append(f"L{self.layer}")
         if self.microbatch is not None:
             parts.append(f"m{self.microbatch}")
         if self.peer is not None:
@@ -139,16 +139,14 @@ class Action:
         short = {Kind.LOAD: "LD", Kind.EVICT: "EV", Kind.FWD: "F", Kind.BWD: "B", Kind.SEND: "S",
                  Kind.RECV: "R", Kind.OFFLOAD_ACT: "OA", Kind.FETCH_ACT: "FA", Kind.GRAD_OUT: "GO",
                  Kind.OPT_STEP: "OPT"}[self.kind]
-        s = short + ("" if self.layer is None else str(self.layer))
+        s = short + str(self.layer)
         if self.microbatch is not None:
             s += f".{self.microbatch}"
         return s
 
     def text(self) -> str:
         """The full one-line text form (see the module docstring)."""
-        parts = [str(self.id), self.resource, self.kind.value]
-        if self.layer is not None:
-            parts.append(f"L{self.layer}")
+        parts = [str(self.id), self.resource, self.kind.value, f"L{self.layer}"]
         if self.pack is not None:
             parts.append(f"P{self.pack}")
         if self.microbatch is not None:
@@ -178,7 +176,7 @@ def parse_action(line: str, where: str = "schedule") -> Action:
         kind = Kind(toks[2])
     except ValueError:
         raise InputError(f"{where}: bad action id or kind in {line!r}") from None
-    kw: dict = {"id": aid, "kind": kind, "resource": toks[1]}
+    kw: dict[str, Any] = {"id": aid, "kind": kind, "resource": toks[1]}
     deps: tuple[int, ...] = ()
     allocs: list[Mem] = []
     frees: list[Mem] = []
@@ -204,6 +202,8 @@ def parse_action(line: str, where: str = "schedule") -> Action:
                 raise ValueError(t)
     except ValueError as exc:
         raise InputError(f"{where}: cannot parse token {exc} in {line!r}") from None
+    if "layer" not in kw:
+        raise InputError(f"{where}: action without a layer (L<n>) in {line!r}")
     return Action(deps=deps, allocs=tuple(allocs), frees=tuple(frees), **kw)
 
 

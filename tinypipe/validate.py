@@ -102,7 +102,7 @@ class _Checker:
             for d in a.deps:
                 if not 0 <= d < self.n or d == a.id:
                     self.fail(f"{where}: dependency {d} is not another action of the schedule", a.id)
-            if a.layer is None or not 0 <= a.layer < s.num_layers:
+            if not 0 <= a.layer < s.num_layers:
                 self.fail(f"{where}: layer {a.layer} is not a layer of the schedule (0..{s.num_layers - 1})",
                           a.id)
             if not 0 <= a.iteration < s.iterations:
@@ -124,7 +124,7 @@ class _Checker:
         first: dict[tuple[Kind, int, int, int], int] = {}
         for a in self.acts:
             if a.kind is Kind.FWD or a.kind is Kind.BWD:
-                assert a.layer is not None and a.microbatch is not None
+                assert a.microbatch is not None
                 seen[a.kind, a.layer, a.iteration][a.microbatch] += 1
                 first.setdefault((a.kind, a.layer, a.iteration, a.microbatch), a.id)
         for it in range(s.iterations):
@@ -141,10 +141,13 @@ class _Checker:
         sends: dict[tuple[int, int], list[Action]] = defaultdict(list)
         recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
         for a in self.acts:
+            g = resource_gpu(a.resource)
+            if g is None or a.peer is None:  # reported by the field checks
+                continue
             if a.kind is Kind.SEND:
-                sends[resource_gpu(a.resource), a.peer].append(a)  # type: ignore[index]
+                sends[g, a.peer].append(a)
             elif a.kind is Kind.RECV:
-                recvs[a.peer, resource_gpu(a.resource)].append(a)  # type: ignore[index]
+                recvs[a.peer, g].append(a)
         for key in sorted(set(sends) | set(recvs)):
             ss, rs = sends.get(key, []), recvs.get(key, [])
             for k in range(max(len(ss), len(rs))):
@@ -229,11 +232,11 @@ class _Checker:
                 b = self.acts[d]
                 h = resource_gpu(b.resource)
                 if g is not None:
-                    if h == g or (h is None and b.kind is Kind.OPT_STEP and self.owner.get(b.layer) == g):  # type: ignore[arg-type]
+                    if h == g or (h is None and b.kind is Kind.OPT_STEP and self.owner.get(b.layer) == g):
                         continue
                 else:
-                    own = self.owner.get(a.layer)  # type: ignore[arg-type]
-                    if h == own or (h is None and self.owner.get(b.layer) == own):  # type: ignore[arg-type]
+                    own = self.owner.get(a.layer)
+                    if h == own or (h is None and self.owner.get(b.layer) == own):
                         continue
                 where = "the host" if h is None else f"g{h}"
                 self.fail(f"cross-GPU dependency: {self.name(a.id)} depends on {self.name(d)} on {where}; "
@@ -278,7 +281,7 @@ class _Checker:
         for aid in self.linear:
             a = self.acts[aid]
             if a.kind in (Kind.LOAD, Kind.EVICT, Kind.FWD, Kind.BWD):
-                events[a.resource.split(".")[0], a.layer].append(aid)  # type: ignore[index]
+                events[a.resource.split(".")[0], a.layer].append(aid)
         for (dev, layer), evs in events.items():
             kinds = [self.acts[e].kind for e in evs]
             next_evict: list[int | None] = [None] * len(evs)
