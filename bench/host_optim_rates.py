@@ -1,0 +1,116 @@
+"""The host optimizer's rate as `tinypipe run` uses it: one process per rank, each stepping its own
+layers on its own thread pool (cores / ranks - 1 threads on CUDA), all ranks at once.
+
+    python bench/host_optim_rates.py [--params N] [--ranks 1,2] [--steps 5] [--out FILE]
+
+For each rank count R in `--ranks`, R processes start together (a barrier), each holding one layer
+of `--params` parameters (default 218,112,000: one Llama-3.1-8B block) in the host layout, and each
+times `--steps` optimizer steps of it (after one untimed step that allocates the AdamW moments):
+  compact     backends.planes.compact_adamw_step over the planes, bf16 gradient (what a compact rank runs)
+  replicated  torch's fused AdamW on the fp32 master plus the bf16 upload-copy refresh
+Reported: params/s of each rank (median step) and of all ranks together. The simulator's
+`host.adam_params_per_s` and `hostmem.optimizer_time_factor` are one rate for the whole host; the
+replay of 2x H200 runs (bench/results/replay_h200.json) measured a compact step of an 8B block at
+2.7x that prediction with two ranks stepping at once. This measures the rates apart from any run.
+Writes bench/results/host_optim_rates.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+BLOCK_PARAMS = 218_112_000  # Llama-3.1-8B decoder block
+
+
+def _worker(rank: int, ranks: int, params: int, steps: int, layout: str, threads: int,
+            barrier: Any, out: Any) -> None:
+    from tinypipe.backends.planes import compact_adamw_step, split, workspace_elems
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(rank)
+    master = torch.randn(params, generator=g)
+    grad = torch.randn(params, generator=g).to(torch.bfloat16)
+    times = []
+    if layout == "compact":
+        hi, lo = torch.empty(params, dtype=torch.int16), torch.empty(params, dtype=torch.int16)
+        split(master, hi, lo)
+        del master
+        m, v = torch.zeros(params), torch.zeros(params)
+        scratch = torch.empty(workspace_elems())
+
+        def step(k: int) -> None:
+            compact_adamw_step(hi, lo, grad, m, v, step=k, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.0, scratch=scratch)
+    else:
+        p = torch.nn.Parameter(master)
+        p.grad = torch.empty(params)
+        upload = torch.empty(params, dtype=torch.bfloat16)
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+
+        def step(k: int) -> None:
+            assert p.grad is not None
+            p.grad.copy_(grad)  # what GRAD_OUT lands (fp32 buffer)
+            opt.step()
+            upload.copy_(p.detach())  # the upload-copy refresh
+
+    step(1)  # allocates / first-touches the moments
+    barrier.wait()
+    for k in range(steps):
+        t0 = time.perf_counter()
+        step(k + 2)
+        times.append(time.perf_counter() - t0)
+    out.put((rank, times))
+
+
+def measure(ranks: int, params: int, steps: int, layout: str) -> dict[str, Any]:
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // ranks - 1)
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, ranks, params, steps, layout, threads, barrier, out))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    per_rank = [params / statistics.median(got[r]) for r in range(ranks)]
+    return {"layout": layout, "ranks": ranks, "threads_per_rank": threads, "params_per_rank": params,
+            "step_s_each_rank": [got[r] for r in range(ranks)], "params_per_s_each_rank": per_rank,
+            "params_per_s_total": sum(per_rank)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=int, default=BLOCK_PARAMS)
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--layouts", default="compact,replicated")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "host_optim_rates.json"))
+    a = ap.parse_args()
+    rows = []
+    for layout in a.layouts.split(","):
+        for r in (int(x) for x in a.ranks.split(",")):
+            row = measure(r, a.params, a.steps, layout)
+            rows.append(row)
+            print(f"{layout:10s} ranks {r}  threads/rank {row['threads_per_rank']:3d}  "
+                  f"per rank {', '.join(f'{x / 1e9:.2f}' for x in row['params_per_s_each_rank'])} G params/s  "
+                  f"total {row['params_per_s_total'] / 1e9:.2f} G params/s", flush=True)
+    from _common import machine
+
+    Path(a.out).write_text(json.dumps({"machine": machine(), "cpus": os.cpu_count(), "runs": rows}, indent=2) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
