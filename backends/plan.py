@@ -36,6 +36,7 @@ from tinypipe.trace import ProfileTrace, trace_for
 from tinypipe.units import parse_bytes
 
 from .hoststate import AdamWConfig
+from .settings import DEFAULTS
 from .worker import Job
 
 MAX_CPU_WORKERS_PER_CORE = 4  # more CPU workers than this per core is a mistake, not a test
@@ -257,8 +258,6 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
 
 def _policy(args: Any) -> Policy:
     """--policy (default: the embedded job's preset and microbatch size), --microbatch-size over it."""
-    from .run import DEFAULTS
-
     policy = load_policy(args.policy or str(DEFAULTS["policy"]))
     size = args.microbatch_size
     if size is None and not args.policy:

@@ -19,17 +19,8 @@ from typing import Any
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
     raise ImportError("torch is not installed")
 
-# The embedded job (plain `tinypipe run`): loss falls and held-out addition accuracy rises within
-# about a minute on 2 CPU cores. Measured 2026-11-30 on the 2-core dev box, single process: 1,000
-# steps of 512 tokens at lr 3e-3 reach ~34% accuracy (800: ~20%; lr 1e-2 diverges; 2,048-token
-# steps learn slower per token); the 2-worker pipeline runs ~8,400 tokens/s with 4 sequences
-# per microbatch and ~5,200 with the preset's 1, hence the microbatch size of the default job.
-DEFAULT_BETAS = (0.9, 0.98)
-DEFAULTS = {
-    "model": "tiny-llama", "policy": "tinypipe", "microbatch_size": 4, "gpus": 2, "steps": 800, "seq_len": 64,
-    "batch_tokens": 512, "lr": 3e-3, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
-    "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0,
-}
+from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
+
 SPARK = "▁▂▃▄▅▆▇█"
 
 

@@ -1,7 +1,7 @@
 """`tinypipe run`'s settings: defaults, the record a resumed run continues, checks that need no torch.
 
 A run's options default to None on the command line, so this module can tell what was given. A new
-run takes `run.DEFAULTS` for the rest. `--resume` takes the rest from the checkpoint's record of the
+run takes `DEFAULTS` for the rest. `--resume` takes the rest from the checkpoint's record of the
 run (`checkpoint/meta.json`, key `run`): `--resume --out DIR` alone continues the run exactly as it
 was started, to its recorded number of steps. A setting given again must equal the record, except
 `--steps` (a longer run; fewer steps than are done is an error), the checkpoint cadence, `--backend`
@@ -21,6 +21,17 @@ from typing import Any
 from tinypipe.errors import InputError
 from tinypipe.outputs import check_dir, check_file
 
+# The embedded job (plain `tinypipe run`): loss falls and held-out addition accuracy rises within
+# about a minute on 2 CPU cores. Measured 2026-11-30 on the 2-core dev box, single process: 1,000
+# steps of 512 tokens at lr 3e-3 reach ~34% accuracy (800: ~20%; lr 1e-2 diverges; 2,048-token
+# steps learn slower per token); the 2-worker pipeline runs ~8,400 tokens/s with 4 sequences
+# per microbatch and ~5,200 with the preset's 1, hence the microbatch size of the default job.
+DEFAULT_BETAS = (0.9, 0.98)
+DEFAULTS = {
+    "model": "tiny-llama", "policy": "tinypipe", "microbatch_size": 4, "gpus": 2, "steps": 800, "seq_len": 64,
+    "batch_tokens": 512, "lr": 3e-3, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
+    "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0,
+}
 # Options recorded in a checkpoint and restored by --resume (argparse dest names).
 RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
             "lr", "betas", "eps", "weight_decay", "seed", "backend", "checkpoint_every", "checkpoint_minutes")
@@ -41,8 +52,6 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with every recorded option filled in and checked (idempotent); InputError on a mistake."""
     if getattr(args, "settled", False):
         return args
-    from .run import DEFAULTS
-
     out = argparse.Namespace(**vars(args))
     out.record = None  # the checkpoint's meta.json when resuming
     if args.resume:
