@@ -168,7 +168,7 @@ def step_data(batches: Any, step: int) -> StepData:
     return StepData(microbatches=mbs, denom=float(denom))
 
 
-def _strip(module: torch.nn.Module) -> None:
+def strip_parameters(module: torch.nn.Module) -> None:
     """Replace a module's parameters by meta tensors: it becomes structure for functional_call."""
     for name, p in list(module.named_parameters()):
         owner_name, _, leaf = name.rpartition(".")
@@ -212,7 +212,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     host = HostState(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
                      optim=job.optim, pin=device.type == "cuda", shared_grad=shared, snapshots=job.staleness > 0)
     for i in layers:
-        _strip(stack.layers[i])  # type: ignore[arg-type]
+        strip_parameters(stack.layers[i])  # type: ignore[arg-type]
     tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size)
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
                            microbatches=sched.microbatches, seed=job.seed)
