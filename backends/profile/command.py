@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,9 @@ def profile_main(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     threads = args.threads or os.cpu_count() or 1
     gpu_model, base = gpu_model_and_base(device, args.hardware)
+    if device.type == "cuda" and gpu_model.casefold() not in torch.cuda.get_device_name(device).casefold():
+        print(f"note: the traces are named for {gpu_model!r} (--hardware), measured on "
+              f"{torch.cuda.get_device_name(device)!r}", file=sys.stderr)
     out = Path(args.out)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     on = device_name(device) + (f", {threads} thread(s)" if device.type == "cpu" else "")
@@ -184,12 +188,15 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
         f = rates.factors()
         lines += ["", f"copies ({rates.device}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, both at "
                       f"once {rates.bidir_gbps:.1f} GB/s, fixed cost {rates.copy_latency_s * 1e6:.1f} us",
-                  f"host optimizer ({rates.threads} threads): fused AdamW {rates.adam_params_per_s / 1e6:,.0f} M "
+                  f"host optimizer ({rates.threads} thread(s)): fused AdamW {rates.adam_params_per_s / 1e6:,.0f} M "
                   f"params/s; replicated step {f['replicated']:.2f} x, compact step {f['compact']:.2f} x its time"]
         if base is None:
             lines.append("no hardware.json: give --hardware NAME|FILE as the base preset the rates go into")
     lines += ["", *(f"wrote {p}" for p in written)]
-    lines.append(f"use: tinypipe simulate --profile {written[0].parent} ..." +
-                 (f" --hardware {written[0].parent / HARDWARE_FILE}" if any(p.name == HARDWARE_FILE for p in written)
-                  else ""))
+    t, folder = traces[0], written[0].parent
+    hw = f" --hardware {folder / HARDWARE_FILE}" if any(p.name == HARDWARE_FILE for p in written) else " --hardware H"
+    lines.append(f"use: tinypipe simulate --model {model} --profile {folder}{hw} --seq-len {t.seq_len} "
+                 f"--microbatch-size {t.microbatch_size}" + ("" if t.dtype == "bf16" else f" --dtype {t.dtype}")
+                 + f" (a trace is used where the hardware's GPU model is {gpu_model!r}"
+                 + (", as `run --backend cpu` describes this CPU)" if gpu_model == "CPU" else ")"))
     return "\n".join(lines)

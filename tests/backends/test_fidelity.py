@@ -3,18 +3,20 @@
 
 The job is the default one (tiny-llama, the `tinypipe` policy, 2 worker processes of 1 thread on 2
 cores, 4 x 64 tokens per microbatch, 2 microbatches per step). What the CPU stand-in does that the
-simulator does not model, measured on the 2-core dev box (2026-12-01, per iteration):
-- the host optimizer thread shares its worker's core and GIL: every OPT_STEP (0.9 ms per layer,
-  where the AdamW rate predicts 0.06) runs beside the next BWD, which measures 1.4-1.8 x the
-  profile's time (1 worker with the optimizer on the other core: 1.4 x; FWD, which overlaps no
-  optimizer step, 0.9-1.3 x);
-- per-action Python costs the stand-in's links (2 us per copy) ignore: LOAD 0.2-0.3 ms, GRAD_OUT
-  0.1 ms, EVICT up to 0.3 ms, a gloo SEND 0.5-1 ms: 5-9 ms per iteration per rank;
+simulator does not model, measured on the 2-core dev box (2026-12-01, per iteration, both ranks):
+- the host optimizer thread shares its worker's core and GIL: each OPT_STEP takes 0.9-1.9 ms per
+  layer (the AdamW rate predicts 0.06) beside the next BWD, and BWD measures 27-41 ms against the
+  profile's 21 (1 worker, its optimizer on the other core: still 1.4 x, the GIL; FWD, which overlaps
+  no optimizer step, 0.9-1.4 x);
+- the CPU streams are synchronous: LOAD, GRAD_OUT, EVICT and the gloo SEND run on the worker's
+  thread, 11-20 ms where the stand-in's links (2 us per copy) predict 0.1;
 - the executor's 0.5 ms idle poll while a RECV is outstanding.
-So the run takes 1.9-2.3 x the predicted iteration on a quiet machine (5 runs: 1.87, 1.92, 2.23,
-2.25; 3.5 once while another test suite shared the machine); with the analytic trace the
-prediction was 5-7 x too fast. The band asserted, [0.8, 3.0], fails a prediction that becomes
-slower than the run or a gap that grows by another ~1.5 x.
+In 12 runs the measured steady iteration was 41-60 ms (84 once, while another test suite shared
+the machine) against 24-25 ms predicted from a profile taken alone (31-40 ms from four profiles that
+other work slowed): x1.8-2.4 when neither was disturbed, x1.0-1.5 when the profile was, x3.5 once.
+The analytic trace predicts 6.7-8.5 ms (x4.8-8.6). TIME_BAND, [0.7, 3.0], fails a prediction that
+becomes slower than the run or a gap that grows by another ~1.3 x; a result outside it is measured
+once more (profile and run), since other work on a shared machine moves it either way.
 
 Memory: the CPU backend counts the tensors its interpreter holds (weights, gradients, layer inputs
 and their gradients), sampled after each action; the prediction's ledger also holds autograd's saved
