@@ -32,7 +32,7 @@ from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy, load_policy
 from tinypipe.schedule import Schedule
 from tinypipe.table import gib
-from tinypipe.trace import ProfileTrace, trace_for
+from tinypipe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
 from tinypipe.units import parse_bytes
 
 from .hoststate import AdamWConfig
@@ -148,6 +148,7 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
         raise InputError(f"--gpus {args.gpus}: too many CPU workers for {os.cpu_count()} cores "
                          f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
     say = phase or (lambda text: None)
+    profiles = load_profiles(getattr(args, "profile", None) or ())  # measured traces (`tinypipe profile`)
     say(f"checking the model {args.model}")
     spec = _check_model(args.model)
     if args.seq_len > spec.max_seq_len:
@@ -183,10 +184,10 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
         dtype = args.dtype or "fp32"
     if len(hardware.gpus) > args.gpus:
         hardware = _first_gpus(hardware, args.gpus)
-    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype)
+    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles)
     iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
-    note = None
+    note = unmatched_note(profiles, trace, spec)
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
     compiled = pinned
     if not prediction.fits:
@@ -206,8 +207,9 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
             raise InputError(f"{why}; with {json.dumps(change)} in the policy it runs here")
         policy, (schedule, prediction) = spread  # the default job: take the spread-out variant
         compiled = policy
-        note = (f"note: the {policy.name} policy leaves a GPU without a pack here, so its {len(spec.layers)} "
-                f"layers run in {policy.num_packs} balanced packs dealt round-robin")
+        spread_note = (f"note: the {policy.name} policy leaves a GPU without a pack here, so its {len(spec.layers)} "
+                       f"layers run in {policy.num_packs} balanced packs dealt round-robin")
+        note = spread_note if note is None else f"{note}\n{spread_note}"
     out = args.out
     identity = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": args.seq_len,
                 "batch_tokens": args.batch_tokens, "gpus": args.gpus, "policy": policy.to_json(),

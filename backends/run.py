@@ -74,6 +74,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="also checkpoint every N steps (default 0: off)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of all ranks")
+    p.add_argument("--profile", action="append", default=None, metavar="DIR_OR_FILE",
+                   help="measured traces (`tinypipe profile --out DIR`) for the schedule and the prediction: a "
+                        "directory or a trace JSON, repeatable; a matching one is used before the shipped ones")
 
 
 def run_main(args: argparse.Namespace) -> int:

@@ -169,7 +169,7 @@ def step_data(batches: Any, step: int) -> StepData:
     return StepData(microbatches=mbs, denom=float(denom))
 
 
-def _strip(module: torch.nn.Module) -> None:
+def strip_parameters(module: torch.nn.Module) -> None:
     """Replace a module's parameters by meta tensors: it becomes structure for functional_call."""
     for name, p in list(module.named_parameters()):
         owner_name, _, leaf = name.rpartition(".")
@@ -216,7 +216,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     for i in layers:
         module = stack.layers[i]
         assert module is not None  # built for the layers this rank owns
-        _strip(module)
+        strip_parameters(module)
     tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size)
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
                            microbatches=sched.microbatches, seed=job.seed)

@@ -12,7 +12,7 @@ from tinypipe.hardware import Hardware
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy
 from tinypipe.search import Evaluation
-from tinypipe.trace import trace_for
+from tinypipe.trace import ProfileTrace, trace_for
 
 
 @dataclass(frozen=True)
@@ -25,10 +25,12 @@ class SimEvaluator:
     gpu_mem_bytes: int | None = None
     host_mem_bytes: int | None = None
     iterations: int = 2
+    profiles: tuple[ProfileTrace, ...] = ()  # measured traces (`--profile`), used before the shipped ones
+    dtype: str = "bf16"  # compute dtype (a trace must match it)
 
     def __call__(self, policy: Policy) -> Evaluation:
         trace = trace_for(self.model, self.hardware.gpus[0], microbatch_size=policy.microbatch_size,
-                          seq_len=self.seq_len)
+                          seq_len=self.seq_len, dtype=self.dtype, profiles=self.profiles)
         try:
             sched = compile_schedule(policy, self.model, self.hardware, trace, iterations=self.iterations)
         except TinypipeError as exc:

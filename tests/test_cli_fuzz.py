@@ -3,8 +3,9 @@
 Hypothesis draws a subcommand and a handful of its flags with values that are mostly wrong
 (negative, zero, NaN, garbage, missing or unwritable paths, other subcommands' flags). `main` runs
 in this process. `run` plans for real, but a run that passes every check stops where the workers
-would start (nothing trains here: `tests/backends` covers that), and the CPU is described with fixed
-numbers instead of measured, so an example costs milliseconds to a second.
+would start (nothing trains here: `tests/backends` covers that), `profile` where it would start
+measuring, and the CPU is described with fixed numbers instead of measured, so an example costs
+milliseconds to a second.
 """
 
 from __future__ import annotations
@@ -58,7 +59,13 @@ def _files(root: Path) -> dict[str, str]:
     ckpt.mkdir(parents=True)
     (ckpt / "meta.json").write_text(json.dumps({"format": "tinypipe.checkpoint/1", "step": 30,
                                                  "run": {"steps": 3000, "lr": 0.003}}))
-    out.update(EARLIER=str(earlier), CKPT=str(root / "ckpt"), DIR=str(root), FILE=out["DATA_OK"])
+    profiles = root / "profiles"
+    profiles.mkdir()
+    from tinypipe.trace import load_trace
+
+    (profiles / "t.json").write_text(json.dumps(load_trace("h200-llama-3.1-8b-mb1-seq2048").to_json()))
+    out.update(EARLIER=str(earlier), CKPT=str(root / "ckpt"), DIR=str(root), FILE=out["DATA_OK"],
+               PROFILES=str(profiles))
     return out
 
 
@@ -72,9 +79,12 @@ POLICIES = st.sampled_from(["resident", "tinypipe", "mobius", "fastest", "POLICY
 OUT_FILES = st.sampled_from(["FRESH_FILE", "FRESH_FILE", "/proc/tinypipe-x", "DIR", "/etc/passwd/x", "NO_DIR/x"])
 OUT_DIRS = st.sampled_from(["FRESH_DIR", "FRESH_DIR", "FILE", "/proc/tinypipe-x", "EARLIER", "CKPT"])
 SEQ = st.sampled_from(["1024", "2048", "0", "-5", "100000", "x"])  # (short sequences: hundreds of microbatches)
+PROFILES = st.sampled_from(["PROFILES", "PROFILES", "NOT_JSON", "POLICY_OK", "DIR", "EARLIER", "NO_DIR/x"])
+DTYPES = st.sampled_from(["bf16", "fp32", "fp16", "int8"])
 
 WORKLOAD = {"--model": MODELS, "--hardware": HARDWARE, "--seq-len": SEQ, "--microbatches": INTS,
-            "--microbatch-size": INTS, "--iterations": st.sampled_from(["1", "2", "0", "-1", "x"]), "--json": None}
+            "--microbatch-size": INTS, "--iterations": st.sampled_from(["1", "2", "0", "-1", "x"]), "--json": None,
+            "--profile": PROFILES, "--dtype": DTYPES}
 FLAGS: dict[tuple[str, ...], dict[str, Any]] = {
     ("inspect", "model"): {"NAME": MODELS, "--seq-len": SEQ, "--microbatch-size": INTS, "--hardware": HARDWARE,
                            "--json": None},
@@ -87,7 +97,8 @@ FLAGS: dict[tuple[str, ...], dict[str, Any]] = {
                   "--seq-len": st.sampled_from(["1024", "2048", "0", "x"]),
                   "--batch-tokens": st.sampled_from(["4096", "2048", "1000", "0", "-1"]),
                   "--gpu-mem": BYTES, "--host-mem": BYTES, "--workers": st.sampled_from(["1", "0", "-2", "x"]),
-                  "--top": INTS, "--out": OUT_FILES, "--allow-async": None, "--json": None},
+                  "--top": INTS, "--out": OUT_FILES, "--allow-async": None, "--json": None, "--profile": PROFILES,
+                  "--dtype": DTYPES},
 }
 if HAVE_TORCH:
     FLAGS[("run",)] = {
@@ -99,13 +110,20 @@ if HAVE_TORCH:
         "--dtype": st.sampled_from(["fp32", "bf16", "fp16"]), "--backend": st.sampled_from(["cpu", "cuda", "tpu"]),
         "--hardware": HARDWARE, "--out": OUT_DIRS, "--resume": None, "--checkpoint-minutes": FLOATS,
         "--checkpoint-every": INTS, "--trace": OUT_FILES,
-        "--data": st.sampled_from(["DATA_OK", "DATA_BAD", "NO_DIR/x"]),
+        "--data": st.sampled_from(["DATA_OK", "DATA_BAD", "NO_DIR/x"]), "--profile": PROFILES,
+    }
+    FLAGS[("profile",)] = {
+        "--model": MODELS, "--seq-len": st.sampled_from(["16", "64", "0", "100000", "x"]), "--microbatch-size": INTS,
+        "--backend": st.sampled_from(["cpu", "cuda", "tpu"]), "--dtype": DTYPES, "--repeat": INTS, "--warmup": INTS,
+        "--threads": INTS, "--hardware": HARDWARE, "--out": OUT_DIRS, "--no-rates": None, "--json": None,
+        "--seed": st.sampled_from(["0", "7", "-1", "x"]),
     }
 COMMANDS = sorted(FLAGS)
 # Defaults that keep an example fast where the command's own default is slow (llama-3.1-8b, all
 # cores); drawn flags replace them, and the defaults themselves are covered in test_cli.py.
 QUICK = {("inspect", "schedule"): ["--model", "tiny-llama"], ("simulate",): ["--model", "tiny-llama"],
-         ("search",): ["--model", "tiny-llama", "--workers", "1", "--hardware", "h200x2", "--batch-tokens", "4096"]}
+         ("search",): ["--model", "tiny-llama", "--workers", "1", "--hardware", "h200x2", "--batch-tokens", "4096"],
+         ("profile",): ["--model", "tiny-llama", "--out", "FRESH_DIR"]}
 NOISE = st.sampled_from(["--frobnicate", "extra", "--json", "--", "-x", "--model"])
 
 
@@ -169,6 +187,7 @@ def test_every_command_line_ends_in_exit_0_or_one_error_line(args: list[str], pl
             stack.enter_context(mock.patch("tinypipe.backends.launch._run_here", side_effect=WouldTrain))
             stack.enter_context(mock.patch("tinypipe.backends.run._accuracy", return_value=0.0))
             stack.enter_context(mock.patch("tinypipe.backends.plan.cpu_hardware", side_effect=_fixed_cpu))
+            stack.enter_context(mock.patch("tinypipe.backends.profile.command.LayerBench", side_effect=WouldTrain))
         stack.enter_context(contextlib.redirect_stderr(err))
         stack.enter_context(contextlib.redirect_stdout(out))
         try:

@@ -79,3 +79,15 @@ raise SystemExit(main(['run']))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "tinypipe[torch]" in r.stderr
+
+
+def test_profile_without_torch_is_a_one_line_error() -> None:
+    """`tinypipe profile` without torch says how to install the extra, in one line, exit code 2 (its
+    options register without torch, so `tinypipe profile --help` works there too)."""
+    code = BLOCKER + """
+from tinypipe.cli import main
+raise SystemExit(main(['profile', '--model', 'tiny-llama', '--out', '/nonexistent/prof']))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "tinypipe[torch]" in r.stderr

@@ -14,7 +14,16 @@ from tinypipe.errors import InputError
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes
-from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace, load_trace, shipped_traces, trace_for
+from tinypipe.trace import (
+    KindProfile,
+    ProfileTrace,
+    analytic_trace,
+    load_profiles,
+    load_trace,
+    shipped_traces,
+    trace_for,
+    unmatched_note,
+)
 
 MIB = 2**20
 H200 = load_hardware("h200x2").gpu(0)
@@ -113,6 +122,61 @@ def test_trace_for_picks_measured_else_analytic() -> None:
     assert trace_for(LLAMA8B, H200, microbatch_size=1, seq_len=4096).analytic
     assert trace_for(LLAMA8B, RTX4090, microbatch_size=1, seq_len=2048).analytic
     assert trace_for(load_model("qwen3-1.7b"), H200, microbatch_size=1, seq_len=2048).analytic
+
+
+def _measured(source: str, **fields: Any) -> ProfileTrace:
+    from dataclasses import replace
+
+    base = load_trace("h200-llama-3.1-8b-mb1-seq2048")
+    return replace(base, source=source, **fields)
+
+
+def test_trace_for_takes_a_matching_profile_before_the_shipped_ones() -> None:
+    """`profiles` (from --profile) are searched first, in order, by the same rules as the shipped traces:
+    GPU model and model name case-insensitively, microbatch size, sequence length and dtype exactly."""
+    mine = _measured("mine", gpu_model="h200", model="LLAMA-3.1-8B")
+    other = _measured("other")
+    assert trace_for(LLAMA8B, H200, 1, 2048, profiles=(mine, other)).source == "mine"
+    assert trace_for(LLAMA8B, H200, 1, 2048, profiles=(other, mine)).source == "other"
+    for miss in (dict(microbatch_size=2), dict(seq_len=4096), dict(dtype="fp32"), dict(gpu_model="RTX 4090"),
+                 dict(model="qwen3-1.7b")):
+        t = trace_for(LLAMA8B, H200, 1, 2048, profiles=(_measured("miss", **miss),))
+        assert t == load_trace("h200-llama-3.1-8b-mb1-seq2048")
+        note = unmatched_note((_measured("miss", **miss),), t, LLAMA8B)
+        assert note is not None and "H200 / llama-3.1-8b / microbatch 1 / seq 2048 / bf16" in note
+        assert "shipped measured trace" in note
+    assert unmatched_note((mine,), mine, LLAMA8B) is None and unmatched_note((), other, LLAMA8B) is None
+    t = trace_for(LLAMA8B, RTX4090, 1, 2048, profiles=(mine,))
+    assert t.analytic and "using the analytic trace" in (unmatched_note((mine,), t, LLAMA8B) or "")
+
+
+def test_load_profiles_reads_files_and_directories(tmp_path: Path) -> None:
+    """A directory gives every trace in it, sorted by file name, skipping JSON without `kinds` (the rates
+    and hardware files `tinypipe profile` writes beside the traces); files are read in the order given."""
+    a, b = _measured("a", microbatch_size=2), _measured("b", microbatch_size=4)
+    (tmp_path / "z.json").write_text(json.dumps(a.to_json()))
+    (tmp_path / "y.json").write_text(json.dumps(b.to_json()))
+    (tmp_path / "rates.json").write_text(json.dumps({"format": "tinypipe-host-rates-v1", "h2d_gbps": 50.0}))
+    (tmp_path / "hardware.json").write_text(json.dumps(load_hardware("h200x1").to_json()))
+    (tmp_path / "notes.txt").write_text("not json")
+    assert [t.source for t in load_profiles([str(tmp_path)])] == ["b", "a"]
+    assert [t.source for t in load_profiles([str(tmp_path / "z.json"), str(tmp_path)])] == ["a", "b", "a"]
+    assert load_profiles([]) == ()
+
+
+@pytest.mark.parametrize(("setup", "message"), [
+    (lambda d: None, r"--profile .*missing: no such file or directory"),
+    (lambda d: (d / "missing").mkdir(), r"--profile .*missing: no profile trace in this directory"),
+    (lambda d: (d / "missing").write_text("{oops"), r"missing: malformed JSON at line 1"),
+    (lambda d: (d / "missing").write_text("[1, 2]"), r"missing: expected a JSON object, got"),
+    (lambda d: ((d / "missing").mkdir(), (d / "missing" / "t.json").write_text('{"kinds": {}}')),
+     r"t\.json: gpu_model: missing required field"),
+])
+def test_load_profiles_bad_input(tmp_path: Path, setup: Any, message: str) -> None:
+    """A missing path, a directory without traces, malformed JSON or a bad trace is an InputError naming it."""
+    setup(tmp_path)
+    with pytest.raises(InputError, match=message):
+        load_profiles([str(tmp_path / "missing")])
 
 
 def test_analytic_is_marked_and_monotone_in_tokens() -> None:

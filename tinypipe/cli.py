@@ -1,4 +1,6 @@
-"""The `tinypipe` command: inspect, simulate, search, run, replay. The one core module that may import sim/backends.
+"""The `tinypipe` command: inspect, simulate, search, run, replay, profile.
+
+The one core module that may import sim/ and backends/ (inside functions).
 
 User mistakes end in one line `error: ...` and exit code 2, never a traceback.
 """
@@ -32,7 +34,20 @@ def _common_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None, help="override the policy's microbatch count")
     p.add_argument("--microbatch-size", type=int, default=None, help="override sequences per microbatch")
     p.add_argument("--iterations", type=int, default=3, help="iterations compiled and simulated (default 3)")
+    _dtype_option(p)
+    _profile_option(p)
     p.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
+
+
+def _dtype_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="compute dtype of the workload, which a --profile trace must match (default bf16)")
+
+
+def _profile_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", action="append", metavar="DIR_OR_FILE",
+                   help="measured traces (`tinypipe profile --out DIR`): a directory or a trace JSON, repeatable; "
+                        "a matching one is used before the shipped ones")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,12 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--plot", help="write the Pareto front as a PNG")
     se.add_argument("--allow-async", action="store_true",
                     help="also consider the async optimizer (staleness 1: changes the training semantics)")
+    _dtype_option(se)
+    _profile_option(se)
     se.add_argument("--json", action="store_true")
 
     from tinypipe.replay_command import add_replay_arguments
 
     add_replay_arguments(sub.add_parser("replay", help="re-run a real run's trace in the simulator with its measured "
                                         "durations; where measurement, replay and prediction diverge"))
+
+    pr = sub.add_parser("profile", help="measure per-layer traces and host rates on this device (PyTorch)")
+    from tinypipe.backends.profile.options import add_profile_arguments  # no torch import: always there
+
+    add_profile_arguments(pr)
 
     run = sub.add_parser("run", help="train through the compiled schedule (PyTorch)")
     try:
@@ -204,8 +226,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     raise InputError("inspect: say what to inspect: model, hardware or schedule")
 
 
-def _workload(args: argparse.Namespace, policy_name: str) -> tuple[Any, Any, Any, Any]:
-    """Model, hardware, policy (with CLI overrides) and trace for one policy name."""
+def _workloads(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[Any, Any, Any, Any]]:
+    """`_workload` of each policy name, with the `--profile` traces read once; a note on stderr (once)
+    for each microbatch size that none of them matches."""
+    from tinypipe.trace import load_profiles, unmatched_note
+
+    profiles = load_profiles(args.profile or ())
+    out = [_workload(args, name, profiles) for name in policy_names]
+    notes = dict.fromkeys(unmatched_note(profiles, trace, model) for model, _, _, trace in out)
+    for note in notes:
+        if note is not None:
+            print(note, file=sys.stderr)
+    return out
+
+
+def _workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple[Any, Any, Any, Any]:
+    """Model, hardware, policy (with CLI overrides) and trace (`profiles` first) for one policy name."""
     from tinypipe.hardware import load_hardware
     from tinypipe.hfconfig import load_model
     from tinypipe.policy import load_policy
@@ -228,7 +264,8 @@ def _workload(args: argparse.Namespace, policy_name: str) -> tuple[Any, Any, Any
             raise InputError(f"--batch-tokens {batch_tokens}: not a multiple of policy {policy.name!r}'s microbatch "
                              f"({policy.microbatch_size} sequence(s) x {args.seq_len} tokens = {per_mb})")
         policy = policy.replace(microbatches=batch_tokens // per_mb)
-    trace = trace_for(model, hw.gpus[0], microbatch_size=policy.microbatch_size, seq_len=args.seq_len)
+    trace = trace_for(model, hw.gpus[0], microbatch_size=policy.microbatch_size, seq_len=args.seq_len,
+                      dtype=args.dtype, profiles=profiles)
     return model, hw, policy, trace
 
 
@@ -240,7 +277,7 @@ def _cmd_inspect_schedule(args: argparse.Namespace) -> int:
 
     _positive("--steps", args.steps)
     _check_outputs(out=args.out)
-    model, hw, policy, trace = _workload(args, args.policy)
+    ((model, hw, policy, trace),) = _workloads(args, [args.policy])
     sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
     validate(sched)
     if args.out:
@@ -282,7 +319,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                              "microbatch count)")
     _check_outputs(trace=args.trace, plot=args.plot)
     bar = None if args.json else Progress("simulate")
-    workloads = [_workload(args, name) for name in names]
+    workloads = _workloads(args, names)
     rows: list[dict[str, Any]] = []
     first = None
     for i, (model, hw, policy, trace) in enumerate(workloads):
@@ -297,7 +334,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                      "host_bytes_per_param": res.host_bytes_per_param, "fits": res.fits,
                      "why": _over_capacity(res.peak_bytes, res.capacity_bytes),
                      "first_violation": res.violation or "", "bottleneck": res.critical_path.bottleneck,
-                     "packs": len(sched.pack_layers), "detail": res.to_json()})
+                     "packs": len(sched.pack_layers), "trace": _trace_json(trace), "detail": res.to_json()})
         if first is None:
             first = res
     if bar is not None:
@@ -316,7 +353,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         return _print_json({"model": args.model, "hardware": args.hardware, "seq_len": args.seq_len,
                             "results": rows})
-    print(f"{args.model} on {args.hardware}, seq {args.seq_len}, {args.iterations} iterations simulated\n")
+    print(f"{args.model} on {args.hardware}, seq {args.seq_len}, {args.iterations} iterations simulated")
+    traces = {t.microbatch_size: t for _, _, _, t in workloads}
+    for size, t in sorted(traces.items()):
+        print(f"trace for microbatch size {size}: {'analytic' if t.analytic else 'measured'} ({_clip(t.source)})")
+    print()
     out = [[r["policy"], r["tokens_per_step"], round(r["tokens_per_s"]), round(r["iteration_s"], 3), r["packs"],
             table.gib(r["peak_gpu_bytes"]), table.gib(r["peak_host_bytes"]), round(r["host_bytes_per_param"], 2),
             r["bottleneck"], "yes" if r["fits"] else "no: " + r["why"]] for r in rows]
@@ -331,6 +372,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
+    import dataclasses
     import os
 
     from tinypipe import table
@@ -338,6 +380,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.hfconfig import load_model
     from tinypipe.search import SearchSpace, SearchTarget, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
+    from tinypipe.trace import find_trace, load_profiles
     from tinypipe.units import parse_bytes
 
     for flag in ("seq_len", "batch_tokens", "top"):
@@ -350,15 +393,26 @@ def _cmd_search(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     hw = load_hardware(args.hardware)
     w = SearchTarget(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
-                 gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
-                 host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None)
+                     gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+                     host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
+                     profiles=load_profiles(args.profile or ()), dtype=args.dtype)
+    space = SearchSpace(optimizers=("sync", "async") if args.allow_async else ("sync",))
+    measured = sorted({t.microbatch_size for t in w.profiles
+                       if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
+    if w.profiles and not measured:
+        print(f"note: no --profile trace is for {hw.gpus[0].model} / {model.name} / seq {w.seq_len} / {w.dtype}; "
+              "the search uses the shipped or analytic traces", file=sys.stderr)
+    elif measured and tuple(measured) != space.microbatch_sizes:  # measured and analytic times do not compare
+        space = dataclasses.replace(space, microbatch_sizes=tuple(measured))
+        print(f"note: searching microbatch sizes {', '.join(map(str, measured))}, those --profile measured",
+              file=sys.stderr)
     workers = args.workers or (os.cpu_count() or 1)
     bar = None if args.json else Progress("search")
     if bar is not None:
         bar.phase(f"search: {model.name} on {hw.name}, {workers} worker process(es)")
-    space = SearchSpace(optimizers=("sync", "async") if args.allow_async else ("sync",))
-    result = search(w, SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes),
-                    space=space, workers=workers, progress=bar)
+    evaluate = SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes, profiles=w.profiles,
+                            dtype=w.dtype)
+    result = search(w, evaluate, space=space, workers=workers, progress=bar)
     if bar is not None:
         bar.close()
     if args.out and result.winner is not None:
@@ -402,6 +456,15 @@ def _cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace_json(trace: Any) -> dict[str, Any]:
+    return {"measured": not trace.analytic, "gpu_model": trace.gpu_model, "model": trace.model, "dtype": trace.dtype,
+            "microbatch_size": trace.microbatch_size, "seq_len": trace.seq_len, "source": trace.source}
+
+
+def _clip(text: str, width: int = 110) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
     """`host 143.75 > 64.00 GiB; GPU 46.42 > 24.00 GiB` for every kind of device over its capacity."""
     from tinypipe.units import GIB
@@ -415,6 +478,15 @@ def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
     return "; ".join(parts)
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    try:
+        from tinypipe.backends.profile.command import profile_main
+    except ImportError as exc:
+        raise InputError(f"`tinypipe profile` needs the torch extra: pip install 'tinypipe[torch]' ({exc})") from None
+    status: int = profile_main(args)
+    return status
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     if getattr(args, "_run_missing", None):
         raise InputError(f"`tinypipe run` needs the torch extra: pip install 'tinypipe[torch]' ({args._run_missing})")
@@ -426,6 +498,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 _HANDLERS: dict[str | None, Callable[[argparse.Namespace], int]] = {
     "inspect": _cmd_inspect, "simulate": _cmd_simulate, "run": _cmd_run, "search": _cmd_search,
+    "profile": _cmd_profile,
 }
 
 

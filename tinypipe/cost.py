@@ -133,7 +133,6 @@ def workload(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profil
              cost: CostModel | None = None) -> Workload:
     """Flatten model, trace, hardware and policy into the numbers the estimates use."""
     cost = cost or CostModel.calibrated()
-    tokens = trace.tokens_per_microbatch
     dt = trace.dtype
     if dt not in DTYPE_BYTES:
         raise InputError(f"trace: unknown dtype {dt!r}")
@@ -147,7 +146,10 @@ def workload(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profil
         fwd.append(kp.fwd_s)
         redo = recomputes(policy.recompute, layer.index, len(model.layers))
         bwd.append(kp.backward_s(redo))
-        x = model.layers[layer.index - 1].boundary_bytes_per_token * tokens if layer.index else 0
+        # the layer's input (x.L, and its gradient dx.L) as the trace has it: measured in the compute dtype
+        # by `tinypipe profile` (an fp32 CPU run's inputs are twice the bf16 size); the analytic and shipped
+        # traces give the previous layer's boundary bytes, which the model spec counts in bf16
+        x = kp.saved_act_bytes_recompute if layer.index else 0
         inp.append(x)
         act.append(x + (0 if redo else kp.saved_act_bytes))
         ws = max(ws, kp.workspace_bytes)

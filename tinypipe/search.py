@@ -30,7 +30,7 @@ from tinypipe.hostmem import host_bytes, optimizer_time_factor
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy
 from tinypipe.schedule import recomputes
-from tinypipe.trace import trace_for
+from tinypipe.trace import ProfileTrace, trace_for
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class SearchTarget:
     batch_sequences: int  # sequences per optimizer step (global batch)
     gpu_mem_bytes: int | None = None
     host_mem_bytes: int | None = None
+    profiles: tuple[ProfileTrace, ...] = ()  # measured traces (`--profile`), used before the shipped ones
+    dtype: str = "bf16"  # compute dtype (a trace must match it)
 
     @property
     def gpu_limit(self) -> int:
@@ -188,7 +190,8 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     CPU optimizer over every parameter (once per iteration even when asynchronous).
     """
     hw, model = w.hardware, w.model
-    trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len)
+    trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len, dtype=w.dtype,
+                      profiles=w.profiles)
     compute = 0.0
     for layer in model.layers:
         kp = trace.layer(layer)
@@ -196,13 +199,13 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     compute *= p.microbatches / len(hw.gpus)
     links = sum(hw.route("host", g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
-    uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes("bf16") for x in model.layers) / up_gbps
+    uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
     optim = model.params / hw.host.adam_params_per_s * optimizer_time_factor(p.host_memory)
     why = ""
-    hb = host_bytes(model, p.host_memory, optimizer=p.optimizer).total_bytes
+    hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
     if hb > w.host_limit:
         why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} layout, limit {w.host_limit:,}"
-    largest = max(x.param_bytes("bf16") for x in model.layers)
+    largest = max(x.param_bytes(w.dtype) for x in model.layers)
     if 2 * largest > w.gpu_limit:
         why = why or f"GPU memory: the largest layer ({largest:,} bytes) and its gradient exceed {w.gpu_limit:,}"
     return max(compute, uploads, optim), why

@@ -1,7 +1,8 @@
 """ProfileTrace: measured (or analytic) per-layer-kind times and sizes for one GPU type and workload.
 
-A measured trace comes from `tinypipe profile` (shipped ones live in `traces/profiles/`); where none
-matches, `analytic_trace` stands in and says so. The analytic model, per layer kind, for one
+A measured trace comes from `tinypipe profile` (shipped ones live in `traces/profiles/`; a user's own
+are given with `--profile`, see `load_profiles` and `trace_for`); where none matches,
+`analytic_trace` stands in and says so. The analytic model, per layer kind, for one
 microbatch of T = microbatch_size x seq_len tokens:
 
     fwd_s = T * fwd_flops_per_token(seq_len) / (MATMUL_FRACTION * gpu.matmul_flops)
@@ -24,6 +25,7 @@ activations and residual adds, which run as separate bandwidth-bound kernels bet
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -221,18 +223,65 @@ def load_trace(path: str) -> ProfileTrace:
     return ProfileTrace.from_json(load_json(p), where=path)
 
 
+def load_profiles(paths: Iterable[str]) -> tuple[ProfileTrace, ...]:
+    """The measured traces of `--profile` arguments, in the order given: a trace JSON file, or a
+    directory whose `*.json` traces are all read, sorted by name. In a directory, JSON files without
+    `kinds` (the rates and hardware JSON that `tinypipe profile` writes beside its traces) are
+    skipped. InputError for a missing path, a directory without a trace, or a file that is not a
+    valid trace (named with the field at fault)."""
+    out: list[ProfileTrace] = []
+    for arg in paths:
+        p = Path(arg)
+        if p.is_dir():
+            found = [ProfileTrace.from_json(obj, where=str(f)) for f in sorted(p.glob("*.json"))
+                     if isinstance(obj := load_json(f), dict) and "kinds" in obj]
+            if not found:
+                raise InputError(f"--profile {arg}: no profile trace in this directory (no *.json with `kinds`; "
+                                 "`tinypipe profile --out DIR` writes them)")
+            out += found
+        elif p.is_file():
+            out.append(ProfileTrace.from_json(load_json(p), where=str(p)))
+        else:
+            raise InputError(f"--profile {arg}: no such file or directory")
+    return tuple(out)
+
+
 @lru_cache(maxsize=1)
 def _measured() -> tuple[ProfileTrace, ...]:
     return tuple(load_trace(name) for name in shipped_traces())
 
 
-def trace_for(model: ModelSpec, hardware_gpu: GPU, microbatch_size: int, seq_len: int,
-              dtype: str = "bf16") -> ProfileTrace:
-    """The shipped measured trace for this GPU model, model name, microbatch size, sequence length
-    and dtype (names compared case-insensitively), else `analytic_trace`."""
-    for t in _measured():
-        if (t.gpu_model.casefold() == hardware_gpu.model.casefold()
-                and t.model.casefold() == model.name.casefold()
+def find_trace(traces: Iterable[ProfileTrace], model: ModelSpec, gpu_model: str, microbatch_size: int,
+               seq_len: int, dtype: str) -> ProfileTrace | None:
+    """The first of `traces` for this GPU model, model name, microbatch size, sequence length and dtype
+    (names compared case-insensitively), or None."""
+    for t in traces:
+        if (t.gpu_model.casefold() == gpu_model.casefold() and t.model.casefold() == model.name.casefold()
                 and t.microbatch_size == microbatch_size and t.seq_len == seq_len and t.dtype == dtype):
             return t
+    return None
+
+
+def trace_for(model: ModelSpec, hardware_gpu: GPU, microbatch_size: int, seq_len: int,
+              dtype: str = "bf16", *, profiles: Sequence[ProfileTrace] = ()) -> ProfileTrace:
+    """The first matching trace (`find_trace`) of `profiles` (measured by `tinypipe profile`, given
+    with `--profile`), else of the shipped measured traces, else `analytic_trace`."""
+    for pool in (profiles, _measured()):
+        found = find_trace(pool, model, hardware_gpu.model, microbatch_size, seq_len, dtype)
+        if found is not None:
+            return found
     return analytic_trace(model, hardware_gpu, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype)
+
+
+def unmatched_note(profiles: Sequence[ProfileTrace], chosen: ProfileTrace, model: ModelSpec) -> str | None:
+    """A line for people when `--profile` traces were given but none of them is `chosen`: what was
+    looked for, what they are for, and what stands in."""
+    if not profiles or any(t is chosen for t in profiles):
+        return None
+
+    def key(t: ProfileTrace, name: str) -> str:
+        return f"{t.gpu_model} / {name} / microbatch {t.microbatch_size} / seq {t.seq_len} / {t.dtype}"
+
+    have = "; ".join(sorted({key(t, t.model) for t in profiles}))
+    return (f"note: no --profile trace matches {key(chosen, model.name)} (they are for {have}); "
+            f"using the {'analytic' if chosen.analytic else 'shipped measured'} trace")

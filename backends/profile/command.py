@@ -1,0 +1,202 @@
+"""`tinypipe profile`: check the options, measure layers and rates on this device, write the JSON files.
+
+Files written into `--out DIR` (made if missing; files of the same names are replaced):
+- one trace per microbatch size, `<gpu>-<model>-mb<N>-seq<S>[-<dtype>].json` (the dtype suffix
+  unless bf16), the `ProfileTrace` form `tinypipe.trace.load_trace` reads; `simulate`, `search`
+  and `run` take it with `--profile DIR`;
+- `rates.json`: the `HostRates` (copy rates, fixed cost, optimizer rates; fields documented inside);
+- `hardware.json`: a full hardware description (`--hardware FILE` accepts it), the base preset
+  with the measured rates (`HostRates.hardware`). The base is `--hardware`, else on CUDA the
+  shipped preset of the local GPU model with the fewest GPUs; on a CPU only with `--hardware`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinypipe.errors import InputError
+from tinypipe.hardware import Hardware, load_hardware, shipped_hardware
+from tinypipe.outputs import check_dir
+from tinypipe.progress import Progress
+from tinypipe.trace import ProfileTrace
+
+from ..settings import SEED_LIMIT
+from .layers import LayerBench, profile_trace
+from .rates import HostRates, measure_rates
+
+RATES_FILE, HARDWARE_FILE = "rates.json", "hardware.json"
+KINDS = ("embed", "block", "head")
+
+
+def trace_file(trace: ProfileTrace) -> str:
+    """`h200-llama-3.1-8b-mb1-seq2048.json` (the shipped traces' names), `-<dtype>` added unless bf16."""
+    gpu = re.sub(r"[^a-z0-9.]+", "-", trace.gpu_model.casefold()).strip("-")
+    model = re.sub(r"[^a-z0-9.]+", "-", trace.model.casefold()).strip("-")
+    dtype = "" if trace.dtype == "bf16" else f"-{trace.dtype}"
+    return f"{gpu}-{model}-mb{trace.microbatch_size}-seq{trace.seq_len}{dtype}.json"
+
+
+def device_name(device: torch.device) -> str:
+    """What the trace was measured on, for people: the GPU's name, or the CPU's model and core count."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({device}), torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"CPU {cpu} ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def gpu_model_and_base(device: torch.device, hardware: str | None) -> tuple[str, Hardware | None]:
+    """The trace's `gpu_model` as the hardware presets spell it, and the base preset for hardware.json.
+
+    CUDA: `--hardware`'s GPU model when given, else the first shipped preset whose GPU model the device
+    name contains (`plan.cuda_hardware`'s rule), else the device name itself. CPU: "CPU", as
+    `plan.cpu_hardware` names its stand-in GPUs."""
+    base = load_hardware(hardware) if hardware else None
+    if device.type != "cuda":
+        return "CPU", base
+    name = torch.cuda.get_device_name(device)
+    if base is not None:
+        return base.gpus[0].model, base
+    matches = [load_hardware(p) for p in shipped_hardware()]
+    matches = [h for h in matches if h.gpus[0].model.casefold() in name.casefold()]
+    if not matches:
+        return name, None
+    best = min(matches, key=lambda h: len(h.gpus))
+    return best.gpus[0].model, best
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag in ("seq_len", "repeat", "threads"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise InputError(f"--{flag.replace('_', '-')}: must be >= 1, got {v}")
+    for flag in ("warmup", "seed"):
+        if getattr(args, flag) < 0:
+            raise InputError(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
+    if args.seed >= SEED_LIMIT:
+        raise InputError(f"--seed: must be < 2**63, got {args.seed}")
+    bad = [s for s in args.microbatch_size if s < 1]
+    if bad:
+        raise InputError(f"--microbatch-size: every size must be >= 1, got {bad[0]}")
+    check_dir(Path(args.out), "--out")
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        raise InputError("--backend cuda: no CUDA device is available (torch.cuda.is_available() is false); "
+                         "use --backend cpu")
+
+
+def profile_main(args: argparse.Namespace) -> int:
+    """The `tinypipe profile` command (options: tinypipe.cli); returns the exit code."""
+    from ..hf import load_source
+
+    _check(args)
+    spec = load_source(args.model).spec  # an unknown or untrainable model is an InputError, before any work
+    if args.seq_len > spec.max_seq_len:
+        raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
+    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "cuda" else torch.device("cpu")
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    threads = args.threads or os.cpu_count() or 1
+    gpu_model, base = gpu_model_and_base(device, args.hardware)
+    if device.type == "cuda" and gpu_model.casefold() not in torch.cuda.get_device_name(device).casefold():
+        print(f"note: the traces are named for {gpu_model!r} (--hardware), measured on "
+              f"{torch.cuda.get_device_name(device)!r}", file=sys.stderr)
+    out = Path(args.out)
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    on = device_name(device) + (f", {threads} thread(s)" if device.type == "cpu" else "")
+    bar = None if args.json else Progress("profile")
+
+    def say(text: str) -> None:
+        if bar is not None:
+            bar.phase(text)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        say(f"building {spec.name} (embedding, one block, head) on {device}")
+        bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed)
+        traces = []
+        for size in sorted(set(args.microbatch_size)):
+            measured = []
+            for kind in KINDS:
+                say(f"timing the {kind} at {size} x {args.seq_len} tokens ({args.warmup} + {args.repeat} runs)")
+                measured.append(bench.measure(kind, microbatch_size=size, seq_len=args.seq_len, repeat=args.repeat,
+                                              warmup=args.warmup, seed=args.seed))
+            traces.append(profile_trace(measured, bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
+                                        seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on,
+                                        when=when))
+        del bench
+        rates = None
+        if not args.no_rates:
+            say(f"measuring copies and the host optimizer on {threads} thread(s)")
+            rates = measure_rates(device, threads=threads, compute_dtype=dtype, repeat=min(args.repeat, 5), when=when)
+    finally:
+        torch.set_num_threads(before)
+        if bar is not None:
+            bar.close()
+    written = _write(out, traces, rates, base)
+    if args.json:
+        print(json.dumps({"written": [str(p) for p in written], "traces": [t.to_json() for t in traces],
+                          "rates": rates.to_json() if rates else None}, indent=2))
+        return 0
+    print(_report(spec.name, gpu_model, on, traces, rates, written, base))
+    return 0
+
+
+def _write(out: Path, traces: list[ProfileTrace], rates: HostRates | None, base: Hardware | None) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[Path, Any]] = [(out / trace_file(t), t.to_json()) for t in traces]
+    if rates is not None:
+        files.append((out / RATES_FILE, rates.to_json()))
+        if base is not None:
+            files.append((out / HARDWARE_FILE, rates.hardware(base).to_json()))
+    for path, obj in files:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+            tmp.replace(path)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    return [p for p, _ in files]
+
+
+def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rates: HostRates | None,
+            written: list[Path], base: Hardware | None) -> str:
+    from tinypipe import table
+
+    lines = [f"{model} on {on} (traces name the GPU model {gpu_model!r})", ""]
+    rows = [[t.microbatch_size, k, p.fwd_s * 1e3, p.bwd_s * 1e3, p.recompute_bwd_s * 1e3,
+             table.human_bytes(p.saved_act_bytes), table.human_bytes(p.workspace_bytes)]
+            for t in traces for k, p in t.kinds.items()]
+    lines.append(table.render(["mb size", "kind", "fwd ms", "bwd ms", "recompute+bwd ms", "saved", "workspace"],
+                              rows, align="rlrrrrr"))
+    if traces and "NOT measured" in traces[0].source:
+        lines.append("workspace: not measured on a CPU (no allocator peak); analytic, and the traces say so")
+    if rates is not None:
+        f = rates.factors()
+        lines += ["", f"copies ({rates.device}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, both at "
+                      f"once {rates.bidir_gbps:.1f} GB/s, fixed cost {rates.copy_latency_s * 1e6:.1f} us",
+                  f"host optimizer ({rates.threads} thread(s)): fused AdamW {rates.adam_params_per_s / 1e6:,.0f} M "
+                  f"params/s; replicated step {f['replicated']:.2f} x, compact step {f['compact']:.2f} x its time"]
+        if base is None:
+            lines.append("no hardware.json: give --hardware NAME|FILE as the base preset the rates go into")
+    lines += ["", *(f"wrote {p}" for p in written)]
+    t, folder = traces[0], written[0].parent
+    hw = f" --hardware {folder / HARDWARE_FILE}" if any(p.name == HARDWARE_FILE for p in written) else " --hardware H"
+    lines.append(f"use: tinypipe simulate --model {model} --profile {folder}{hw} --seq-len {t.seq_len} "
+                 f"--microbatch-size {t.microbatch_size}" + ("" if t.dtype == "bf16" else f" --dtype {t.dtype}")
+                 + f" (a trace is used where the hardware's GPU model is {gpu_model!r}"
+                 + (", as `run --backend cpu` describes this CPU)" if gpu_model == "CPU" else ")"))
+    return "\n".join(lines)

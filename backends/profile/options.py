@@ -1,0 +1,29 @@
+"""`tinypipe profile`'s options, registered by the CLI on every start (so this module imports no torch)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    """Register `tinypipe profile`'s options on `p` (the CLI's subparser); `command.profile_main` runs it."""
+    p.add_argument("--model", required=True, help="shipped model name, config.json, or a local model directory")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--microbatch-size", type=int, nargs="+", default=[1], metavar="N",
+                   help="sequences per microbatch, one trace each (default 1)")
+    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: this host's CPU, as `run --backend cpu` uses it; cuda: the current GPU (default cpu)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="compute dtype (default: fp32 on cpu, bf16 on cuda, as `run`)")
+    p.add_argument("--repeat", type=int, default=10, help="measured runs per time, the median kept (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured runs first (default 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: all cores; `run --backend cpu` gives each of its N workers "
+                        "cores/N)")
+    p.add_argument("--hardware", default=None, metavar="NAME|FILE",
+                   help="base preset for hardware.json (the measured rates put into it) and, on CUDA, the GPU model "
+                        "name the traces carry (default on CUDA: the shipped preset of this GPU model)")
+    p.add_argument("--no-rates", action="store_true", help="measure the layers only (no rates.json, hardware.json)")
+    p.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the JSON files (made if missing)")
+    p.add_argument("--json", action="store_true", help="print what was written and measured as JSON")

@@ -1,0 +1,240 @@
+"""Host <-> device copy rates and the host optimizer's rates, measured here -> `HostRates` (and a preset with them).
+
+Copies (pinned host memory on CUDA, timed with CUDA events on side streams; on a CPU the "device"
+is host memory too, so these are host memcpys timed with `time.perf_counter`), median of `repeat`
+after one warm-up:
+- h2d_gbps, d2h_gbps: one copy of `copy_bytes` each way alone;
+- bidir_gbps: both at once (two streams; on a CPU two threads), total bytes over the time both took;
+- copy_latency_s: the fixed cost of a copy, the time of a `small_copy_bytes` copy less its bytes at
+  the H2D rate (DESIGN §8 measured 3-6 us on the H200 host).
+
+Host optimizer, over one fp32 tensor of `optim_params` parameters at `threads` intra-op threads,
+through the run's own code (`HostState.step`, what an OPT_STEP runs), gradients delivered first:
+- adam_params_per_s: torch's fused AdamW alone (`AdamWConfig.make`), the rate `Hardware.host` holds;
+- replicated_params_per_s: the replicated layout's step (that AdamW, then the refresh of the
+  compute-dtype upload copy);
+- compact_params_per_s: the compact layout's step (`planes.compact_adamw_step`, chunked join /
+  AdamW / split over the 16-bit planes).
+The simulator charges `tinypipe.hostmem.optimizer_time_factor(layout)` / adam_params_per_s per
+parameter; `factors()` gives the measured factors to compare with those constants.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from tinypipe.hardware import Hardware, Host
+from tinypipe.hostmem import COMPACT_OPTIM_FACTOR, REPLICATED_OPTIM_FACTOR
+
+from ..hostlayouts import make_host_state
+from ..hoststate import DTYPES, AdamWConfig
+
+FORMAT = "tinypipe-host-rates-v1"
+COPY_BYTES = 256 << 20  # large enough to reach the link's rate (DESIGN §8: >= 16 MiB on the H200 host)
+CPU_COPY_BYTES = 64 << 20  # host memcpy: past the last-level cache, a fraction of a second on 2 cores
+SMALL_COPY_BYTES = 4 << 10
+OPTIM_PARAMS = 1 << 24  # 16M fp32 parameters: 256 MiB of state, past any cache, ~20 ms a step on 2 cores
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """What `measure_rates` measured (see the module docstring); bandwidths in GB/s = 1e9 B/s."""
+
+    device: str  # what the copies ran on, e.g. "cuda:0 (NVIDIA H200)" or "cpu (host memcpy)"
+    threads: int  # torch intra-op threads for the host work
+    h2d_gbps: float
+    d2h_gbps: float
+    bidir_gbps: float  # H2D and D2H at once, both directions together
+    copy_latency_s: float
+    adam_params_per_s: float
+    replicated_params_per_s: float
+    compact_params_per_s: float
+    copy_bytes: int
+    small_copy_bytes: int
+    optim_params: int
+    compute_dtype: str  # of the host state the optimizer steps ran in
+    repeat: int
+    when: str
+
+    def factors(self) -> dict[str, float]:
+        """Each layout's optimizer time per parameter over a plain fused AdamW's (hostmem's factors, measured)."""
+        return {"replicated": self.adam_params_per_s / self.replicated_params_per_s,
+                "compact": self.adam_params_per_s / self.compact_params_per_s}
+
+    def to_json(self) -> dict[str, Any]:
+        f = self.factors()
+        return {"format": FORMAT, **asdict(self),
+                "optimizer_time_factor": {k: round(v, 3) for k, v in f.items()},
+                "optimizer_time_factor_in_tinypipe": {"replicated": REPLICATED_OPTIM_FACTOR,
+                                                      "compact": round(COMPACT_OPTIM_FACTOR, 3)},
+                "fields": "h2d/d2h_gbps: one copy of copy_bytes each way alone (pinned host memory on CUDA, host "
+                          "memcpy on a CPU); bidir_gbps: both directions at once, total; copy_latency_s: a "
+                          "small_copy_bytes copy's time less its bytes at h2d_gbps; *_params_per_s: fp32 parameters "
+                          "per second at `threads` threads: torch fused AdamW alone (Hardware.host.adam_params_per_s), "
+                          "HostState.step under the replicated layout (AdamW + upload-copy refresh) and the compact "
+                          "one (planes.compact_adamw_step); optimizer_time_factor: adam / layout rate, to compare "
+                          "with tinypipe.hostmem's constants"}
+
+    def hardware(self, base: Hardware) -> Hardware:
+        """`base` with these rates: each GPU's own PCIe link at min(H2D, D2H) with the measured fixed cost,
+        the host's AdamW rate, and (one-GPU presets) the host DMA cap and memory links at the measured
+        two-way total; a preset of several GPUs keeps its DMA cap unless this one GPU exceeded it.
+        GEMM rates, memory sizes and GPU <-> GPU links stay the preset's (not measured here)."""
+        gpus = {g.name for g in base.gpus}
+        one = len(base.gpus) == 1
+        dma = self.bidir_gbps if one else max(base.host.dma_gbps, self.bidir_gbps)
+        link = min(self.h2d_gbps, self.d2h_gbps)
+        links = []
+        for x in base.links:
+            if x.kind == "pcie" and (x.a in gpus or x.b in gpus):
+                x = replace(x, gbps=link, latency_s=self.copy_latency_s)
+            elif x.kind == "mem":
+                x = replace(x, gbps=dma if one else max(x.gbps, dma))
+            links.append(x)
+        host = Host(memory_bytes=base.host.memory_bytes, dma_gbps=dma, cpu_cores=base.host.cpu_cores,
+                    adam_params_per_s=self.adam_params_per_s)
+        source = (f"{base.name} with rates measured by `tinypipe profile` on {self.device}, {self.when}: GPU "
+                  f"links {link:.1f} GB/s (min of H2D {self.h2d_gbps:.1f}, D2H {self.d2h_gbps:.1f}, pinned, "
+                  f"{self.copy_bytes >> 20} MiB copies) with a {self.copy_latency_s * 1e6:.1f} us fixed cost; both "
+                  f"directions at once {self.bidir_gbps:.1f} GB/s -> host DMA cap {dma:.1f} GB/s; fused AdamW "
+                  f"{self.adam_params_per_s / 1e9:.3g} G params/s on {self.threads} threads (compact step "
+                  f"{self.factors()['compact']:.2f} x, replicated {self.factors()['replicated']:.2f} x its time; "
+                  f"the simulator uses tinypipe.hostmem's factors). Not measured, kept from the preset: GEMM "
+                  f"rates, memory sizes, GPU <-> GPU links. The preset: {base.source}")
+        return Hardware(name=f"{base.name}-measured", provenance="measured", source=source, host=host,
+                        gpus=base.gpus, switches=base.switches, links=tuple(links), gpu_p2p=base.gpu_p2p)
+
+
+def _median(fn: Callable[[], float], repeat: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(repeat))
+
+
+def _cuda_copies(device: torch.device, nbytes: int, small: int, repeat: int) -> tuple[float, float, float, float]:
+    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def timed(*copies: tuple[torch.cuda.Stream, Callable[[], object]]) -> float:
+        torch.cuda.synchronize(device)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(device))
+        ends = []
+        for stream, copy in copies:
+            stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                copy()
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+                ends.append(end)
+        torch.cuda.synchronize(device)
+        return max(float(start.elapsed_time(e)) for e in ends) / 1e3
+
+    h2d = (up, lambda: dev_in.copy_(host_in, non_blocking=True))
+    d2h = (down, lambda: host_out.copy_(dev_out, non_blocking=True))
+    small_copy = (up, lambda: dev_in[:small].copy_(host_in[:small], non_blocking=True))
+    t_up = _median(lambda: timed(h2d), repeat)
+    t_down = _median(lambda: timed(d2h), repeat)
+    t_both = _median(lambda: timed(h2d, d2h), repeat)
+    t_small = _median(lambda: timed(small_copy), 5 * repeat)
+    return nbytes / t_up, nbytes / t_down, 2 * nbytes / t_both, max(0.0, t_small - small / (nbytes / t_up))
+
+
+def _cpu_copies(nbytes: int, small: int, repeat: int) -> tuple[float, float, float, float]:
+    host_in, dev_in = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dev_out, host_out = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+
+    def timed(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def both() -> float:
+        go = threading.Barrier(2)
+
+        def other() -> None:
+            go.wait()
+            host_out.copy_(dev_out)
+
+        t = threading.Thread(target=other)
+        t.start()
+        go.wait()
+        t0 = time.perf_counter()
+        dev_in.copy_(host_in)
+        t.join()
+        return time.perf_counter() - t0
+
+    t_up = _median(lambda: timed(lambda: dev_in.copy_(host_in)), repeat)
+    t_down = _median(lambda: timed(lambda: host_out.copy_(dev_out)), repeat)
+    t_both = _median(both, repeat)
+    t_small = _median(lambda: timed(lambda: dev_in[:small].copy_(host_in[:small])), 5 * repeat)
+    return nbytes / t_up, nbytes / t_down, 2 * nbytes / t_both, max(0.0, t_small - small / (nbytes / t_up))
+
+
+def _plain_adam_rate(weights: torch.Tensor, grad: torch.Tensor, repeat: int) -> float:
+    p = weights.clone().requires_grad_()
+    p.grad = grad.float()
+    opt = AdamWConfig().make([p])
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t0
+
+    return weights.numel() / _median(step, repeat)
+
+
+def _host_state_rate(layout: str, weights: torch.Tensor, grad: torch.Tensor, compute_dtype: str, repeat: int) -> float:
+    state = make_host_state({0: {"w": weights.clone()}}, layout=layout, compute_dtype=DTYPES[compute_dtype],
+                      optim=AdamWConfig())
+
+    def step() -> float:
+        state.receive_grads(0, {"w": grad})  # what GRAD_OUT delivers before each OPT_STEP
+        t0 = time.perf_counter()
+        state.step(0)
+        return time.perf_counter() - t0
+
+    return weights.numel() / _median(step, repeat)
+
+
+def _optimizer_rates(params: int, compute_dtype: str, repeat: int) -> tuple[float, float, float]:
+    """params/s of a plain fused AdamW, the replicated layout's step and the compact one."""
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.randn(params, generator=gen) * 0.02
+    grad = (torch.randn(params, generator=gen) * 1e-3).to(DTYPES[compute_dtype])
+    return (_plain_adam_rate(weights, grad, repeat),
+            _host_state_rate("replicated", weights, grad, compute_dtype, repeat),
+            _host_state_rate("compact", weights, grad, compute_dtype, repeat))
+
+
+def measure_rates(device: torch.device, *, threads: int, compute_dtype: str, repeat: int = 5,
+                  copy_bytes: int | None = None, small_copy_bytes: int = SMALL_COPY_BYTES,
+                  optim_params: int = OPTIM_PARAMS, when: str = "") -> HostRates:
+    """Measure copies between host and `device` and the host optimizer at `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if device.type == "cuda":
+            nbytes = copy_bytes or COPY_BYTES
+            up, down, both, latency = _cuda_copies(device, nbytes, small_copy_bytes, repeat)
+            where = f"{device} ({torch.cuda.get_device_name(device)})"
+        else:
+            nbytes = copy_bytes or CPU_COPY_BYTES
+            up, down, both, latency = _cpu_copies(nbytes, small_copy_bytes, repeat)
+            where = "cpu (host memcpy)"
+        adam, replicated, compact = _optimizer_rates(optim_params, compute_dtype, repeat)
+    finally:
+        torch.set_num_threads(before)
+    return HostRates(device=where, threads=threads, h2d_gbps=up / 1e9, d2h_gbps=down / 1e9, bidir_gbps=both / 1e9,
+                     copy_latency_s=latency, adam_params_per_s=adam, replicated_params_per_s=replicated,
+                     compact_params_per_s=compact, copy_bytes=nbytes, small_copy_bytes=small_copy_bytes,
+                     optim_params=optim_params, compute_dtype=compute_dtype, repeat=repeat, when=when)
