@@ -104,7 +104,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     return {
         "case": name, "gpus": gpus, "gpu_mem_cap_gib": _gib_arg(gpu_mem), "policy": plan.policy.to_json(),
         "optimizer": plan.policy.optimizer, "host_memory": plan.policy.host_memory,
-        "tokens_per_step": BATCH_TOKENS, "steps": steps, "warmup_iterations": WARMUP,
+        "run_options": extra, "tokens_per_step": BATCH_TOKENS, "steps": steps, "warmup_iterations": WARMUP,
         "iteration_s_each": each, "iteration_s": iteration_s, "tokens_per_s": tps,
         "peak_gpu_bytes": max(r.peak_device_bytes for r in results),
         "peak_gpu_bytes_per_rank": [r.peak_device_bytes for r in sorted(results, key=lambda r: r.rank)],
