@@ -3,7 +3,7 @@
 An action starts when the previous action on its resource and all its dependencies have finished.
 Costs follow docs/schedule-contract.md: FWD / BWD take the trace's times (BWD with recompute when
 the schedule recomputes), EVICT takes no time, OPT_STEP runs on `host.optim` at the host's AdamW rate
-slowed by the host layout's factor (`hostmem.optimizer_time_factor`), and copies (LOAD, FETCH_ACT,
+at the host layout's rate (`hostmem.optimizer_s_per_param`), and copies (LOAD, FETCH_ACT,
 OFFLOAD_ACT, GRAD_OUT, SEND/RECV) are fluid flows over the hardware route (sim/network.py). A SEND
 and its RECV rendezvous: the copy starts when both halves are ready and both end when it ends; each
 half's record starts when its own stream reached it (as a CUDA event recorded before it would).
@@ -24,7 +24,7 @@ import simpy
 
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_time_factor
+from tinypipe.hostmem import optimizer_s_per_param
 from tinypipe.model import ModelSpec
 from tinypipe.schedule import Kind, Schedule, resource_gpu
 from tinypipe.timeline import Record, Timeline
@@ -200,7 +200,7 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
             routes[(src, dst)] = (r.latency_s, links)
         return routes[(src, dst)]
 
-    opt_s_per_param = optimizer_time_factor(schedule.host_memory) / hardware.host.adam_params_per_s
+    opt_s_per_param = optimizer_s_per_param(hardware.host, schedule.host_memory)
     gpu_node = [g.name for g in hardware.gpus]
     gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
     profiles = {}

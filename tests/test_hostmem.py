@@ -51,3 +51,21 @@ def test_optimizer_factors_are_the_measured_ones() -> None:
     """compact: chunked join/AdamW/split 1.69x a fused AdamW; replicated: AdamW + bf16 cast 1.31x."""
     assert optimizer_time_factor("replicated") == REPLICATED_OPTIM_FACTOR == 1.31
     assert optimizer_time_factor("compact") == COMPACT_OPTIM_FACTOR == (1.56 + 1.82) / 2
+
+
+def test_optimizer_rate_is_the_measured_one_where_the_hardware_has_it() -> None:
+    """Without measured layout rates the optimizer costs the layout's factor over the fused AdamW rate;
+    a hardware JSON with `compact_params_per_s` / `replicated_params_per_s` (tinypipe profile) is
+    taken as it is, and survives the JSON round trip."""
+    import dataclasses
+
+    from tinypipe.hardware import Hardware, load_hardware
+    from tinypipe.hostmem import optimizer_s_per_param, optimizer_time_factor
+
+    hw = load_hardware("h200x1")
+    assert optimizer_s_per_param(hw.host, "compact") == optimizer_time_factor("compact") / hw.host.adam_params_per_s
+    measured = dataclasses.replace(hw, host=dataclasses.replace(hw.host, compact_params_per_s=2e9,
+                                                                replicated_params_per_s=4e9))
+    assert optimizer_s_per_param(measured.host, "compact") == 1 / 2e9
+    assert optimizer_s_per_param(measured.host, "replicated") == 1 / 4e9
+    assert Hardware.from_json(measured.to_json()) == measured

@@ -12,7 +12,7 @@ from itertools import accumulate
 
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware
-from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_time_factor
+from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_s_per_param
 from tinypipe.model import DTYPE_BYTES, ModelSpec
 from tinypipe.policy.policy import Policy
 from tinypipe.schedule import recomputes
@@ -168,14 +168,13 @@ def workload(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profil
         dyn = 0
     if policy.activation_home == "host":
         dyn += policy.microbatches * sum(inp)
-    factor = optimizer_time_factor(policy.host_memory)
-    rate = hardware.host.adam_params_per_s
+    opt_s_per_param = optimizer_s_per_param(hardware.host, policy.host_memory)
     return Workload(
         num_layers=len(model.layers), num_gpus=g, microbatches=policy.microbatches,
         fwd_s=tuple(fwd), bwd_s=tuple(bwd),
         weight_bytes=tuple(layer.param_bytes(dt) for layer in model.layers),
         act_bytes=tuple(act), input_bytes=tuple(inp),
-        opt_s=tuple(layer.params / rate * factor for layer in model.layers),
+        opt_s=tuple(layer.params * opt_s_per_param for layer in model.layers),
         workspace_bytes=ws, h2d_gbps=h2d, p2p_gbps=p2p, p2p_through_host=any(r.through_host for r in pairs),
         gpu_memory_bytes=tuple(x.memory_bytes for x in hardware.gpus),
         host_memory_bytes=hardware.host.memory_bytes, host_static_bytes=hb.total_bytes - ring,

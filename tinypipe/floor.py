@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_time_factor
+from tinypipe.hostmem import optimizer_s_per_param
 from tinypipe.model import ModelSpec
 from tinypipe.schedule import Kind, Schedule, resource_gpu
 from tinypipe.trace import KindProfile, ProfileTrace
@@ -55,7 +55,7 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
     up = [0.0] * gpus
     down = [0.0] * gpus
     optimizer = 0.0
-    opt_s_per_param = optimizer_time_factor(schedule.host_memory) / hardware.host.adam_params_per_s
+    opt_s_per_param = optimizer_s_per_param(hardware.host, schedule.host_memory)
     profiles: dict[int, KindProfile] = {}
     for a in schedule.actions:
         k = a.kind

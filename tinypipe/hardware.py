@@ -48,6 +48,10 @@ class Host:
     dma_gbps: float  # cap on the sum of all host<->device copy traffic, both directions
     cpu_cores: int
     adam_params_per_s: float  # CPU fused AdamW rate over fp32 parameters with all cores
+    # The optimizer step of each host layout as `tinypipe profile` measured it (params/s; None: not
+    # measured, `hostmem.optimizer_time_factor` x the fused AdamW rate stands in)
+    replicated_params_per_s: float | None = None
+    compact_params_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,11 @@ class Hardware:
         return {
             "name": self.name, "provenance": self.provenance, "source": self.source, "gpu_p2p": self.gpu_p2p,
             "host": {"memory_bytes": self.host.memory_bytes, "dma_gbps": self.host.dma_gbps,
-                     "cpu_cores": self.host.cpu_cores, "adam_params_per_s": self.host.adam_params_per_s},
+                     "cpu_cores": self.host.cpu_cores, "adam_params_per_s": self.host.adam_params_per_s,
+                     **({"replicated_params_per_s": self.host.replicated_params_per_s}
+                        if self.host.replicated_params_per_s is not None else {}),
+                     **({"compact_params_per_s": self.host.compact_params_per_s}
+                        if self.host.compact_params_per_s is not None else {})},
             "gpus": [{"name": g.name, "model": g.model, "memory_bytes": g.memory_bytes,
                       "matmul_flops": g.matmul_flops, "mem_gbps": g.mem_gbps} for g in self.gpus],
             "switches": list(self.switches),
@@ -245,7 +253,9 @@ class Hardware:
         h = f.obj_("host")
         host = Host(memory_bytes=h.int("memory_bytes", minimum=1),
                     dma_gbps=h.float("dma_gbps", positive=True), cpu_cores=h.int("cpu_cores", minimum=1),
-                    adam_params_per_s=h.float("adam_params_per_s", positive=True))
+                    adam_params_per_s=h.float("adam_params_per_s", positive=True),
+                    replicated_params_per_s=h.float("replicated_params_per_s", None, positive=True),
+                    compact_params_per_s=h.float("compact_params_per_s", None, positive=True))
         gpus = _parse_gpus(f)
         switches = f.list("switches", [])
         for i, s in enumerate(switches):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tinypipe.hardware import Host
 from tinypipe.model import DTYPE_BYTES, ModelSpec
 
 # CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
@@ -90,3 +91,13 @@ def host_bytes(model: ModelSpec, layout: str, *, compute_dtype: str = "bf16",
 def optimizer_time_factor(layout: str) -> float:
     """How much longer the CPU optimizer takes per parameter under `layout` than a plain fused AdamW."""
     return COMPACT_OPTIM_FACTOR if layout == "compact" else REPLICATED_OPTIM_FACTOR
+
+
+def optimizer_s_per_param(host: Host, layout: str) -> float:
+    """Seconds of host optimizer per parameter under `layout`: the measured rate of that layout's step
+    when the hardware has one (`tinypipe profile`), else the fused AdamW rate slowed by the layout's
+    factor. The one place the simulator, the cost model, the search bound and the floor take it from."""
+    measured = host.compact_params_per_s if layout == "compact" else host.replicated_params_per_s
+    if measured is not None:
+        return 1.0 / measured
+    return optimizer_time_factor(layout) / host.adam_params_per_s

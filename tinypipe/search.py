@@ -26,7 +26,7 @@ from typing import Any
 
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware
-from tinypipe.hostmem import host_bytes, optimizer_time_factor
+from tinypipe.hostmem import host_bytes, optimizer_s_per_param
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy
 from tinypipe.schedule import recomputes
@@ -200,7 +200,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     links = sum(hw.route("host", g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
-    optim = model.params / hw.host.adam_params_per_s * optimizer_time_factor(p.host_memory)
+    optim = model.params * optimizer_s_per_param(hw.host, p.host_memory)
     why = ""
     hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
     if hb > w.host_limit:

@@ -99,14 +99,15 @@ class HostRates:
                 x = replace(x, gbps=dma if one else max(x.gbps, dma))
             links.append(x)
         host = Host(memory_bytes=base.host.memory_bytes, dma_gbps=dma, cpu_cores=base.host.cpu_cores,
-                    adam_params_per_s=self.adam_params_per_s)
+                    adam_params_per_s=self.adam_params_per_s, replicated_params_per_s=self.replicated_params_per_s,
+                    compact_params_per_s=self.compact_params_per_s)
         source = (f"{base.name} with rates measured by `tinypipe profile` on {self.device}, {self.when}: GPU "
                   f"links {link:.1f} GB/s (min of H2D {self.h2d_gbps:.1f}, D2H {self.d2h_gbps:.1f}, pinned, "
                   f"{self.copy_bytes >> 20} MiB copies) with a {self.copy_latency_s * 1e6:.1f} us fixed cost; both "
                   f"directions at once {self.bidir_gbps:.1f} GB/s -> host DMA cap {dma:.1f} GB/s; fused AdamW "
                   f"{self.adam_params_per_s / 1e9:.3g} G params/s on {self.threads} threads (compact step "
                   f"{self.factors()['compact']:.2f} x, replicated {self.factors()['replicated']:.2f} x its time; "
-                  f"the simulator uses tinypipe.hostmem's factors). Not measured, kept from the preset: GEMM "
+                  f"the simulator takes these measured layout rates). Not measured, kept from the preset: GEMM "
                   f"rates, memory sizes, GPU <-> GPU links. The preset: {base.source}")
         return Hardware(name=f"{base.name}-measured", provenance="measured", source=source, host=host,
                         gpus=base.gpus, switches=base.switches, links=tuple(links), gpu_p2p=base.gpu_p2p)
