@@ -339,9 +339,12 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             if (lay, op.it) not in seen:
                 seen.add((lay, op.it))
                 gr = mem(g, "gr", lay)
-            sv = () if plan.recomputes(lay) else mem(g, "a", lay, m)
-            op.allocs = mem(g, "dx", lay, m) + gr + ws
-            op.frees = mem(g, "x", lay, m) + sv + mem(g, "dx", lay + 1, m) + ws
+            # Recomputing, the backward re-creates the forward's saved activations and holds them
+            # while it runs (trace.KindProfile); kept from the forward, it frees them at its end.
+            a = mem(g, "a", lay, m)
+            rec = a if plan.recomputes(lay) else ()
+            op.allocs = mem(g, "dx", lay, m) + gr + ws + rec
+            op.frees = mem(g, "x", lay, m) + a + mem(g, "dx", lay + 1, m) + ws
         elif k is LOAD:
             op.allocs = mem(g, "w", lay)
         elif k is EVICT:

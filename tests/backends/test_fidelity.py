@@ -20,9 +20,10 @@ once more (profile and run), since other work on a shared machine moves it eithe
 
 Memory: the CPU backend counts the tensors its interpreter holds (weights, gradients, layer inputs
 and their gradients), sampled after each action; the prediction's ledger also holds autograd's saved
-tensors of kept graphs (`a.L*`), a layer's transient workspace (`ws`), and an action's inputs until it
-ends. So measured <= predicted <= measured + the largest workspace + every kept graph's saved bytes
-+ the two inputs one action frees (measured: equality on rank 0, 0.14 MiB to spare on rank 1).
+tensors of kept graphs (`a.L*`), those a recomputing backward re-creates, a layer's transient
+workspace (`ws`), and an action's inputs until it ends. So measured <= predicted <= measured + the
+largest workspace + every kept graph's saved bytes + the largest re-created ones + the two inputs one
+action frees (measured: equality on rank 0, 0.14 MiB to spare on rank 1).
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def _profile_and_run(root: Path) -> tuple[float, float, float, list[str]]:
         layers = [x for p, g in zip(sched.pack_layers, sched.pack_gpu) if g == r.rank for x in p]
         kinds = [trace.layer(plan.spec.layers[x]) for x in layers]
         kept = sum(k.saved_act_bytes for x, k in zip(layers, kinds) if not sched.recomputes(x)) * sched.microbatches
-        unseen = max(k.workspace_bytes for k in kinds) + kept + 2 * max(k.saved_act_bytes_recompute for k in kinds)
+        recreated = max((k.saved_act_bytes for x, k in zip(layers, kinds) if sched.recomputes(x)), default=0)
+        unseen = (max(k.workspace_bytes for k in kinds) + kept + recreated
+                  + 2 * max(k.saved_act_bytes_recompute for k in kinds))
         pred = plan.prediction.peak_bytes[dev]
         lines.append(f"peak memory {dev}: measured {r.peak_device_bytes:,} B, predicted {pred:,} B "
                      f"(difference {pred - r.peak_device_bytes:,} B; the CPU measurement cannot see {unseen:,} B)")
