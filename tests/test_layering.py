@@ -1,4 +1,4 @@
-"""The house's import rules: the core never imports torch, simpy, sim/ or backends/ (cli.py lazily)."""
+"""The house's import rules: the core never imports torch, simpy, sim/ or backends/ (tinypipe/cli/ lazily)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 
 
 def test_core_never_imports_heavy_or_outer_packages() -> None:
-    """No module of tinypipe/ imports torch, simpy, sim/ or backends/; cli.py may, inside functions only."""
+    """No module of tinypipe/ imports torch, simpy, sim/ or backends/; tinypipe/cli/ may, inside functions only."""
     bad = []
     for path in sorted((ROOT / "tinypipe").rglob("*.py")):
         for mod, at_top in _imports(path):
             if mod.split(".")[0] in ("torch", "simpy", "transformers", "safetensors") or mod.startswith(FORBIDDEN):
-                if path.name == "cli.py" and not at_top:
+                if path.parent.name == "cli" and not at_top:
                     continue
                 bad.append(f"{path.relative_to(ROOT)}: {mod}")
     assert bad == []
@@ -91,3 +91,54 @@ raise SystemExit(main(['profile', '--model', 'tiny-llama', '--out', '/nonexisten
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "tinypipe[torch]" in r.stderr
+
+
+def _module(path: Path) -> str:
+    """The installed name of a source file: sim/engine.py -> tinypipe.sim.engine."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in ("sim", "backends"):
+        parts.insert(0, "tinypipe")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_files() -> list[Path]:
+    return sorted(p for d in ("tinypipe", "sim", "backends") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_no_import_cycle() -> None:
+    """The package's modules import each other without a cycle, imports inside functions included."""
+    files = _package_files()
+    names = {_module(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - max(0, node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                deps |= {target, *(f"{target}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in names and d != name and not name.startswith(d + ".")}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycle: list[str] = []
+
+    def visit(m: str, path: list[str]) -> bool:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycle.extend(path[path.index(d):] + [m, d] if d in path else [m, d])
+                return True
+            if d not in state and visit(d, path + [m]):
+                return True
+        state[m] = 2
+        return False
+
+    assert not any(visit(m, []) for m in sorted(graph) if m not in state), " -> ".join(cycle)
+
+
+def test_no_module_over_400_lines() -> None:
+    """One idea per file (STYLE.md): no module of the package is longer than 400 lines."""
+    long = {str(p.relative_to(ROOT)): n for p in _package_files() if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}

@@ -1,0 +1,126 @@
+"""`tinypipe inspect`: models, hardware and compiled schedules."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tinypipe.errors import InputError
+
+from .util import check_outputs, positive, print_json, print_list, workloads, write_new
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from tinypipe import table
+
+    if args.what == "model":
+        from tinypipe.hardware import load_hardware, shipped_hardware
+        from tinypipe.hfconfig import load_model, shipped_models
+        from tinypipe.inspection import model_report
+
+        if not args.name:
+            return print_list("models", shipped_models(), args.json)
+        positive("--seq-len", args.seq_len)
+        positive("--microbatch-size", args.microbatch_size)
+        model = load_model(args.name)
+        hws = [load_hardware(h) for h in (args.hardware or shipped_hardware())]
+        rep = model_report(model, seq_len=args.seq_len, microbatch_size=args.microbatch_size, hardware=hws)
+        if args.json:
+            return print_json(rep)
+        print(f"{rep['model']} ({rep['family']}): {rep['params']:,} parameters, {rep['blocks']} blocks, "
+              f"hidden {rep['hidden_size']}, vocab {rep['vocab_size']}"
+              + (", tied embeddings" if rep["tied_embeddings"] else ""))
+        print(f"source: {rep['source']}")
+        print(f"bf16 weights: {table.gib(rep['bf16_bytes'])}; seq {rep['seq_len']}, microbatch "
+              f"{rep['microbatch_size']} sequence(s)\n")
+        rows = [[r["name"] if r["count"] == 1 else f"{r['name']}..{r['last'].split('.')[-1]} (x{r['count']})",
+                 r["params"], table.human_bytes(r["bf16_bytes"]), r["fwd_flops_per_token"] / 1e6,
+                 r["saved_act_bytes_per_token"], r["boundary_bytes_per_token"]] for r in rep["layers"]]
+        print(table.render(["layer", "params", "bf16", "fwd MFLOP/token", "saved act B/token",
+                            "boundary B/token"], rows, align="lrrrrr"))
+        print("\nGPU memory for a pack of k blocks (weights + next pack prefetched + grads + saved inputs):")
+        print(table.render(["k", "GPU bytes"], [[p["layers"], table.gib(p["gpu_bytes"])] for p in rep["packs"]],
+                           align="rr"))
+        print("\nHost memory (fp32 master + AdamW):")
+        rows = [[lay, round(h["bytes_per_param"], 2), table.gib(h["total_bytes"])] for lay, h in rep["host"].items()]
+        print(table.render(["layout", "bytes/param", "total"], rows, align="lrr"))
+        print(f"\nCan it be trained at all? (needs >= {table.gib(rep['min_gpu_bytes'])} per GPU: the largest "
+              "layer twice + its gradient + one microbatch's activations)")
+        rows = [[f["hardware"], f["gpus"], table.gib(f["gpu_bytes"]), table.gib(f["host_bytes"]), f["gpu_fits"],
+                 f["host_fits_replicated"], f["host_fits_compact"], f["resident_fits"]] for f in rep["fit"]]
+        print(table.render(["hardware", "GPUs", "GPU mem", "host DRAM", "GPU ok", "host ok (replicated)",
+                            "host ok (compact)", "all-resident ok"], rows, align="lrrrllll"))
+        return 0
+    if args.what == "hardware":
+        from tinypipe.hardware import load_hardware, shipped_hardware
+        from tinypipe.inspection import hardware_report
+
+        if not args.name:
+            hws = [load_hardware(n) for n in shipped_hardware()]
+            if args.json:
+                return print_json([hardware_report(h) for h in hws])
+            rows = [[h.name, h.provenance, len(h.gpus), h.gpus[0].model, table.gib(h.gpus[0].memory_bytes),
+                     table.gib(h.host.memory_bytes), h.route("host", h.gpus[0].name).bottleneck_gbps]
+                    for h in hws]
+            print(table.render(["name", "provenance", "GPUs", "GPU", "GPU mem", "host DRAM", "host->gpu0 GB/s"],
+                               rows, align="llrlrrr"))
+            return 0
+        rep = hardware_report(load_hardware(args.name))
+        if args.json:
+            return print_json(rep)
+        print(f"{rep['name']} ({rep['provenance']}): {rep['source']}")
+        h = rep["host"]
+        print(f"host: {table.gib(h['memory_bytes'])} DRAM, DMA cap {h['dma_gbps']} GB/s, {h['cpu_cores']} cores, "
+              f"CPU AdamW {h['adam_params_per_s'] / 1e9:.2f} G params/s\n")
+        print(table.render(["gpu", "model", "memory", "bf16 TFLOP/s", "HBM GB/s"],
+                           [[g["name"], g["model"], table.gib(g["memory_bytes"]), g["matmul_flops"] / 1e12,
+                             g["mem_gbps"]] for g in rep["gpus"]], align="llrrr"))
+        print()
+        print(table.render(["a", "b", "kind", "GB/s per direction", "latency us"],
+                           [[x["a"], x["b"], x["kind"], x["gbps"], x["latency_s"] * 1e6] for x in rep["links"]],
+                           align="lllrr"))
+        print("\nroutes from host:")
+        print(table.render(["to", "path", "GB/s"], [[r["dst"], " > ".join(r["path"]), r["gbps"]]
+                                                    for r in rep["routes"]], align="llr"))
+        names = [g["name"] for g in rep["gpus"]]
+        if len(names) > 1:
+            print("\nGPU <-> GPU bottleneck GB/s:")
+            print(table.render(["", *names], [[a, *row] for a, row in zip(names, rep["peer_gbps"])]))
+        return 0
+    if args.what == "schedule":
+        return cmd_inspect_schedule(args)
+    raise InputError("inspect: say what to inspect: model, hardware or schedule")
+
+
+def cmd_inspect_schedule(args: argparse.Namespace) -> int:
+    from tinypipe import table
+    from tinypipe.compile import compile_schedule
+    from tinypipe.schedule import grid
+    from tinypipe.validate import validate
+
+    positive("--steps", args.steps)
+    check_outputs(out=args.out)
+    ((model, hw, policy, trace),) = workloads(args, [args.policy])
+    sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
+    validate(sched)
+    if args.out:
+        write_new(Path(args.out), sched.dumps())
+    counts = sched.counts()
+    if args.json:
+        return print_json({"actions": len(sched.actions), "packs": [list(p) for p in sched.pack_layers],
+                            "pack_gpu": list(sched.pack_gpu),
+                            "counts": [{"resource": r, "kind": k, "n": n} for (r, k), n in sorted(counts.items())]})
+    print(f"{policy.name}: {len(sched.pack_layers)} packs over {sched.num_gpus} GPUs, {len(sched.actions):,} actions "
+          f"in {sched.iterations} iterations; valid")
+    print("packs (layers -> gpu): " + ", ".join(f"{p[0]}-{p[-1]}->g{g}" for p, g in zip(sched.pack_layers,
+                                                                                     sched.pack_gpu)))
+    kinds = sorted({k for _, k in counts})
+    rows = [[r, *[counts.get((r, k), 0) for k in kinds]] for r in sched.resources if sched.by_resource()[r]]
+    print(table.render(["resource", *kinds], rows))
+    print()
+    print(grid(sched, max_steps=args.steps))
+    if args.out:
+        print(f"\nwrote {args.out}")
+    return 0
+
+

@@ -1,0 +1,191 @@
+"""`tinypipe simulate` and `tinypipe search`: policies through the simulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tinypipe.errors import InputError
+from tinypipe.progress import Progress
+
+from .util import check_outputs, plot_to, positive, print_json, workloads, write_new
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tinypipe import table
+    from tinypipe.compile import compile_schedule
+    from tinypipe.sim import simulate
+    from tinypipe.units import parse_bytes
+
+    names = args.policy or ["resident", "mobius", "tinypipe"]
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
+    host_mem = parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None
+    if args.batch_tokens is not None:
+        positive("--batch-tokens", args.batch_tokens)
+        if args.microbatches is not None:
+            raise InputError("--batch-tokens and --microbatches: give one (--batch-tokens sets each policy's "
+                             "microbatch count)")
+    check_outputs(trace=args.trace, plot=args.plot)
+    bar = None if args.json else Progress("simulate")
+    loads = workloads(args, names)
+    rows: list[dict[str, Any]] = []
+    first = None
+    for i, (model, hw, policy, trace) in enumerate(loads):
+        if bar is not None:
+            bar.phase(f"simulating {policy.name} ({i + 1}/{len(loads)})")
+        # a policy that cannot run this model on this hardware is a mistake (InputError, exit 2), not a row
+        sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
+        res = simulate(sched, model, hw, trace, gpu_mem_bytes=gpu_mem, host_mem_bytes=host_mem, on_capacity="record")
+        rows.append({"policy": policy.name, "tokens_per_step": policy.microbatches * policy.microbatch_size
+                     * args.seq_len, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
+                     "peak_gpu_bytes": res.peak_gpu_bytes, "peak_host_bytes": res.peak_host_bytes,
+                     "host_bytes_per_param": res.host_bytes_per_param, "fits": res.fits,
+                     "why": _over_capacity(res.peak_bytes, res.capacity_bytes),
+                     "first_violation": res.violation or "", "bottleneck": res.critical_path.bottleneck,
+                     "packs": len(sched.pack_layers), "trace": _trace_json(trace), "detail": res.to_json()})
+        if first is None:
+            first = res
+    if bar is not None:
+        bar.close()
+    wrote = []
+    if first is not None and args.trace:
+        write_new(Path(args.trace), json.dumps(first.timeline.to_chrome_trace()))
+        wrote.append(f"wrote {args.trace} (Chrome trace of {rows[0]['policy']}; open in Perfetto)")
+    if first is not None and args.plot:
+        from tinypipe.plot import plot_timeline
+
+        plot_to(plot_timeline, first.timeline, args.plot)
+        wrote.append(f"wrote {args.plot} (timeline of {rows[0]['policy']})")
+    if args.json:
+        for line in wrote:
+            print(line, file=sys.stderr)
+        return print_json({"model": args.model, "hardware": args.hardware, "seq_len": args.seq_len,
+                            "results": rows})
+    print(f"{args.model} on {args.hardware}, seq {args.seq_len}, {args.iterations} iterations simulated")
+    traces = {t.microbatch_size: t for _, _, _, t in loads}
+    for size, t in sorted(traces.items()):
+        print(f"trace for microbatch size {size}: {'analytic' if t.analytic else 'measured'} ({_clip(t.source)})")
+    print()
+    out = [[r["policy"], r["tokens_per_step"], round(r["tokens_per_s"]), round(r["iteration_s"], 3), r["packs"],
+            table.gib(r["peak_gpu_bytes"]), table.gib(r["peak_host_bytes"]), round(r["host_bytes_per_param"], 2),
+            r["bottleneck"], "yes" if r["fits"] else "no: " + r["why"]] for r in rows]
+    print(table.render(["policy", "tokens/step", "tokens/s", "iteration s", "packs", "peak GPU", "peak host",
+                        "host B/param", "bottleneck", "fits"], out, align="lrrrrrrrll"))
+    if len({r["tokens_per_step"] for r in rows}) > 1:
+        print("\nnote: these policies run different tokens per step (their own microbatch counts and sizes); "
+              "--batch-tokens N runs them all on one workload")
+    if wrote:
+        print("\n" + "\n".join(wrote))
+    return 0
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from tinypipe import table
+    from tinypipe.hardware import load_hardware
+    from tinypipe.hfconfig import load_model
+    from tinypipe.search import SearchSpace, SearchTarget, describe, search
+    from tinypipe.sim.evaluate import SimEvaluator
+    from tinypipe.trace import find_trace, load_profiles
+    from tinypipe.units import parse_bytes
+
+    for flag in ("seq_len", "batch_tokens", "top"):
+        positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.workers is not None:
+        positive("--workers", args.workers)
+    if args.batch_tokens % args.seq_len:
+        raise InputError(f"--batch-tokens: {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
+    check_outputs(out=args.out, plot=args.plot)
+    model = load_model(args.model)
+    hw = load_hardware(args.hardware)
+    w = SearchTarget(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
+                     gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+                     host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
+                     profiles=load_profiles(args.profile or ()), dtype=args.dtype)
+    space = SearchSpace(optimizers=("sync", "async") if args.allow_async else ("sync",))
+    measured = sorted({t.microbatch_size for t in w.profiles
+                       if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
+    if w.profiles and not measured:
+        print(f"note: no --profile trace is for {hw.gpus[0].model} / {model.name} / seq {w.seq_len} / {w.dtype}; "
+              "the search uses the shipped or analytic traces", file=sys.stderr)
+    elif measured and tuple(measured) != space.microbatch_sizes:  # measured and analytic times do not compare
+        space = dataclasses.replace(space, microbatch_sizes=tuple(measured))
+        print(f"note: searching microbatch sizes {', '.join(map(str, measured))}, those --profile measured",
+              file=sys.stderr)
+    workers = args.workers or (os.cpu_count() or 1)
+    bar = None if args.json else Progress("search")
+    if bar is not None:
+        bar.phase(f"search: {model.name} on {hw.name}, {workers} worker process(es)")
+    evaluate = SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes, profiles=w.profiles,
+                            dtype=w.dtype)
+    result = search(w, evaluate, space=space, workers=workers, progress=bar)
+    if bar is not None:
+        bar.close()
+    if args.out and result.winner is not None:
+        write_new(Path(args.out), result.winner.policy.replace(name="searched").dumps())
+    if args.plot:
+        from tinypipe.plot import plot_pareto
+
+        plot_to(plot_pareto, result, args.plot)
+        print(f"wrote {args.plot} (Pareto front)", file=sys.stderr)
+    if args.json:
+        print_json({"model": model.name, "hardware": hw.name, "seq_len": w.seq_len,
+                            "batch_sequences": w.batch_sequences, "considered": result.considered,
+                            "pruned": result.pruned, "rejected_by_memory_bound": result.rejected,
+                            "simulated": len(result.ranked) - result.rejected,
+                            "winner": result.winner.to_json() if result.winner else None,
+                            "top": [e.to_json() for e in result.ranked[:args.top]],
+                            "pareto": [e.to_json() for e in result.pareto()], "advice": result.advice})
+        if result.winner is None:
+            raise InputError(f"nothing fits {model.name} on {hw.name} (the advice is in the JSON)")
+        return 0
+    print(f"{model.name} on {hw.name}: {w.batch_sequences} x {w.seq_len} tokens per step; "
+          f"{result.considered} candidates: {len(result.ranked) - result.rejected} simulated, {result.pruned} pruned "
+          f"by the time bound, {result.rejected} rejected by the memory bound\n")
+    if result.winner is None:
+        print("nothing fits:")
+        for line in result.advice:
+            print("  - " + line)
+        raise InputError(f"nothing fits {model.name} on {hw.name}" + (f": {result.advice[0]}" if result.advice else ""))
+
+    def rows(evals: list[Any]) -> list[list[Any]]:
+        return [[i + 1, round(e.tokens_per_s), table.gib(e.peak_gpu_bytes), table.gib(e.peak_host_bytes),
+                 describe(e.policy)] for i, e in enumerate(evals)]
+
+    print("top candidates:")
+    print(table.render(["#", "tokens/s", "peak GPU", "peak host", "policy"],
+                       rows([e for e in result.ranked if e.fits][:args.top]), align="rrrrl"))
+    print("\nPareto front (tokens/s vs peak GPU vs peak host):")
+    print(table.render(["#", "tokens/s", "peak GPU", "peak host", "policy"], rows(result.pareto()), align="rrrrl"))
+    if args.out:
+        print(f"\nwrote the winner to {args.out}")
+    return 0
+
+
+def _trace_json(trace: Any) -> dict[str, Any]:
+    return {"measured": not trace.analytic, "gpu_model": trace.gpu_model, "model": trace.model, "dtype": trace.dtype,
+            "microbatch_size": trace.microbatch_size, "seq_len": trace.seq_len, "source": trace.source}
+
+
+def _clip(text: str, width: int = 110) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
+    """`host 143.75 > 64.00 GiB; GPU 46.42 > 24.00 GiB` for every kind of device over its capacity."""
+    from tinypipe.units import GIB
+
+    parts = []
+    for label, devs in (("host", [d for d in peak if d == "host"]), ("GPU", [d for d in peak if d != "host"])):
+        over = [d for d in devs if peak[d] > capacity.get(d, peak[d])]
+        if over:
+            d = max(over, key=lambda x: peak[x] - capacity[x])
+            parts.append(f"{label} {peak[d] / GIB:.2f} > {capacity[d] / GIB:.2f} GiB")
+    return "; ".join(parts)
+
+

@@ -1,0 +1,111 @@
+"""What the `tinypipe` commands share: the workload of a command line, output checks, JSON and lists."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tinypipe.errors import InputError
+
+
+def workloads(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[Any, Any, Any, Any]]:
+    """`workload` of each policy name, with the `--profile` traces read once; a note on stderr (once)
+    for each microbatch size that none of them matches."""
+    from tinypipe.trace import load_profiles, unmatched_note
+
+    profiles = load_profiles(args.profile or ())
+    out = [workload(args, name, profiles) for name in policy_names]
+    notes = dict.fromkeys(unmatched_note(profiles, trace, model) for model, _, _, trace in out)
+    for note in notes:
+        if note is not None:
+            print(note, file=sys.stderr)
+    return out
+
+
+def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple[Any, Any, Any, Any]:
+    """Model, hardware, policy (with CLI overrides) and trace (`profiles` first) for one policy name."""
+    from tinypipe.hardware import load_hardware
+    from tinypipe.hfconfig import load_model
+    from tinypipe.policy import load_policy
+    from tinypipe.trace import trace_for
+
+    for flag in ("seq_len", "iterations", "microbatches", "microbatch_size"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            positive("--" + flag.replace("_", "-"), v)
+    model = load_model(args.model)
+    hw = load_hardware(args.hardware)
+    policy = load_policy(policy_name)
+    changes = {k: getattr(args, k) for k in ("microbatches", "microbatch_size") if getattr(args, k, None)}
+    if changes:
+        policy = policy.replace(**changes)
+    batch_tokens = getattr(args, "batch_tokens", None)
+    if batch_tokens is not None:  # one workload for every policy: its microbatch count follows
+        per_mb = policy.microbatch_size * args.seq_len
+        if batch_tokens % per_mb:
+            raise InputError(f"--batch-tokens {batch_tokens}: not a multiple of policy {policy.name!r}'s microbatch "
+                             f"({policy.microbatch_size} sequence(s) x {args.seq_len} tokens = {per_mb})")
+        policy = policy.replace(microbatches=batch_tokens // per_mb)
+    trace = trace_for(model, hw.gpus[0], microbatch_size=policy.microbatch_size, seq_len=args.seq_len,
+                      dtype=args.dtype, profiles=profiles)
+    return model, hw, policy, trace
+
+
+def positive(flag: str, v: int) -> None:
+    if v < 1:
+        raise InputError(f"{flag}: must be >= 1, got {v}")
+
+
+def print_json(obj: Any) -> int:
+    print(json.dumps(obj, indent=2, default=str))
+    return 0
+
+
+def print_list(kind: str, names: list[str], as_json: bool) -> int:
+    if as_json:
+        return print_json(names)
+    print(f"shipped {kind}: " + ", ".join(names))
+    return 0
+
+
+def check_outputs(**paths: str | None) -> None:
+    """Fail before any work when an output file cannot be written (`--plot` also needs matplotlib)."""
+    from tinypipe.outputs import check_file
+
+    for flag, value in paths.items():
+        if value is None:
+            continue
+        check_file(Path(value), "--" + flag.replace("_", "-"))
+        if flag == "plot":
+            from tinypipe.plot import _pyplot
+
+            formats = _pyplot().gcf().canvas.get_supported_filetypes()
+            suffix = Path(value).suffix.lower().lstrip(".")
+            if suffix and suffix not in formats:
+                raise InputError(f"--plot {value}: .{suffix} is not a picture format; end the name with .png "
+                                 f"(or .{', .'.join(sorted(f for f in formats if f != 'png'))})")
+
+
+def plot_to(draw: Callable[..., Any], what: Any, path: str) -> None:
+    """Draw a PNG; a file that cannot be written is an InputError."""
+    try:
+        draw(what, path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write: {exc.strerror or exc}") from None
+
+
+def write_new(path: Path, text: str) -> None:
+    """Write an output file atomically (temp file + rename) so a failure never leaves half a file."""
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory; give a file name")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot write: {exc.strerror}") from None
+
