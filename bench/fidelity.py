@@ -36,6 +36,17 @@ LLAMA_RUNS = (("llama-3.1-8b 1 GPU compact sync", "1gpu-sync-compact", "h200x1-2
               ("llama-3.1-8b 2 GPUs compact async", "2gpu-async", "h200x2-24g-async.json"))
 
 
+# Qwen3-1.7B runs of bench/device/profile_h200.sh and qwen3_runs.sh: (config, trace, log in the
+# profile folder, the log lines' prefix, policy, microbatch size)
+QWEN_RUNS = (("qwen3-1.7b 1 GPU tinypipe preset (compact sync), 4 x 2048 per microbatch",
+              "cuda_h200_1gpu-qwen3-1.7b.trace.json", "log.txt", "", "tinypipe", 4),
+             ("qwen3-1.7b 1 GPU tinypipe preset (compact sync), 2 x 2048 per microbatch",
+              "cuda_h200_1gpu-qwen3-1.7b-mb2-sync.trace.json", "qwen3_runs.log", "[mb2-sync] ", "tinypipe", 2),
+             ("qwen3-1.7b 1 GPU tinypipe preset, async optimizer, 4 x 2048 per microbatch",
+              "cuda_h200_1gpu-qwen3-1.7b-mb4-async.trace.json", "qwen3_runs.log", "[mb4-async] ",
+              str(POLICIES / "tinypipe-async.json"), 4))
+
+
 def _bench_records() -> dict[str, dict[str, Any]]:
     """The latest successful record of each bench case."""
     out: dict[str, dict[str, Any]] = {}
@@ -84,18 +95,18 @@ def rows(profile: Path) -> list[dict[str, Any]]:
                     "predicted_iteration_s": pred["iteration_s"], "measured_peak_gpu_bytes": rec["peak_gpu_bytes"],
                     "predicted_peak_gpu_bytes": pred["peak_gpu_bytes"], "measured_on": rec["date"],
                     "predict_command": pred["command"], "device": DEVICE, "date": rec["date"]})
-    log = (profile / "log.txt").read_text()
-    found = re.search(r"peak g0 ([\d,.]+) MiB measured", log)
-    if found is None:
-        raise SystemExit(f"{profile / 'log.txt'}: no measured peak of the Qwen3 run")
-    peak_mib = float(found.group(1).replace(",", ""))
-    measured, _ = _trace_iteration_s(RESULTS / "cuda_h200_1gpu-qwen3-1.7b.trace.json", warmup=2)
-    pred = _predict("qwen3-1.7b", 1, "tinypipe", 4, profile)
-    out.append({"config": "qwen3-1.7b 1 GPU tinypipe preset (compact sync), 4 x 2048 per microbatch",
-                "measured_iteration_s": measured, "warmup_iterations": 2,
-                "predicted_iteration_s": pred["iteration_s"], "measured_peak_gpu_bytes": round(peak_mib * 2**20),
-                "predicted_peak_gpu_bytes": pred["peak_gpu_bytes"], "measured_on": "2026-12-01",
-                "predict_command": pred["command"], "device": DEVICE, "date": "2026-12-01"})
+    for name, trace, log, tag, policy, mb in QWEN_RUNS:
+        text = (profile / log).read_text()
+        found = re.search(re.escape(tag) + r"device\s+peak g0 ([\d,.]+) MiB measured", text)
+        if found is None:
+            raise SystemExit(f"{profile / log}: no measured peak of the run {tag or name}")
+        peak_mib = float(found.group(1).replace(",", ""))
+        measured, _ = _trace_iteration_s(RESULTS / trace, warmup=2)
+        pred = _predict("qwen3-1.7b", 1, policy, mb, profile)
+        out.append({"config": name, "measured_iteration_s": measured, "warmup_iterations": 2,
+                    "predicted_iteration_s": pred["iteration_s"], "measured_peak_gpu_bytes": round(peak_mib * 2**20),
+                    "predicted_peak_gpu_bytes": pred["peak_gpu_bytes"], "measured_on": "2026-12-01",
+                    "predict_command": pred["command"], "device": DEVICE, "date": "2026-12-01"})
     for r in out:
         r["iteration_error"] = r["predicted_iteration_s"] / r["measured_iteration_s"] - 1
         r["peak_gpu_error"] = r["predicted_peak_gpu_bytes"] / r["measured_peak_gpu_bytes"] - 1
