@@ -23,5 +23,5 @@ def test_wheel_contains_traces_and_subpackages(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"tinypipe/traces/{p.relative_to(ROOT / 'traces')}" for p in (ROOT / "traces").rglob("*.json")}
     assert shipped and shipped <= names
-    assert {"tinypipe/sim/engine.py", "tinypipe/backends/run.py", "tinypipe/cli.py",
-            "tinypipe/backends/profile/layers.py"} <= names
+    assert {"tinypipe/sim/engine.py", "tinypipe/backends/run.py", "tinypipe/cli/__init__.py",
+            "tinypipe/backends/profile/layers.py", "tinypipe/backends/data/batches.py"} <= names

@@ -81,8 +81,8 @@ def test_profile_writes_traces_that_load_and_say_what_they_are(profiled: tuple[P
 
 
 def test_profile_times_and_sizes_are_sane(profiled: tuple[Path, Path, str]) -> None:
-    """Every time is > 0 and a recomputing backward takes at least half of forward + backward (it runs
-    both; the margin absorbs a shared machine's noise); the head, never recomputed, has
+    """Every time is > 0 and a block's recomputing backward takes at least half of forward + backward
+    (it runs both; the margin absorbs a shared machine's noise); the head, never recomputed, has
     recompute_bwd = fwd + bwd. Sizes: a layer's recompute footprint is its fp32 input, the embedding
     keeps its token ids (8 B each), the head keeps x, the normalised x and the normed output in fp32
     plus the labels, the log-sum-exp and the reciprocal RMS (12 h + 16 B a token); the workspace is
@@ -93,7 +93,8 @@ def test_profile_times_and_sizes_are_sane(profiled: tuple[Path, Path, str]) -> N
         tokens = size * SEQ
         for kind, p in t.kinds.items():
             assert p.fwd_s > 0 and p.bwd_s > 0 and p.recompute_bwd_s > 0, kind
-            assert p.recompute_bwd_s >= 0.5 * (p.fwd_s + p.bwd_s), kind
+        block = t.kinds["block"]  # the embedding takes microseconds here: too little to compare
+        assert block.recompute_bwd_s >= 0.5 * (block.fwd_s + block.bwd_s)
         embed, block, head = t.kinds["embed"], t.kinds["block"], t.kinds["head"]
         assert head.recompute_bwd_s == pytest.approx(head.fwd_s + head.bwd_s)
         assert embed.saved_act_bytes == 8 * tokens and embed.saved_act_bytes_recompute == 0
