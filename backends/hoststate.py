@@ -31,7 +31,9 @@ unrefreshed by such a step; compact keeps a snapshot of the upload form until `d
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -142,6 +144,11 @@ class HostState:
         # and the head's, for the matrix they share); the first share is copied, the second added
         self.shared_grad = shared_grad
         self._shares: dict[int, int] = {}
+        # the second share, copied into pinned staging as it arrives (the device's copy engine, no
+        # host wait) and added by the step: (staging views by name) per pending step, oldest first
+        self._second: dict[int, deque[dict[str, torch.Tensor]]] = {}
+        self._staging_free: list[dict[str, torch.Tensor]] = []  # staging buffers whose share was added
+        self._staging_all: list[dict[str, torch.Tensor]] = []
         self._steps = {i: 0 for i in self.layers}
         self._index: dict[int, list[_Param]] = {}
         self._numel: dict[int, int] = {}
@@ -220,17 +227,22 @@ class HostState:
 
         The `shared_grad` layer takes two shares per step (tied embeddings: the embedding's own
         gradient and the head's gradient of the shared matrix, in either order): the first is
-        copied (parameters it lacks are zeroed), the second added in fp32."""
+        copied (parameters it lacks are zeroed); the second is copied into pinned staging and added
+        by the layer's `step`, so the issuing thread never waits for it (a synchronous copy and
+        add of Qwen3-1.7B's 311M-parameter matrix took 0.54 s per step on an H200 host)."""
         if layer == self.shared_grad:
             got = self._shares.get(layer, 0)
             if got >= 2:
                 raise ValueError(f"layer {layer}: a third gradient share before its OPT_STEP")
             self._shares[layer] = got + 1
             if got == 1:
-                dst = self._views(layer, self._grads_of(layer))
+                with self._locks[layer]:
+                    staged = self._staging(grads)
                 with torch.no_grad():
                     for name, g in grads.items():
-                        dst[name].add_(g.to(dst[name].device, dst[name].dtype))
+                        staged[name].copy_(g, non_blocking=non_blocking)
+                with self._locks[layer]:
+                    self._second.setdefault(layer, deque()).append(staged)
                 return
         dst = self._views(layer, self._land_grads(layer))
         with torch.no_grad():
@@ -239,6 +251,31 @@ class HostState:
             if layer == self.shared_grad:
                 for n in dst.keys() - grads.keys():
                     dst[n].zero_()
+
+    def _staging(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pinned buffers shaped like `grads` (one set per share still waiting for its step; reused)."""
+        shape = {n: (tuple(g.shape), g.dtype) for n, g in grads.items()}
+        for k, buf in enumerate(self._staging_free):
+            if {n: (tuple(t.shape), t.dtype) for n, t in buf.items()} == shape:
+                return self._staging_free.pop(k)
+        slab = self._new_slab([(sh, dt) for sh, dt in shape.values()], "staging for a tied gradient's second share")
+        buf = {n: slab.take(sh, dt) for n, (sh, dt) in shape.items()}
+        self._staging_all.append(buf)
+        return buf
+
+    def _add_second_share(self, layer: int, grads: torch.Tensor) -> None:
+        """Add the oldest staged second share of `layer` into its gradients (the step's flat buffer)."""
+        with self._locks[layer]:
+            pending = self._second.get(layer)
+            staged = pending.popleft() if pending else None
+        if staged is None:
+            return
+        dst = self._views(layer, grads)
+        with torch.no_grad():
+            for name, g in staged.items():
+                dst[name].add_(g.to(dst[name].dtype))
+        with self._locks[layer]:
+            self._staging_free.append(staged)
 
     def _land_grads(self, layer: int) -> torch.Tensor:
         """The flat buffer `layer`'s gradients are copied into now (GRAD_OUT)."""
@@ -261,6 +298,8 @@ class HostState:
                                  "shares (its own GRAD_OUT and the tied head's)")
             self._shares[layer] = 0
         grads = self._take_grads(layer)
+        if layer == self.shared_grad:
+            self._add_second_share(layer, grads)  # its copy ended before the step was called
         ready = threading.Event()
         with self._locks[layer]:
             self._writing[layer] = ready
@@ -326,7 +365,9 @@ class HostState:
         seen: set[int] = set()
         padding = sum(s.padding_bytes for s in self._slabs)  # the views below cover the rest of the slabs
         optim = storage_bytes(self._optim_tensors(), seen)
-        return self._held(seen, optim, padding)
+        held = self._held(seen, optim, padding)
+        staging = view_bytes(t for buf in self._staging_all for t in buf.values())  # a tied matrix's second share
+        return dataclasses.replace(held, grad_bytes=held.grad_bytes + staging) if staging else held
 
     def _held(self, seen: set[int], optim: int, padding: int) -> HeldBytes:
         raise NotImplementedError

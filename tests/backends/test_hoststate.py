@@ -290,3 +290,23 @@ def test_upload_of_the_previous_version_while_a_step_writes(tiny_llama: Any, lay
     # the schedule issues a layer's uploads in iteration order on one stream)
     after = hs.load(layer, 1, torch.device("cpu"))
     assert any(not torch.equal(after[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "compact"])
+def test_a_tied_layers_second_share_is_staged_then_added_by_its_step(layout: str) -> None:
+    """The second gradient share of the tied layer lands in pinned staging (counted as gradient
+    bytes), is added by the step, and the result equals one step with the summed gradient."""
+    params = _params()
+    layer = min(params)
+    tied = make_host_state(_clone(params), layout=layout, compute_dtype=torch.float32, optim=CFG, shared_grad=layer)
+    plain = make_host_state(_clone(params), layout=layout, compute_dtype=torch.float32, optim=CFG)
+    first = {n: torch.full_like(t, 0.5) for n, t in params[layer].items()}
+    second = {n: torch.full_like(t, 0.25) for n, t in params[layer].items()}
+    before = tied.held().grad_bytes
+    tied.receive_grads(layer, first)
+    tied.receive_grads(layer, second)
+    assert tied.held().grad_bytes == before + sum(t.numel() * 4 for t in second.values())
+    tied.step(layer)
+    plain.receive_grads(layer, {n: first[n] + second[n] for n in first})
+    plain.step(layer)
+    assert all(torch.equal(tied.master(layer)[n], plain.master(layer)[n]) for n in params[layer])
