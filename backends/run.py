@@ -165,7 +165,8 @@ def timeline(plan: Any, results: list[Any]) -> Any:
 
 def replay_record(plan: Any) -> dict[str, Any]:
     """What `tinypipe replay` needs to recompile this run's schedule (a trace's `otherData.run`): the
-    model's config, the hardware and policy as compiled, the workload, and the window (K, id stride)."""
+    model's config, the hardware and policy as compiled, the workload, the window (K, id stride), and
+    the profile trace the run was planned with (its prediction's costs)."""
     from tinypipe.hfconfig import config_path
     from tinypipe.jsonio import load_json
 
@@ -178,7 +179,7 @@ def replay_record(plan: Any) -> dict[str, Any]:
             "seq_len": job.seq_len, "microbatches": s.microbatches, "microbatch_size": job.microbatch_size,
             "batch_tokens": plan.batch_tokens, "gpus": plan.world, "gpu_mem_bytes": job.gpu_mem_bytes,
             "dtype": s.compute_dtype, "backend": job.backend, "steps": job.steps, "iterations": s.iterations,
-            "id_stride": len(s.actions)}
+            "id_stride": len(s.actions), "profile": plan.trace.to_json()}
 
 
 def sparkline(values: list[float], width: int = 48) -> str:

@@ -119,7 +119,10 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
         policy = policy.replace(microbatches=args.microbatches)
     # `tinypipe run`'s compute dtype: recorded, else its default (backends/plan.py: bf16 on cuda, fp32 on cpu)
     dtype = str(run.get("dtype") or ("fp32" if trace.source == "cpu" else "bf16"))
-    profile = trace_for(model, hardware.gpus[0], policy.microbatch_size, seq_len, dtype)
+    if isinstance(run.get("profile"), dict):  # the trace the run was planned with (`run --profile`, or shipped)
+        profile = ProfileTrace.from_json(run["profile"], where=f"{where}: otherData.run.profile")
+    else:
+        profile = trace_for(model, hardware.gpus[0], policy.microbatch_size, seq_len, dtype)
     iterations = args.iterations or run.get("iterations") or min(WINDOW_ITERATIONS, trace.steps)
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else run.get("gpu_mem_bytes")
     return Setup(model, hardware, policy, profile, int(iterations), gpu_mem)

@@ -43,6 +43,7 @@ def test_run_trace_describes_the_run_and_replays_within_its_bound(tmp_path: Path
         "dtype": "fp32", "backend": "cpu", "steps": STEPS, "iterations": 4}
     assert run["policy"]["packing"] == [1, 2, 1, 2] and run["hardware"]["name"] == "cpu-x2"
     assert run["model_config"]["model_type"] == "llama" and run["id_stride"] > 0
+    assert set(run["profile"]["kinds"]) == {"embed", "block", "head"}  # what its prediction was costed with
 
     assert cli_main(["replay", str(trace)]) == 0
     out = capfd.readouterr().out
