@@ -15,10 +15,11 @@ from typing import Any, Protocol
 import torch
 
 # Thread blocks (SMs) one NCCL send / receive may occupy. A receive is posted before its data is
-# ready and its kernel spins on the GPU until the peer's send arrives; with NCCL's default channel
-# count the 8B layers ran 10-12% slower on 2 H200s than on one (2026-12-01: 7.42 vs 6.62 ms per
-# forward block, 23.78 vs 21.70 ms per recomputing backward), as if ~15 of 132 SMs were taken.
-# Boundary activations are 64 MiB per microbatch, a millisecond or two over NVLink with a few blocks.
+# ready and its kernel spins on the GPU until the peer's send arrives, holding its blocks. Measured
+# on 2 H200s (2026-12-01), the 8B forward block took 7.42 ms with NCCL's default and 7.22 ms with
+# this cap. The rest of the gap to the 6.6 ms of 2026-11-30 was the machine: a 1-GPU run without
+# NCCL took 7.2 ms there too, and another lent H200 7.8 ms in isolation (`tinypipe profile`).
+# Boundary activations are 64 MiB per microbatch: a millisecond or two over NVLink with a few blocks.
 P2P_MAX_CTAS = 4
 
 
