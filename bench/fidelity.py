@@ -57,18 +57,13 @@ def _bench_records() -> dict[str, dict[str, Any]]:
     return out
 
 
-def _trace_iteration_s(path: Path, warmup: int) -> tuple[float, list[float]]:
-    """Mean iteration after `warmup`, iteration ends as `Timeline.iteration_ends_s` (last FWD / BWD)."""
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
-    ends: dict[int, float] = {}
-    for e in events:
-        if e["cat"] in ("FWD", "BWD"):
-            it = e["args"]["iteration"]
-            ends[it] = max(ends.get(it, 0.0), (e["ts"] + e["dur"]) / 1e6)
-    start = min(e["ts"] for e in events) / 1e6
-    marks = [start] + [ends[i] for i in sorted(ends)]
-    each = [b - a for a, b in zip(marks, marks[1:])]
-    return statistics.fmean(each[warmup:]), each
+def _trace_iteration_s(path: Path, warmup: int) -> float:
+    """Mean iteration after `warmup` of a run's Chrome trace (`Timeline.iteration_times_s`)."""
+    from tinypipe.replay import load_run_trace
+    from tinypipe.timeline import Timeline
+
+    each = Timeline(load_run_trace(path).records).iteration_times_s()
+    return statistics.fmean(each[warmup:])
 
 
 def _predict(model: str, gpus: int, policy: str, microbatch_size: int | None, profile: Path) -> dict[str, Any]:
@@ -101,7 +96,7 @@ def rows(profile: Path) -> list[dict[str, Any]]:
         if found is None:
             raise SystemExit(f"{profile / log}: no measured peak of the run {tag or name}")
         peak_mib = float(found.group(1).replace(",", ""))
-        measured, _ = _trace_iteration_s(RESULTS / trace, warmup=2)
+        measured = _trace_iteration_s(RESULTS / trace, warmup=2)
         pred = _predict("qwen3-1.7b", 1, policy, mb, profile)
         out.append({"config": name, "measured_iteration_s": measured, "warmup_iterations": 2,
                     "predicted_iteration_s": pred["iteration_s"], "measured_peak_gpu_bytes": round(peak_mib * 2**20),

@@ -4,11 +4,13 @@ layers on its own thread pool (cores / ranks - 1 threads on CUDA), all ranks at 
     python bench/host_optim_rates.py [--params N] [--ranks 1,2] [--steps 5] [--out FILE]
 
 For each rank count R in `--ranks`, R processes start together (a barrier), each holding one layer
-of `--params` parameters (default 218,112,000: one Llama-3.1-8B block) in the host layout, and each
-times `--steps` optimizer steps of it (after one untimed step that allocates the AdamW moments):
-  compact     backends.planes.compact_adamw_step over the planes, bf16 gradient (what a compact rank runs)
-  replicated  torch's fused AdamW on the fp32 master plus the bf16 upload-copy refresh
-Reported: params/s of each rank (median step) and of all ranks together. The simulator's
+of `--params` parameters (default 218,112,000: one Llama-3.1-8B block) in a HostState of each
+layout, and each times `--steps` optimizer steps of it with `tinypipe profile`'s own measurement
+(`backends.profile.rates.host_state_rate`: `HostState.step`, what an OPT_STEP runs, bf16 gradients,
+after one untimed step that allocates the AdamW moments). Reported: params/s of each rank (median
+step) and of all ranks together. bench/results/host_optim_rates_h200x1.json was written by the first
+version of this script (commit 7cd45a4), which stepped the planes and the fused AdamW
+directly rather than through HostState. The simulator's
 `host.adam_params_per_s` and `hostmem.optimizer_time_factor` are one rate for the whole host; the
 replay of 2x H200 runs (bench/results/replay_h200.json) measured a compact step of an 8B block at
 2.7x that prediction with two ranks stepping at once. This measures the rates apart from any run.
@@ -20,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,44 +31,15 @@ import torch.multiprocessing as mp
 BLOCK_PARAMS = 218_112_000  # Llama-3.1-8B decoder block
 
 
-def _worker(rank: int, ranks: int, params: int, steps: int, layout: str, threads: int,
-            barrier: Any, out: Any) -> None:
-    from tinypipe.backends.planes import compact_adamw_step, split, workspace_elems
+def _worker(rank: int, params: int, steps: int, layout: str, threads: int, barrier: Any, out: Any) -> None:
+    from tinypipe.backends.profile.rates import host_state_rate
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(rank)
-    master = torch.randn(params, generator=g)
-    grad = torch.randn(params, generator=g).to(torch.bfloat16)
-    times = []
-    if layout == "compact":
-        hi, lo = torch.empty(params, dtype=torch.int16), torch.empty(params, dtype=torch.int16)
-        split(master, hi, lo)
-        del master
-        m, v = torch.zeros(params), torch.zeros(params)
-        scratch = torch.empty(workspace_elems())
-
-        def step(k: int) -> None:
-            compact_adamw_step(hi, lo, grad, m, v, step=k, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                               weight_decay=0.0, scratch=scratch)
-    else:
-        p = torch.nn.Parameter(master)
-        p.grad = torch.empty(params)
-        upload = torch.empty(params, dtype=torch.bfloat16)
-        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-
-        def step(k: int) -> None:
-            assert p.grad is not None
-            p.grad.copy_(grad)  # what GRAD_OUT lands (fp32 buffer)
-            opt.step()
-            upload.copy_(p.detach())  # the upload-copy refresh
-
-    step(1)  # allocates / first-touches the moments
-    barrier.wait()
-    for k in range(steps):
-        t0 = time.perf_counter()
-        step(k + 2)
-        times.append(time.perf_counter() - t0)
-    out.put((rank, times))
+    weights = torch.randn(params, generator=g) * 0.02
+    grad = (torch.randn(params, generator=g) * 1e-3).to(torch.bfloat16)
+    barrier.wait()  # every rank steps at once
+    out.put((rank, host_state_rate(layout, weights, grad, "bf16", steps)))
 
 
 def measure(ranks: int, params: int, steps: int, layout: str) -> dict[str, Any]:
@@ -76,16 +47,16 @@ def measure(ranks: int, params: int, steps: int, layout: str) -> dict[str, Any]:
     threads = max(1, cores // ranks - 1)
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(ranks), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, ranks, params, steps, layout, threads, barrier, out))
+    procs = [ctx.Process(target=_worker, args=(r, params, steps, layout, threads, barrier, out))
              for r in range(ranks)]
     for p in procs:
         p.start()
     got = dict(out.get(timeout=1800) for _ in procs)
     for p in procs:
         p.join()
-    per_rank = [params / statistics.median(got[r]) for r in range(ranks)]
+    per_rank = [got[r] for r in range(ranks)]
     return {"layout": layout, "ranks": ranks, "threads_per_rank": threads, "params_per_rank": params,
-            "step_s_each_rank": [got[r] for r in range(ranks)], "params_per_s_each_rank": per_rank,
+            "params_per_s_each_rank": per_rank,
             "params_per_s_total": sum(per_rank)}
 
 

@@ -74,12 +74,15 @@ class Engine:
         self._waiters: dict[int, simpy.Event] = {}  # action id -> event fired when it ends
         self._rendezvous: dict[int, simpy.Event] = {}  # half that arrived first -> its wake-up event
         self._mode, self._cost = _costs(schedule, model, hardware, trace, self.partner)
-        self._fixed: dict[int, float] = {}  # action id -> measured duration (replay)
+        self._fixed: dict[int, float] = {}  # SEND / RECV half -> measured duration after the rendezvous (replay)
         for aid, d in (durations or {}).items():
             if not 0 <= aid < n or not d >= 0:
                 raise InputError(f"durations: action {aid}: {d!r} s; expected an action id in 0..{n - 1} "
                                  "and a duration >= 0")
-            self._fixed[aid] = float(d)
+            if self._mode[aid] == _PAIR:
+                self._fixed[aid] = float(d)
+            else:  # any other action simply takes its measured time
+                self._mode[aid], self._cost[aid] = _TIMED, float(d)
         for ids in (schedule.by_resource() if lanes is None else lanes).values():
             if ids:
                 self.env.process(self._run(ids))
@@ -121,11 +124,7 @@ class Engine:
             if a.allocs:
                 memory.alloc(a, t0)
             m = mode[aid]
-            fixed = self._fixed.get(aid)
-            if m != _PAIR and fixed is not None:
-                if fixed > 0:
-                    yield env.timeout(fixed)
-            elif m == _TIMED:
+            if m == _TIMED:
                 dur = cost[aid]
                 if dur > 0:
                     yield env.timeout(dur)
@@ -133,6 +132,7 @@ class Engine:
                 nbytes, lat, links = cost[aid]
                 yield net.copy(nbytes, lat, links)
             else:
+                fixed = self._fixed.get(aid)
                 other = self._rendezvous.pop(self.partner[aid], None)
                 if other is None:  # first half here: wait for the other to start the copy
                     mine = self._rendezvous[aid] = env.event()

@@ -194,9 +194,11 @@ def _plain_adam_rate(weights: torch.Tensor, grad: torch.Tensor, repeat: int) -> 
     return weights.numel() / _median(step, repeat)
 
 
-def _host_state_rate(layout: str, weights: torch.Tensor, grad: torch.Tensor, compute_dtype: str, repeat: int) -> float:
+def host_state_rate(layout: str, weights: torch.Tensor, grad: torch.Tensor, compute_dtype: str, repeat: int) -> float:
+    """params/s of `HostState.step` (what an OPT_STEP runs) under `layout`: the median of `repeat`
+    steps after one that allocates the moments, each after its GRAD_OUT's gradient delivery."""
     state = make_host_state({0: {"w": weights.clone()}}, layout=layout, compute_dtype=DTYPES[compute_dtype],
-                      optim=AdamWConfig())
+                            optim=AdamWConfig())
 
     def step() -> float:
         state.receive_grads(0, {"w": grad})  # what GRAD_OUT delivers before each OPT_STEP
@@ -213,8 +215,8 @@ def _optimizer_rates(params: int, compute_dtype: str, repeat: int) -> tuple[floa
     weights = torch.randn(params, generator=gen) * 0.02
     grad = (torch.randn(params, generator=gen) * 1e-3).to(DTYPES[compute_dtype])
     return (_plain_adam_rate(weights, grad, repeat),
-            _host_state_rate("replicated", weights, grad, compute_dtype, repeat),
-            _host_state_rate("compact", weights, grad, compute_dtype, repeat))
+            host_state_rate("replicated", weights, grad, compute_dtype, repeat),
+            host_state_rate("compact", weights, grad, compute_dtype, repeat))
 
 
 def measure_rates(device: torch.device, *, threads: int, compute_dtype: str, repeat: int = 5,
