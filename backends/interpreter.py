@@ -24,6 +24,7 @@ from torch import nn
 from tinypipe.schedule import Action, Kind, Schedule, resource_gpu
 
 from .comm import Comm, Handle
+from .compiled import LayerCaller
 from .hoststate import HostState
 from .parking import ParkingLot
 
@@ -70,7 +71,7 @@ class Interpreter:
 
     def __init__(self, *, rank: int, schedule: Schedule, layers: list[nn.Module | None], host: HostState,
                  comm: Comm | None, device: torch.device, hidden_size: int, staleness: int = 0,
-                 tied: tuple[str, str] | None = None) -> None:
+                 tied: tuple[str, str] | None = None, caller: LayerCaller | None = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.layers = layers
@@ -79,6 +80,7 @@ class Interpreter:
         self.device = device
         self.hidden_size = hidden_size
         self.staleness = staleness
+        self.caller = caller if caller is not None else LayerCaller()  # compiles the blocks under --compile
         self.compute_dtype = host.compute_dtype
         self.owned = set(owned_layers(schedule, rank))
         self.last_layer = schedule.num_layers - 1
@@ -180,8 +182,7 @@ class Interpreter:
     def _call(self, L: int, weights: dict[str, torch.Tensor], x: torch.Tensor, extra: tuple[Any, ...]) -> torch.Tensor:
         module = self.layers[L]
         assert module is not None
-        out: torch.Tensor = torch.func.functional_call(module, weights, (x, *extra))
-        return out
+        return self.caller(module, weights, (x, *extra))
 
     def _fwd(self, a: Action, step: int) -> Done:
         L, m = a.layer, a.microbatch

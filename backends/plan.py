@@ -229,7 +229,8 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
               staleness=1 if policy.optimizer == "async" else 0, backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
-              threads=threads if args.backend == "cpu" else max(1, threads - 1))  # cuda: one core issues
+              threads=threads if args.backend == "cpu" else max(1, threads - 1),  # cuda: one core issues
+              compile_blocks=bool(getattr(args, "compile", False)))
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
                    note=note, compiled_policy=compiled)

@@ -27,6 +27,7 @@ from tinypipe.timeline import Record
 
 from . import checkpoint
 from .comm import Comm, DistComm
+from .compiled import COMPILE_BACKEND, LayerCaller
 from .executor import Ledger, RunLog, run_actions
 from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
@@ -57,6 +58,8 @@ class Job:
     progress: bool = True
     save_model: bool = True
     keep_masters: bool = False  # return the final fp32 masters in the result (tests)
+    compile_blocks: bool = False  # torch.compile the decoder blocks (`--compile`, backends/compiled.py)
+    compile_backend: str = COMPILE_BACKEND
     stop_after: int | None = None  # behave as if interrupted after this many steps (tests)
     identity: dict[str, Any] = field(default_factory=dict)  # what a checkpoint must match on --resume
     record: dict[str, Any] = field(default_factory=dict)  # the run's options, recorded for --resume
@@ -221,7 +224,8 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
                            microbatches=sched.microbatches, seed=job.seed)
     interp = Interpreter(rank=rank, schedule=sched, layers=stack.layers, host=host, comm=comm, device=device,
-                         hidden_size=stack.spec.hidden_size, staleness=job.staleness, tied=stack.tied)
+                         hidden_size=stack.spec.hidden_size, staleness=job.staleness, tied=stack.tied,
+                         caller=LayerCaller(compile_blocks=job.compile_blocks, backend=job.compile_backend))
     actions = rank_actions(sched, rank)
     by_prefix: dict[int, list[Any]] = {}  # n -> this rank's actions of iterations 0..n-1
     ledger = Ledger(static={d: b for d, b in sched.static_bytes})

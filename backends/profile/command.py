@@ -126,7 +126,7 @@ def profile_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     try:
         say(f"building {spec.name} (embedding, one block, head) on {device}")
-        bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed)
+        bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed, compile_blocks=args.compile)
         traces = []
         for size in sorted(set(args.microbatch_size)):
             measured = []
@@ -136,7 +136,7 @@ def profile_main(args: argparse.Namespace) -> int:
                                               warmup=args.warmup, seed=args.seed))
             traces.append(profile_trace(measured, bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
                                         seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on,
-                                        when=when))
+                                        when=when, compiled=args.compile))
         del bench
         rates = None
         if not args.no_rates:

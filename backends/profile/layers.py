@@ -41,6 +41,7 @@ from tinypipe.model import LayerKind, ModelSpec, head_workspace_bytes, head_work
 from tinypipe.schedule import Action, Kind, Schedule, gpu_resource
 from tinypipe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
 
+from ..compiled import LayerCaller
 from ..hf import build_model
 from ..hostlayouts import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
@@ -81,7 +82,8 @@ def kind_profile(m: KindMeasurement, spec: ModelSpec) -> KindProfile:
 
 
 def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model: str, dtype: str,
-                  microbatch_size: int, seq_len: int, repeat: int, warmup: int, on: str, when: str) -> ProfileTrace:
+                  microbatch_size: int, seq_len: int, repeat: int, warmup: int, on: str, when: str,
+                  compiled: bool = False) -> ProfileTrace:
     """The ProfileTrace of one microbatch size, with a `source` saying what was measured, how, when, on what."""
     by_kind = {m.kind: m for m in measured}
     cuda = all(m.workspace_bytes is not None for m in measured)
@@ -96,8 +98,10 @@ def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model
                  "measured saved bytes; head: tinypipe.model.head_workspace_bytes (fixed part: one chunk of logits)")
     source = (f"measured by `tinypipe profile` on {on}, {when}: {spec.name}, {dtype}, {microbatch_size} x {seq_len} "
               f"tokens per microbatch; one layer of each kind run through the backend interpreter's FWD / BWD "
-              f"handlers (weights LOADed from a HostState as in a run); times: median of {repeat} after {warmup} "
-              f"warm-up runs, {'CUDA events' if cuda else 'time.perf_counter'}; fwd_s: FWD keeping the graph; bwd_s: "
+              f"handlers (weights LOADed from a HostState as in a run"
+              f"{'; the block torch.compiled as `run --compile` runs it' if compiled else ''}); times: median of "
+              f"{repeat} after {warmup} warm-up runs, {'CUDA events' if cuda else 'time.perf_counter'}; fwd_s: FWD "
+              f"keeping the graph; bwd_s: "
               f"BWD from kept activations; recompute_bwd_s: BWD that re-runs the forward from the saved input (head: "
               f"fwd + bwd, no schedule recomputes it); saved_act_bytes: distinct storages autograd saved in the "
               f"forward (saved_tensors_hooks), parameters excluded; saved_act_bytes_recompute: the layer input (0 for "
@@ -153,7 +157,8 @@ def _nbytes(t: torch.Tensor | None) -> int:
 class LayerBench:
     """A model's embedding, first block and head on one device, driven action by action."""
 
-    def __init__(self, model: str, *, device: torch.device, dtype: str, seed: int = 0) -> None:
+    def __init__(self, model: str, *, device: torch.device, dtype: str, seed: int = 0,
+                 compile_blocks: bool = False) -> None:
         probe = build_model(model, seed=seed, only=set())
         last = len(probe.spec.layers) - 1
         self.layers = {LayerKind.EMBED.value: 0, LayerKind.BLOCK.value: 1, LayerKind.HEAD.value: last}
@@ -162,9 +167,11 @@ class LayerBench:
         host = make_host_state(stack.state(), layout="replicated", compute_dtype=DTYPES[dtype], optim=AdamWConfig())
         for i in stack.owned():
             strip_parameters(stack.layers[i])  # type: ignore[arg-type]
+        caller = LayerCaller(compile_blocks=compile_blocks)  # one, so both interpreters share its graphs
+        self.compiled = compile_blocks
         self.interp = {recompute: Interpreter(rank=0, schedule=_schedule(len(stack.layers), recompute, dtype),
                                               layers=stack.layers, host=host, comm=None, device=device,
-                                              hidden_size=stack.spec.hidden_size, tied=stack.tied)
+                                              hidden_size=stack.spec.hidden_size, tied=stack.tied, caller=caller)
                        for recompute in (False, True)}
         self.dtype = DTYPES[dtype]
         self.clock = _Clock(device)
