@@ -1,4 +1,4 @@
-"""CUDA benchmark (issue 9): `tinypipe run --backend cuda` on Llama-3.1-8B shapes, measured beside its floor
+"""CUDA benchmark (issue 9): `tinypipe run --backend cuda` on Llama-3.1-8B shapes (or `--model`), beside its floor
 and the simulator's prediction, one JSON object per run appended to bench/results/cuda_h200.jsonl.
 
 Each case is the run a user would type (random init, bf16 compute, fp32 masters and AdamW state, seq
@@ -57,6 +57,8 @@ CASES: dict[str, tuple[int, str]] = {
     "2gpu-async": (2, "h200x2-24g-async.json"),
     "1gpu-preset": (1, "tinypipe"),
     "2gpu-preset": (2, "tinypipe"),
+    "1gpu-preset-async": (1, "tinypipe-async.json"),
+    "1gpu-mobius": (1, "mobius"),
 }
 
 
@@ -65,7 +67,8 @@ def _policy_arg(spec: str) -> str:
     return str(path) if path.exists() else spec
 
 
-def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extra: list[str]) -> dict[str, Any]:
+def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extra: list[str], model: str = MODEL,
+             label: str = "") -> dict[str, Any]:
     """Run one case; the JSON record of what it measured and predicted."""
     import torch
     from tinypipe.backends.launch import launch
@@ -78,7 +81,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     out = tempfile.mkdtemp(prefix=f"tp-{name}-")
-    argv = ["--backend", "cuda", "--gpus", str(gpus), "--model", MODEL, "--seq-len", str(SEQ),
+    argv = ["--backend", "cuda", "--gpus", str(gpus), "--model", model, "--seq-len", str(SEQ),
             "--batch-tokens", str(BATCH_TOKENS), "--steps", str(steps), "--policy", _policy_arg(policy),
             "--gpu-mem", gpu_mem, "--out", out, "--checkpoint-minutes", "0", *extra]
     args = parser.parse_args(argv)
@@ -90,7 +93,8 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     wall = time.perf_counter() - t0
     tl = timeline(plan, results)
     if trace_dir:
-        tl.save_chrome_trace(str(Path(trace_dir) / f"{name}.trace.json"), other_data={"run": replay_record(plan)})
+        tl.save_chrome_trace(str(Path(trace_dir) / f"{name}{label}.trace.json"),
+                             other_data={"run": replay_record(plan)})
     shutil.rmtree(out, ignore_errors=True)
     each = tl.iteration_times_s()
     iteration_s = statistics.fmean(each[WARMUP:]) if len(each) > WARMUP else tl.steady_iteration_s()
@@ -102,7 +106,8 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     floor_tps = BATCH_TOKENS / floor.iteration_s
     busy = _busy_by_resource(tl)
     return {
-        "case": name, "gpus": gpus, "gpu_mem_cap_gib": _gib_arg(gpu_mem), "policy": plan.policy.to_json(),
+        "case": name + label, "model": model, "gpus": gpus, "gpu_mem_cap_gib": _gib_arg(gpu_mem),
+        "policy": plan.policy.to_json(),
         "optimizer": plan.policy.optimizer, "host_memory": plan.policy.host_memory,
         "run_options": extra, "tokens_per_step": BATCH_TOKENS, "steps": steps, "warmup_iterations": WARMUP,
         "iteration_s_each": each, "iteration_s": iteration_s, "tokens_per_s": tps,
@@ -164,6 +169,8 @@ def main() -> int:
     ap.add_argument("--gpu-mem", default="24GiB")
     ap.add_argument("--trace-dir", default=None, help="write each case's Chrome trace here")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_h200.jsonl"))
+    ap.add_argument("--model", default=MODEL, help=f"shipped model (default {MODEL})")
+    ap.add_argument("--label", default="", help="appended to each case's name in the record and the trace file")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `tinypipe run` options")
     a = ap.parse_args()
     rows = []
@@ -172,9 +179,11 @@ def main() -> int:
             print(f"{name}: skipped, needs {CASES[name][0]} GPUs", file=sys.stderr)
             continue
         try:
-            row = run_case(name, steps=a.steps, gpu_mem=a.gpu_mem, trace_dir=a.trace_dir, extra=a.extra)
+            row = run_case(name, steps=a.steps, gpu_mem=a.gpu_mem, trace_dir=a.trace_dir, extra=a.extra,
+                           model=a.model, label=a.label)
         except Exception as exc:  # noqa: BLE001 - a failed case is a result too
-            row = {"case": name, "gpus": CASES[name][0], "error": f"{type(exc).__name__}: {exc}",
+            row = {"case": name + a.label, "model": a.model, "run_options": a.extra, "gpus": CASES[name][0],
+                   "error": f"{type(exc).__name__}: {exc}",
                    "date": datetime.date.today().isoformat()}
         rows.append(row)
         with open(a.out, "a") as f:
