@@ -1,5 +1,6 @@
 # On a lent H200 machine (1 GPU), from the repository root (carry .whl):
 #   DEADLINE_S=560 bash bench/device/compile_qwen3.sh RUN...
+# (PROFILES=DIR: take step 1's folders from DIR, made by an earlier call on the same warm machine)
 # 1. `tinypipe profile` on this GPU: Qwen3-1.7B at 2 and 4 x 2048 tokens with the copy and optimizer
 #    rates ($OUT/pq, with hardware.json), its block compiled ($OUT/pq-compiled, 4 x 2048), and
 #    Llama-3.1-8B's layers at 4 x 2048 eager ($OUT/pl) and compiled ($OUT/pl-compiled): the
@@ -17,11 +18,15 @@ prof() {  # out dir, then profile options
   timeout 200 tinypipe profile --backend cuda --seq-len 2048 --hardware h200x1 --out "$OUT/$o" "$@" >>"$OUT/log.txt" 2>&1
   echo "profile $o: exit $? at $(( $(date +%s) - START )) s"
 }
+if [ -n "$PROFILES" ]; then  # profiles taken by an earlier call on this machine: reuse them
+  cp -r "$ROOT/$PROFILES"/pq* "$ROOT/$PROFILES"/pl* "$OUT/"
+else
 prof pq --model qwen3-1.7b --microbatch-size 2 4
 prof pq-compiled --model qwen3-1.7b --microbatch-size 4 --no-rates --compile
 cp "$OUT/pq/hardware.json" "$OUT/pq-compiled/" 2>/dev/null
 prof pl --model llama-3.1-8b --microbatch-size 4 --no-rates
 prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --no-rates --compile
+fi
 python3 - "$OUT" <<'PY'
 import json, sys, glob
 for d in ("pq", "pq-compiled", "pl", "pl-compiled"):
@@ -38,7 +43,7 @@ for spec in "$@"; do
   p=pq; flag=(); label="-qwen3-mb$mb"
   if [ "$comp" = compile ]; then p=pq-compiled; flag=(--compile); label="$label-compiled"; fi
   timeout -k 10 $(( left < 150 ? left - 10 : 140 )) python3 "$ROOT/bench/cuda_bench.py" --model qwen3-1.7b --cases "$case" \
-    --label "$label" --steps 6 --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
+    --label="$label" --steps 6 --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
     --extra --microbatch-size "$mb" --profile "$OUT/$p" --hardware "$OUT/pq/hardware.json" "${flag[@]}" >>"$OUT/log.txt" 2>&1
   echo "$spec: exit $? at $(( $(date +%s) - START )) s"
   grep -v "^training \[" "$OUT/log.txt" | tail -1

@@ -1,0 +1,17 @@
+# On a lent H200 machine, from the repository root (carry .whl):
+#   bash bench/device/llama_compile.sh CASE...
+# Each CASE of bench/cuda_bench.py (Llama-3.1-8B shapes, 65,536 tokens per step, --gpu-mem 24GiB) with
+# `--compile`, planned with the compiled-block profile of bench/device/compile_qwen3.sh
+# (bench/results/profile_h200_compile/pl-compiled, and the copy and optimizer rates of that machine).
+. bench/device/setup.sh
+ROOT=$(pwd)
+P="$ROOT/bench/results/profile_h200_compile"
+cd /tmp
+free -g | head -2
+for case in "$@"; do
+  timeout -k 10 ${CASE_TIMEOUT:-280} python3 "$ROOT/bench/cuda_bench.py" --cases "$case" --label=-compiled --steps 6 \
+    --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
+    --extra --compile --profile "$P/pl-compiled" --hardware "$P/pq/hardware.json" >>"$OUT/log.txt" 2>&1
+  echo "$case: exit $?"
+  grep -v "^training \[" "$OUT/log.txt" | tail -2
+done
