@@ -184,7 +184,9 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
         dtype = args.dtype or "fp32"
     if len(hardware.gpus) > args.gpus:
         hardware = _first_gpus(hardware, args.gpus)
-    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles)
+    compile_blocks = args.backend == "cuda" if args.compile is None else args.compile
+    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
+                      compiled=compile_blocks)
     iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
     note = unmatched_note(profiles, trace, spec)
@@ -230,7 +232,7 @@ def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPl
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
               threads=threads if args.backend == "cpu" else max(1, threads - 1),  # cuda: one core issues
-              compile_blocks=bool(getattr(args, "compile", False)))
+              compile_blocks=compile_blocks)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
                    note=note, compiled_policy=compiled)

@@ -73,9 +73,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "are kept")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="also checkpoint every N steps (default 0: off)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decoder blocks (one graph per block structure, fused elementwise work; "
-                        "the first step pays the compilation)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decoder blocks: one graph per block structure, fused elementwise work; "
+                        "the first step pays the compilation (default: on for cuda, off for cpu)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of all ranks")
     p.add_argument("--profile", action="append", default=None, metavar="DIR_OR_FILE",
                    help="measured traces (`tinypipe profile --out DIR`) for the schedule and the prediction: a "

@@ -28,7 +28,7 @@ from tinypipe.timeline import Record
 from . import checkpoint
 from .comm import Comm, DistComm
 from .compiled import COMPILE_BACKEND, LayerCaller
-from .executor import Ledger, RunLog, run_actions
+from .executor import Carried, Ledger, RunLog, run_actions
 from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker
@@ -242,11 +242,15 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     log = RunLog()
     t_begin = time.perf_counter()
     interrupted = False
-
     saved = [start, time.monotonic()]  # step and time of the last checkpoint (or of the start)
+    carry = Carried()  # OPT_STEPs still running when their window's device work ended
+
+    def finish_host_steps() -> None:
+        log.records.extend(carry.collect(id_stride=len(sched.actions), ledger=ledger, wait=True))
 
     def save_checkpoint(step: int) -> None:
         assert job.out is not None
+        finish_host_steps()  # the host state as of `step`
         checkpoint.save(job.out, rank=rank, step=step, identity=job.identity, barrier=group.barrier,
                         state={"host": host.state_dict(), "rng": checkpoint.rng_state(), "losses": losses},
                         run=job.record)
@@ -265,7 +269,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
             window = by_prefix[n] = [a for a in actions if a.iteration < n]
         data = {step + k: step_data(batches, step + k) for k in range(n)}
         part = run_actions(interp, window, data, shift=step, ledger=ledger, id_stride=len(sched.actions),
-                           host_worker=optimizer)
+                           host_worker=optimizer, carry=carry)
         log.extend(part)
         losses.update(part.losses)
         left = interp.leftovers()
@@ -285,6 +289,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
             save_checkpoint(step)
         if interrupted:
             break
+    finish_host_steps()
     optimizer.close()
     wall = time.perf_counter() - t_begin
     if job.out and job.checkpoint_s and not interrupted and saved[0] != step:  # and at the end

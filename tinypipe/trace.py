@@ -118,6 +118,7 @@ class ProfileTrace:
     analytic: bool  # True when computed from FLOPs over a rate rather than measured
     source: str
     model: str = ""  # model name the trace was profiled on ("" for analytic traces)
+    compiled: bool = False  # measured with the blocks torch.compiled (`profile --compile`, as `run` on CUDA)
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -146,7 +147,8 @@ class ProfileTrace:
     def to_json(self) -> dict[str, Any]:
         return {"gpu_model": self.gpu_model, "model": self.model, "dtype": self.dtype,
                 "microbatch_size": self.microbatch_size, "seq_len": self.seq_len, "analytic": self.analytic,
-                "source": self.source, "kinds": {k: p.to_json() for k, p in self.kinds.items()}}
+                "compiled": self.compiled, "source": self.source,
+                "kinds": {k: p.to_json() for k, p in self.kinds.items()}}
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "trace") -> ProfileTrace:
@@ -160,7 +162,7 @@ class ProfileTrace:
                    dtype=f.str("dtype", choices=tuple(DTYPE_BYTES)),
                    microbatch_size=f.int("microbatch_size", minimum=1), seq_len=f.int("seq_len", minimum=1),
                    kinds={k: KindProfile.from_json(kinds_f.obj_(k)) for k in KIND_NAMES},
-                   analytic=f.bool("analytic"), source=f.str("source"))
+                   analytic=f.bool("analytic"), source=f.str("source"), compiled=f.bool("compiled", False))
 
 
 def _kind_profile(layer: LayerSpec, model: ModelSpec, gpu: GPU, tokens: int, seq_len: int,
@@ -252,22 +254,25 @@ def _measured() -> tuple[ProfileTrace, ...]:
 
 
 def find_trace(traces: Iterable[ProfileTrace], model: ModelSpec, gpu_model: str, microbatch_size: int,
-               seq_len: int, dtype: str) -> ProfileTrace | None:
+               seq_len: int, dtype: str, compiled: bool | None = None) -> ProfileTrace | None:
     """The first of `traces` for this GPU model, model name, microbatch size, sequence length and dtype
-    (names compared case-insensitively), or None."""
+    (names compared case-insensitively), and compiled or eager blocks unless `compiled` is None; or None."""
     for t in traces:
         if (t.gpu_model.casefold() == gpu_model.casefold() and t.model.casefold() == model.name.casefold()
-                and t.microbatch_size == microbatch_size and t.seq_len == seq_len and t.dtype == dtype):
+                and t.microbatch_size == microbatch_size and t.seq_len == seq_len and t.dtype == dtype
+                and compiled in (None, t.compiled)):
             return t
     return None
 
 
 def trace_for(model: ModelSpec, hardware_gpu: GPU, microbatch_size: int, seq_len: int,
-              dtype: str = "bf16", *, profiles: Sequence[ProfileTrace] = ()) -> ProfileTrace:
+              dtype: str = "bf16", *, profiles: Sequence[ProfileTrace] = (), compiled: bool | None = None
+              ) -> ProfileTrace:
     """The first matching trace (`find_trace`) of `profiles` (measured by `tinypipe profile`, given
-    with `--profile`), else of the shipped measured traces, else `analytic_trace`."""
+    with `--profile`), else of the shipped measured traces, else `analytic_trace`. `compiled`: a run
+    that compiles its blocks (or not) takes only traces measured so; None takes either."""
     for pool in (profiles, _measured()):
-        found = find_trace(pool, model, hardware_gpu.model, microbatch_size, seq_len, dtype)
+        found = find_trace(pool, model, hardware_gpu.model, microbatch_size, seq_len, dtype, compiled)
         if found is not None:
             return found
     return analytic_trace(model, hardware_gpu, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype)
@@ -280,7 +285,8 @@ def unmatched_note(profiles: Sequence[ProfileTrace], chosen: ProfileTrace, model
         return None
 
     def key(t: ProfileTrace, name: str) -> str:
-        return f"{t.gpu_model} / {name} / microbatch {t.microbatch_size} / seq {t.seq_len} / {t.dtype}"
+        return (f"{t.gpu_model} / {name} / microbatch {t.microbatch_size} / seq {t.seq_len} / {t.dtype}"
+                f"{' / compiled' if t.compiled else ''}")
 
     have = "; ".join(sorted({key(t, t.model) for t in profiles}))
     return (f"note: no --profile trace matches {key(chosen, model.name)} (they are for {have}); "

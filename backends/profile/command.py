@@ -108,6 +108,7 @@ def profile_main(args: argparse.Namespace) -> int:
         raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "cuda" else torch.device("cpu")
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    compile_blocks = device.type == "cuda" if args.compile is None else args.compile
     threads = args.threads or os.cpu_count() or 1
     gpu_model, base = gpu_model_and_base(device, args.hardware)
     if device.type == "cuda" and gpu_model.casefold() not in torch.cuda.get_device_name(device).casefold():
@@ -126,7 +127,7 @@ def profile_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     try:
         say(f"building {spec.name} (embedding, one block, head) on {device}")
-        bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed, compile_blocks=args.compile)
+        bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed, compile_blocks=compile_blocks)
         traces = []
         for size in sorted(set(args.microbatch_size)):
             measured = []
@@ -136,7 +137,7 @@ def profile_main(args: argparse.Namespace) -> int:
                                               warmup=args.warmup, seed=args.seed))
             traces.append(profile_trace(measured, bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
                                         seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on,
-                                        when=when, compiled=args.compile))
+                                        when=when, compiled=compile_blocks))
         del bench
         rates = None
         if not args.no_rates:

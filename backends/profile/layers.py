@@ -108,7 +108,7 @@ def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model
               f"the embedding); {workspace}. Measured: {ms}")
     return ProfileTrace(gpu_model=gpu_model, dtype=dtype, microbatch_size=microbatch_size, seq_len=seq_len,
                         kinds={k: kind_profile(by_kind[k], spec) for k in (x.value for x in LayerKind)},
-                        analytic=False, source=source, model=spec.name)
+                        analytic=False, source=source, model=spec.name, compiled=compiled)
 
 
 class _Clock:

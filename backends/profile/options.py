@@ -23,8 +23,9 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None, metavar="NAME|FILE",
                    help="base preset for hardware.json (the measured rates put into it) and, on CUDA, the GPU model "
                         "name the traces carry (default on CUDA: the shipped preset of this GPU model)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decoder block, as `run --compile` runs it (the traces' source says so)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decoder block, as `run --compile` runs it; the traces say so and a run "
+                        "takes only traces that match it (default: on for cuda, off for cpu, as `run`)")
     p.add_argument("--no-rates", action="store_true", help="measure the layers only (no rates.json, hardware.json)")
     p.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the JSON files (made if missing)")

@@ -21,10 +21,10 @@ prof() {  # out dir, then profile options
 if [ -n "$PROFILES" ]; then  # profiles taken by an earlier call on this machine: reuse them
   cp -r "$ROOT/$PROFILES"/pq* "$ROOT/$PROFILES"/pl* "$OUT/"
 else
-prof pq --model qwen3-1.7b --microbatch-size 2 4
+prof pq --model qwen3-1.7b --microbatch-size 2 4 --no-compile
 prof pq-compiled --model qwen3-1.7b --microbatch-size 4 --no-rates --compile
 cp "$OUT/pq/hardware.json" "$OUT/pq-compiled/" 2>/dev/null
-prof pl --model llama-3.1-8b --microbatch-size 4 --no-rates
+prof pl --model llama-3.1-8b --microbatch-size 4 --no-rates --no-compile
 prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --no-rates --compile
 fi
 python3 - "$OUT" <<'PY'
@@ -40,7 +40,7 @@ for spec in "$@"; do
   IFS=: read -r case mb comp <<<"$spec"
   left=$(( ${DEADLINE_S:-560} - ($(date +%s) - START) ))
   if [ "$left" -lt 75 ]; then echo "$spec: skipped, $left s left"; continue; fi
-  p=pq; flag=(); label="-qwen3-mb$mb"
+  p=pq; flag=(--no-compile); label="-qwen3-mb$mb"
   if [ "$comp" = compile ]; then p=pq-compiled; flag=(--compile); label="$label-compiled"; fi
   timeout -k 10 $(( left < 150 ? left - 10 : 140 )) python3 "$ROOT/bench/cuda_bench.py" --model qwen3-1.7b --cases "$case" \
     --label="$label" --steps 6 --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
