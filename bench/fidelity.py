@@ -36,15 +36,26 @@ LLAMA_RUNS = (("llama-3.1-8b 1 GPU compact sync", "1gpu-sync-compact", "h200x1-2
               ("llama-3.1-8b 2 GPUs compact async", "2gpu-async", "h200x2-24g-async.json"))
 
 
-# Qwen3-1.7B runs of bench/device/profile_h200.sh and qwen3_runs.sh: (config, trace, log in the
-# profile folder, the log lines' prefix, policy, microbatch size)
-QWEN_RUNS = (("qwen3-1.7b 1 GPU tinypipe preset (compact sync), 4 x 2048 per microbatch",
-              "cuda_h200_1gpu-qwen3-1.7b.trace.json", "log.txt", "", "tinypipe", 4),
-             ("qwen3-1.7b 1 GPU tinypipe preset (compact sync), 2 x 2048 per microbatch",
-              "cuda_h200_1gpu-qwen3-1.7b-mb2-sync.trace.json", "qwen3_runs.log", "[mb2-sync] ", "tinypipe", 2),
-             ("qwen3-1.7b 1 GPU tinypipe preset, async optimizer, 4 x 2048 per microbatch",
-              "cuda_h200_1gpu-qwen3-1.7b-mb4-async.trace.json", "qwen3_runs.log", "[mb4-async] ",
-              str(POLICIES / "tinypipe-async.json"), 4))
+# Runs whose record carries the prediction made at run time from `--profile` (bench/cuda_bench.py):
+# (config, case in cuda_h200.jsonl, where the profile was taken). Qwen3-1.7B, and Llama-3.1-8B with
+# compiled blocks: bench/device/compile_qwen3.sh and llama_compile.sh, 2026-12-01, profiles in
+# bench/results/profile_h200_compile/ (taken on the machine of the first seven, minutes before).
+SAME = "the run's machine, minutes before"
+OTHER = "another lent machine (bench/results/profile_h200_compile)"
+RECORD_RUNS = (
+    ("qwen3-1.7b 1 GPU tinypipe preset (compact sync), 4 x 2048", "1gpu-preset-qwen3-mb4", SAME),
+    ("qwen3-1.7b 1 GPU tinypipe preset (compact sync), 2 x 2048", "1gpu-preset-qwen3-mb2", SAME),
+    ("qwen3-1.7b 1 GPU preset, async optimizer, 4 x 2048", "1gpu-preset-async-qwen3-mb4", SAME),
+    ("qwen3-1.7b 1 GPU preset, async optimizer, 2 x 2048", "1gpu-preset-async-qwen3-mb2", SAME),
+    ("qwen3-1.7b 1 GPU mobius preset, 4 x 2048", "1gpu-mobius-qwen3-mb4", SAME),
+    ("qwen3-1.7b 1 GPU preset (sync), compiled blocks, 4 x 2048", "1gpu-preset-qwen3-mb4-compiled", SAME),
+    ("qwen3-1.7b 1 GPU preset, async, compiled blocks, 4 x 2048", "1gpu-preset-async-qwen3-mb4-compiled", SAME),
+    ("llama-3.1-8b 1 GPU compact sync, compiled blocks", "1gpu-sync-compact-compiled", OTHER),
+    ("qwen3-1.7b 1 GPU preset (sync), compiled, carried steps, 4 x 2048", "1gpu-preset-qwen3-mb4-compiled-carry", OTHER),
+    ("qwen3-1.7b 1 GPU preset, async, compiled, carried steps, 4 x 2048", "1gpu-preset-async-qwen3-mb4-compiled-carry",
+     OTHER),
+    ("qwen3-1.7b 1 GPU preset, async, carried steps, 2 x 2048", "1gpu-preset-async-qwen3-mb2-carry", OTHER),
+)
 
 
 def _bench_records() -> dict[str, dict[str, Any]]:
@@ -89,19 +100,17 @@ def rows(profile: Path) -> list[dict[str, Any]]:
                     "warmup_iterations": rec.get("warmup_iterations", 1),
                     "predicted_iteration_s": pred["iteration_s"], "measured_peak_gpu_bytes": rec["peak_gpu_bytes"],
                     "predicted_peak_gpu_bytes": pred["peak_gpu_bytes"], "measured_on": rec["date"],
+                    "profiled_on": "another lent machine (bench/results/profile_h200)",
                     "predict_command": pred["command"], "device": DEVICE, "date": rec["date"]})
-    for name, trace, log, tag, policy, mb in QWEN_RUNS:
-        text = (profile / log).read_text()
-        found = re.search(re.escape(tag) + r"device\s+peak g0 ([\d,.]+) MiB measured", text)
-        if found is None:
-            raise SystemExit(f"{profile / log}: no measured peak of the run {tag or name}")
-        peak_mib = float(found.group(1).replace(",", ""))
-        measured = _trace_iteration_s(RESULTS / trace, warmup=2)
-        pred = _predict("qwen3-1.7b", 1, policy, mb, profile)
-        out.append({"config": name, "measured_iteration_s": measured, "warmup_iterations": 2,
-                    "predicted_iteration_s": pred["iteration_s"], "measured_peak_gpu_bytes": round(peak_mib * 2**20),
-                    "predicted_peak_gpu_bytes": pred["peak_gpu_bytes"], "measured_on": "2026-12-01",
-                    "predict_command": pred["command"], "device": DEVICE, "date": "2026-12-01"})
+    for name, case, where in RECORD_RUNS:
+        rec = recs[case]
+        out.append({"config": name, "measured_iteration_s": rec["iteration_s"],
+                    "warmup_iterations": rec.get("warmup_iterations", 1),
+                    "predicted_iteration_s": rec["predicted_iteration_s"],
+                    "measured_peak_gpu_bytes": rec["peak_gpu_bytes"],
+                    "predicted_peak_gpu_bytes": rec["predicted_peak_gpu_bytes"], "measured_on": rec["date"],
+                    "profiled_on": where, "predict_command": "the run's own plan: tinypipe run " + " ".join(
+                        rec.get("run_options", [])), "device": DEVICE, "date": rec["date"]})
     for r in out:
         r["iteration_error"] = r["predicted_iteration_s"] / r["measured_iteration_s"] - 1
         r["peak_gpu_error"] = r["predicted_peak_gpu_bytes"] / r["measured_peak_gpu_bytes"] - 1
