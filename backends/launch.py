@@ -30,7 +30,8 @@ from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedExc
 from tinypipe.errors import TinypipeError
 
 from .comm import LocalComm
-from .worker import Job, LocalGroup, RankResult, process_main, train_rank
+from .groups import LocalGroup
+from .worker import Job, RankResult, process_main, train_rank
 
 
 class WorkerError(TinypipeError):
@@ -117,8 +118,6 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
             process_main(local_rank, job, world, "env://", path, env_rank=rank)
             return torch.load(path, weights_only=False) if path else None
     if world == 1 and job.backend == "cpu":
-        from .worker import LocalGroup
-
         return [_run_here(job, LocalGroup(1))]
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "results.pt")

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -29,6 +29,7 @@ from . import checkpoint
 from .comm import Comm, DistComm
 from .compiled import COMPILE_BACKEND, LayerCaller
 from .executor import Carried, Ledger, RunLog, run_actions
+from .groups import DistGroup, Group
 from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker
@@ -93,73 +94,8 @@ class RankResult:
     alloc_retries: int = 0  # allocations that found no cached block within the cap and freed cache (CUDA)
     masters: dict[int, dict[str, torch.Tensor]] | None = None
     issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
-
-
-class Group(Protocol):
-    """Control-plane collectives among ranks (not on the data path)."""
-
-    def barrier(self) -> None: ...
-
-    def any_true(self, flag: bool) -> bool: ...
-
-    def gather(self, obj: Any) -> list[Any] | None: ...
-
-
-class DistGroup:
-    """Control collectives over a gloo group (also under NCCL, which needs CUDA tensors)."""
-
-    def __init__(self, rank: int, world: int, backend: str) -> None:
-        import torch.distributed as dist
-
-        self.dist, self.rank, self.world = dist, rank, world
-        self.group = dist.new_group(backend="gloo") if backend != "gloo" else None
-
-    def barrier(self) -> None:
-        self.dist.barrier(group=self.group)
-
-    def any_true(self, flag: bool) -> bool:
-        t = torch.tensor([1 if flag else 0])
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        self.dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
-
-
-class LocalGroup:
-    """Control collectives among threads of one process (`launch.run_threads`)."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self._barrier = threading.Barrier(world)
-        self._slots: list[Any] = [None] * world
-
-    def view(self, rank: int) -> _LocalView:
-        return _LocalView(self, rank)
-
-
-class _LocalView:
-    def __init__(self, g: LocalGroup, rank: int) -> None:
-        self.g, self.rank = g, rank
-
-    def barrier(self) -> None:
-        self.g._barrier.wait()
-
-    def _exchange(self, obj: Any) -> list[Any]:
-        self.g._slots[self.rank] = obj
-        self.barrier()
-        out = list(self.g._slots)
-        self.barrier()
-        return out
-
-    def any_true(self, flag: bool) -> bool:
-        return any(self._exchange(flag))
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        out = self._exchange(obj)
-        return out if self.rank == 0 else None
+    # host RSS at points of the rank's life: phase -> (resident now, peak so far), bytes
+    rss_phases: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def step_data(batches: Any, step: int) -> StepData:
@@ -211,15 +147,19 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_mem_bytes / total), device)
     layers = owned_layers(sched, rank)
+    rss = {"start": _rss()}
     stack = build_model(job.model, seed=job.seed, only=set(layers))
+    rss["model built"] = _rss()
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
     host = make_host_state(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
                            optim=job.optim, pin=device.type == "cuda", shared_grad=shared,
                            snapshots=job.staleness > 0)
+    rss["host state made"] = _rss()
     for i in layers:
         module = stack.layers[i]
         assert module is not None  # built for the layers this rank owns
         strip_parameters(module)
+    rss["model's own weights dropped"] = _rss()
     tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size)
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
                            microbatches=sched.microbatches, seed=job.seed)
@@ -272,6 +212,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
                            host_worker=optimizer, carry=carry)
         log.extend(part)
         losses.update(part.losses)
+        rss.setdefault("first window run", _rss())
         left = interp.leftovers()
         if left:
             raise ExecutionError(f"rank {rank}: steps {step}..{step + n - 1} ended still holding {', '.join(left[:6])}")
@@ -291,6 +232,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
             break
     finish_host_steps()
     optimizer.close()
+    rss["training done"] = _rss()
     wall = time.perf_counter() - t_begin
     if job.out and job.checkpoint_s and not interrupted and saved[0] != step:  # and at the end
         save_checkpoint(step)
@@ -302,11 +244,21 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     return RankResult(
         rank=rank, layers=layers, losses=losses, records=log.records, order=dict(log.order), memory=log.memory,
         ledger_peak=dict(ledger.peak), ledger_problems=list(ledger.problems), held=host.held().to_json(),
-        peak_device_bytes=peak_dev, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_device_bytes=peak_dev, peak_rss_bytes=_rss()[1], rss_phases=rss,
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)),
         alloc_retries=int(stats.get("num_alloc_retries", 0)),
         masters=host.masters() if job.keep_masters else None, issued=log.issued)
+
+
+def _rss() -> tuple[int, int]:
+    """(resident bytes now, peak resident bytes so far) of this process; now is 0 without /proc."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), peak
+    except OSError:
+        return 0, peak
 
 
 def import_before_groups(model: str, seed: int) -> None:

@@ -117,6 +117,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
         "alloc_retries": sum(r.alloc_retries for r in results),
         "peak_host_rss_bytes": sum(r.peak_rss_bytes for r in results),
         "host_rss_bytes_per_param": sum(r.peak_rss_bytes for r in results) / params,
+        "host_rss_phases_per_rank": [r.rss_phases for r in sorted(results, key=lambda r: r.rank)],
         "host_state_bytes": held, "host_state_bytes_per_param": held / params,
         "predicted_tokens_per_s": sim.tokens_per_s, "predicted_iteration_s": sim.iteration_s,
         "predicted_peak_gpu_bytes": max((b for d, b in sim.peak_bytes.items() if d != "host"), default=0),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,8 @@ RECORD_RUNS = (
     ("qwen3-1.7b 1 GPU preset (sync), compiled blocks, 4 x 2048", "1gpu-preset-qwen3-mb4-compiled", SAME),
     ("qwen3-1.7b 1 GPU preset, async, compiled blocks, 4 x 2048", "1gpu-preset-async-qwen3-mb4-compiled", SAME),
     ("llama-3.1-8b 1 GPU compact sync, compiled blocks", "1gpu-sync-compact-compiled", OTHER),
-    ("qwen3-1.7b 1 GPU preset (sync), compiled, carried steps, 4 x 2048", "1gpu-preset-qwen3-mb4-compiled-carry", OTHER),
+    ("qwen3-1.7b 1 GPU preset (sync), compiled, carried steps, 4 x 2048", "1gpu-preset-qwen3-mb4-compiled-carry",
+     OTHER),
     ("qwen3-1.7b 1 GPU preset, async, compiled, carried steps, 4 x 2048", "1gpu-preset-async-qwen3-mb4-compiled-carry",
      OTHER),
     ("qwen3-1.7b 1 GPU preset, async, carried steps, 2 x 2048", "1gpu-preset-async-qwen3-mb2-carry", OTHER),
