@@ -32,8 +32,25 @@ LLAMA8B = load_model("llama-3.1-8b")
 
 
 def test_shipped_traces() -> None:
-    """Four measured H200 Llama-3.1-8B traces ship, at 1, 2, 4 and 8 sequences of 2048 tokens."""
-    assert shipped_traces() == [f"h200-llama-3.1-8b-mb{n}-seq2048" for n in (1, 2, 4, 8)]
+    """Four measured H200 Llama-3.1-8B traces ship, at 1, 2, 4 and 8 sequences of 2048 tokens, eager, and
+    one of compiled blocks at 4 sequences."""
+    assert shipped_traces() == ([f"h200-llama-3.1-8b-mb{n}-seq2048" for n in (1, 2, 4)]
+                                + ["h200-llama-3.1-8b-mb4-seq2048-compiled", "h200-llama-3.1-8b-mb8-seq2048"])
+    assert [load_trace(n).compiled for n in shipped_traces()] == [False, False, False, True, False]
+
+
+def test_trace_for_matches_compiled_blocks() -> None:
+    """A run that compiles its blocks takes a compiled trace, else an eager measured one before an
+    analytic one; an eager run the reverse; None (simulate, search) prefers eager ones."""
+    eager, comp = _measured("eager"), _measured("compiled", compiled=True)
+    for pool in ((eager, comp), (comp, eager)):
+        assert trace_for(LLAMA8B, H200, 1, 2048, profiles=pool, compiled=True).source == "compiled"
+        assert trace_for(LLAMA8B, H200, 1, 2048, profiles=pool, compiled=False).source == "eager"
+        assert trace_for(LLAMA8B, H200, 1, 2048, profiles=pool).source == "eager"
+    assert trace_for(LLAMA8B, H200, 1, 2048, profiles=(comp,)).source == "compiled"
+    assert trace_for(LLAMA8B, H200, 1, 2048, profiles=(eager,), compiled=True).source == "eager"
+    assert trace_for(LLAMA8B, H200, 4, 2048, compiled=True) == load_trace("h200-llama-3.1-8b-mb4-seq2048-compiled")
+    assert not trace_for(LLAMA8B, H200, 2, 2048, compiled=True).analytic  # the eager measured one
 
 
 def test_measured_trace_values() -> None:
@@ -231,6 +248,9 @@ def test_json_round_trip(tmp_path: Path) -> None:
     p = tmp_path / "t.json"
     p.write_text(json.dumps(t.to_json()))
     assert load_trace(str(p)) == t
+    c = load_trace("h200-llama-3.1-8b-mb4-seq2048-compiled")
+    p.write_text(json.dumps(c.to_json()))
+    assert load_trace(str(p)) == c and c.compiled
 
 
 def test_unknown_trace_lists_shipped() -> None:

@@ -256,12 +256,15 @@ def _measured() -> tuple[ProfileTrace, ...]:
 def find_trace(traces: Iterable[ProfileTrace], model: ModelSpec, gpu_model: str, microbatch_size: int,
                seq_len: int, dtype: str, compiled: bool | None = None) -> ProfileTrace | None:
     """The first of `traces` for this GPU model, model name, microbatch size, sequence length and dtype
-    (names compared case-insensitively), and compiled or eager blocks unless `compiled` is None; or None."""
-    for t in traces:
-        if (t.gpu_model.casefold() == gpu_model.casefold() and t.model.casefold() == model.name.casefold()
-                and t.microbatch_size == microbatch_size and t.seq_len == seq_len and t.dtype == dtype
-                and compiled in (None, t.compiled)):
-            return t
+    (names compared case-insensitively), with compiled blocks or eager ones as `compiled` says (None:
+    an eager one if there is one, else a compiled one); or None."""
+    found = [t for t in traces
+             if (t.gpu_model.casefold() == gpu_model.casefold() and t.model.casefold() == model.name.casefold()
+                 and t.microbatch_size == microbatch_size and t.seq_len == seq_len and t.dtype == dtype)]
+    for want in ((False, True) if compiled is None else (compiled,)):
+        for t in found:
+            if t.compiled == want:
+                return t
     return None
 
 
@@ -270,11 +273,13 @@ def trace_for(model: ModelSpec, hardware_gpu: GPU, microbatch_size: int, seq_len
               ) -> ProfileTrace:
     """The first matching trace (`find_trace`) of `profiles` (measured by `tinypipe profile`, given
     with `--profile`), else of the shipped measured traces, else `analytic_trace`. `compiled`: a run
-    that compiles its blocks (or not) takes only traces measured so; None takes either."""
-    for pool in (profiles, _measured()):
-        found = find_trace(pool, model, hardware_gpu.model, microbatch_size, seq_len, dtype, compiled)
-        if found is not None:
-            return found
+    that compiles its blocks (or not) takes a trace measured so, else a measured one of the other
+    kind before an analytic one; None takes either (eager first)."""
+    for want in ((None,) if compiled is None else (compiled, not compiled)):
+        for pool in (profiles, _measured()):
+            found = find_trace(pool, model, hardware_gpu.model, microbatch_size, seq_len, dtype, want)
+            if found is not None:
+                return found
     return analytic_trace(model, hardware_gpu, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype)
 
 

@@ -39,11 +39,13 @@ KINDS = ("embed", "block", "head")
 
 
 def trace_file(trace: ProfileTrace) -> str:
-    """`h200-llama-3.1-8b-mb1-seq2048.json` (the shipped traces' names), `-<dtype>` added unless bf16."""
+    """`h200-llama-3.1-8b-mb1-seq2048.json` (the shipped traces' names), `-<dtype>` added unless bf16,
+    `-compiled` for compiled blocks."""
     gpu = re.sub(r"[^a-z0-9.]+", "-", trace.gpu_model.casefold()).strip("-")
     model = re.sub(r"[^a-z0-9.]+", "-", trace.model.casefold()).strip("-")
     dtype = "" if trace.dtype == "bf16" else f"-{trace.dtype}"
-    return f"{gpu}-{model}-mb{trace.microbatch_size}-seq{trace.seq_len}{dtype}.json"
+    compiled = "-compiled" if trace.compiled else ""
+    return f"{gpu}-{model}-mb{trace.microbatch_size}-seq{trace.seq_len}{dtype}{compiled}.json"
 
 
 def device_name(device: torch.device) -> str:
