@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS
-from tinypipe.policy.policy import HOST_LAYOUTS
+from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
 
 from .host_compact import CompactHostState
 from .host_replicated import ReplicatedHostState
 from .hoststate import AdamWConfig, HostState
 
 
-def make_host_state(params: dict[int, dict[str, torch.Tensor]], *, layout: str, compute_dtype: torch.dtype,
+def make_host_state(params: dict[int, dict[str, torch.Tensor]], *, layout: HostLayout, compute_dtype: torch.dtype,
                     optim: AdamWConfig, pin: bool = False, grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS,
                     shared_grad: int | None = None, snapshots: bool = False) -> HostState:
     """The host state of `params` under `layout`; `grad_ring_slots` and `snapshots` are compact's."""

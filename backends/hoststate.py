@@ -40,6 +40,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from tinypipe.policy.modes import HostLayout
+
 from .pinned import PinnedSlab, Request
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,7 +69,7 @@ class HeldBytes:
     """Host bytes this rank really holds, by purpose (tensor storage sizes; a pinned slab's views by
     their own sizes, the slab's alignment padding apart)."""
 
-    layout: str
+    layout: HostLayout
     params: int
     master_bytes: int
     upload_copy_bytes: int
@@ -129,7 +131,7 @@ class HostState:
     `params`: {layer: {name: fp32 tensor}} (e.g. `LayerStack.state()`).
     """
 
-    layout: ClassVar[str]
+    layout: ClassVar[HostLayout]
     snapshots = False  # previous-version regions carved in advance (compact + asynchronous optimizer)
 
     def __init__(self, params: dict[int, dict[str, torch.Tensor]], *, compute_dtype: torch.dtype,

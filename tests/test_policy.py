@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -10,14 +13,22 @@ from hypothesis import strategies as st
 
 from tinypipe.errors import InputError
 from tinypipe.policy import PRESETS, Policy, load_policy
-from tinypipe.policy.policy import ACT_HOMES, HOST_LAYOUTS, MAPPERS, OPTIMIZER_MODES, PACKERS, SWAP_MODES
+from tinypipe.policy.modes import (
+    ACT_HOMES,
+    HOST_LAYOUTS,
+    MAPPERS,
+    OPTIMIZER_MODES,
+    PACKERS,
+    RESIDENT_MODES,
+    SWAP_MODES,
+)
 
 policies = st.builds(
     Policy,
     packing=st.sampled_from(PACKERS) | st.lists(st.integers(1, 8), min_size=1, max_size=6).map(tuple),
     mapping=st.sampled_from(MAPPERS) | st.lists(st.integers(0, 7), min_size=1, max_size=6).map(tuple),
     swap=st.sampled_from(SWAP_MODES), prefetch_depth=st.integers(0, 4),
-    resident=st.sampled_from(("none", "all", "auto")) | st.lists(st.integers(0, 9), max_size=3).map(tuple),
+    resident=st.sampled_from(RESIDENT_MODES) | st.lists(st.integers(0, 9), max_size=3).map(tuple),
     host_memory=st.sampled_from(HOST_LAYOUTS), microbatches=st.integers(1, 16), microbatch_size=st.integers(1, 8),
     recompute=st.just(True), optimizer=st.sampled_from(OPTIMIZER_MODES), activation_home=st.sampled_from(ACT_HOMES),
 )
@@ -68,6 +79,27 @@ def test_load_policy_errors(tmp_path) -> None:
         load_policy(str(f))
 
 
+@pytest.mark.parametrize("field, value, allowed", [
+    ("swap", "layers", "pack, layer"),
+    ("host_memory", "compacted", "replicated, compact"),
+    ("optimizer", "asynchronous", "sync, async"),
+    ("activation_home", "cpu", "gpu, host"),
+    ("packing", "greedy", "uniform, balanced, mobius, holistic, per-gpu"),
+    ("mapping", "ring", "round-robin, cross"),
+    ("resident", "some", "none, all, auto"),
+])
+def test_unknown_mode_in_a_file(tmp_path, field: str, value: str, allowed: str) -> None:
+    """A mode the policy does not know is a one-line InputError naming the file, the field and the allowed
+    values; it never falls back to another mode (`swap: layers` once ran as pack swapping)."""
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({field: value}))
+    with pytest.raises(InputError) as err:
+        load_policy(str(f))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{f}: ") and f"{field}: " in msg
+    assert repr(value) in msg and allowed in msg
+
+
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                     max_leaves=10))
@@ -89,3 +121,29 @@ def test_mutated_field_only_input_errors(key: str, value: object) -> None:
         Policy.from_json(d)
     except InputError:
         pass
+
+
+MISSPELLED = '''
+from tinypipe.plan import Plan
+from tinypipe.policy import Policy
+from tinypipe.search import SearchSpace
+
+
+def modes(plan: Plan) -> None:
+    Policy(swap="layers")
+    SearchSpace(host_layouts=("compacted",))
+    assert plan.optimizer != "asynchronous"
+'''
+
+
+def test_mypy_catches_a_misspelled_mode(tmp_path) -> None:
+    """The modes are Literal types: a misspelled mode passed, listed or compared is a mypy error."""
+    pytest.importorskip("mypy")
+    root = Path(__file__).resolve().parents[1]
+    f = tmp_path / "misspelled.py"
+    f.write_text(MISSPELLED)
+    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(root / "pyproject.toml"),
+                        "--follow-imports=silent", "--no-incremental", str(f)],
+                       capture_output=True, text=True, cwd=root, timeout=300)
+    flagged = {int(line.split(":")[1]) for line in r.stdout.splitlines() if line.startswith(str(f))}
+    assert flagged == {8, 9, 10}, r.stdout

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tinypipe.hardware import Host
 from tinypipe.model import DTYPE_BYTES, ModelSpec
+from tinypipe.policy.modes import HostLayout, OptimizerMode
 
 # CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
 # by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7 (bench/compact_optim.py
@@ -42,7 +43,7 @@ def next_pow2(n: int) -> int:
 class HostBytes:
     """Host bytes by purpose for one model under one layout."""
 
-    layout: str
+    layout: HostLayout
     params: int
     master_bytes: int
     upload_copy_bytes: int
@@ -65,9 +66,9 @@ class HostBytes:
                 ("pinned rounding", self.pinned_rounding_bytes)]
 
 
-def host_bytes(model: ModelSpec, layout: str, *, compute_dtype: str = "bf16",
+def host_bytes(model: ModelSpec, layout: HostLayout, *, compute_dtype: str = "bf16",
                grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, layers: tuple[int, ...] | None = None,
-               optimizer: str = "sync") -> HostBytes:
+               optimizer: OptimizerMode = "sync") -> HostBytes:
     """Host bytes to train `model` (or only `layers` of it) with an fp32 master and AdamW.
 
     compact + async optimizer: one more upload-form copy per parameter (the previous version's
@@ -88,12 +89,12 @@ def host_bytes(model: ModelSpec, layout: str, *, compute_dtype: str = "bf16",
     raise ValueError(f"unknown host memory layout {layout!r}")
 
 
-def optimizer_time_factor(layout: str) -> float:
+def optimizer_time_factor(layout: HostLayout) -> float:
     """How much longer the CPU optimizer takes per parameter under `layout` than a plain fused AdamW."""
     return COMPACT_OPTIM_FACTOR if layout == "compact" else REPLICATED_OPTIM_FACTOR
 
 
-def optimizer_s_per_param(host: Host, layout: str) -> float:
+def optimizer_s_per_param(host: Host, layout: HostLayout) -> float:
     """Seconds of host optimizer per parameter under `layout`: the measured rate of that layout's step
     when the hardware has one (`tinypipe profile`), else the fused AdamW rate slowed by the layout's
     factor. The one place the simulator, the cost model, the search bound and the floor take it from."""

@@ -7,7 +7,7 @@ from typing import Any
 from tinypipe.hardware import Hardware
 from tinypipe.hostmem import host_bytes
 from tinypipe.model import LayerSpec, ModelSpec
-from tinypipe.policy.policy import HOST_LAYOUTS
+from tinypipe.policy.modes import HOST_LAYOUTS
 
 
 def layer_groups(model: ModelSpec, seq_len: int) -> list[dict[str, Any]]:

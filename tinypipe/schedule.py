@@ -36,6 +36,7 @@ from enum import Enum
 from typing import Any
 
 from tinypipe.errors import InputError
+from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout, parse_mode
 
 
 class Kind(str, Enum):
@@ -225,7 +226,7 @@ class Schedule:
     recompute: bool
     pack_layers: tuple[tuple[int, ...], ...]  # layers of each pack, in order
     pack_gpu: tuple[int, ...]  # GPU of each pack
-    host_memory: str = "replicated"  # host layout: sets the CPU optimizer's cost (hostmem)
+    host_memory: HostLayout = "replicated"  # host layout: sets the CPU optimizer's cost (hostmem)
     compute_dtype: str = "bf16"
     static_bytes: tuple[tuple[str, int], ...] = ()  # (device, bytes)
     meta: tuple[tuple[str, str], ...] = ()  # free-form provenance: model, hardware, policy name
@@ -312,7 +313,8 @@ class Schedule:
                 iterations=int(hdr["iterations"]), microbatches=int(hdr["microbatches"]),
                 tokens_per_microbatch=int(hdr["tokens_per_microbatch"]), recompute=hdr["recompute"] == "1",
                 pack_layers=packs, pack_gpu=tuple(int(x) for x in hdr["pack_gpu"].split(",") if x),
-                host_memory=hdr["host_memory"], compute_dtype=hdr["compute_dtype"],
+                host_memory=parse_mode(hdr["host_memory"], HOST_LAYOUTS, f"{where}: host_memory"),
+                compute_dtype=hdr["compute_dtype"],
                 static_bytes=static, meta=tuple(meta),
             )
         except (KeyError, ValueError) as exc:

@@ -29,6 +29,15 @@ from tinypipe.hardware import Hardware
 from tinypipe.hostmem import host_bytes, optimizer_s_per_param
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy
+from tinypipe.policy.modes import (
+    ActivationHome,
+    HostLayout,
+    MapperName,
+    OptimizerMode,
+    PackerName,
+    ResidentMode,
+    SwapMode,
+)
 from tinypipe.schedule import recomputes
 from tinypipe.trace import ProfileTrace, trace_for
 
@@ -89,16 +98,16 @@ class SearchSpace:
 
     microbatch_sizes: tuple[int, ...] = (1, 2, 4)
     pack_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
-    packers: tuple[str, ...] = ("holistic", "mobius")
-    swaps: tuple[str, ...] = ("layer", "pack")
+    packers: tuple[PackerName, ...] = ("holistic", "mobius")
+    swaps: tuple[SwapMode, ...] = ("layer", "pack")
     recompute: tuple[bool, ...] = (True, False)
-    activation_homes: tuple[str, ...] = ("gpu", "host")
-    mappings: tuple[str, ...] = ("cross", "round-robin")
+    activation_homes: tuple[ActivationHome, ...] = ("gpu", "host")
+    mappings: tuple[MapperName, ...] = ("cross", "round-robin")
     prefetch_depths: tuple[int, ...] = (1, 2, 3)
-    residents: tuple[str, ...] = ("auto", "none")
-    host_layouts: tuple[str, ...] = ("compact", "replicated")
+    residents: tuple[ResidentMode, ...] = ("auto", "none")
+    host_layouts: tuple[HostLayout, ...] = ("compact", "replicated")
     # Only sync by default: async (staleness 1) changes the training semantics, so a user opts in.
-    optimizers: tuple[str, ...] = ("sync",)
+    optimizers: tuple[OptimizerMode, ...] = ("sync",)
 
 
 @dataclass

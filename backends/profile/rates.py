@@ -32,6 +32,7 @@ import torch
 
 from tinypipe.hardware import Hardware, Host
 from tinypipe.hostmem import COMPACT_OPTIM_FACTOR, REPLICATED_OPTIM_FACTOR
+from tinypipe.policy.modes import HostLayout
 
 from ..hostlayouts import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
@@ -194,7 +195,8 @@ def _plain_adam_rate(weights: torch.Tensor, grad: torch.Tensor, repeat: int) -> 
     return weights.numel() / _median(step, repeat)
 
 
-def host_state_rate(layout: str, weights: torch.Tensor, grad: torch.Tensor, compute_dtype: str, repeat: int) -> float:
+def host_state_rate(layout: HostLayout, weights: torch.Tensor, grad: torch.Tensor, compute_dtype: str,
+                    repeat: int) -> float:
     """params/s of `HostState.step` (what an OPT_STEP runs) under `layout`: the median of `repeat`
     steps after one that allocates the moments, each after its GRAD_OUT's gradient delivery."""
     state = make_host_state({0: {"w": weights.clone()}}, layout=layout, compute_dtype=DTYPES[compute_dtype],

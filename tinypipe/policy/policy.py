@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import json
+import types
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tinypipe.errors import InputError
 from tinypipe.jsonio import Fields, load_json
-
-SWAP_MODES = ("pack", "layer")
-HOST_LAYOUTS = ("replicated", "compact")
-OPTIMIZER_MODES = ("sync", "async")
-ACT_HOMES = ("gpu", "host")
-PACKERS = ("uniform", "balanced", "mobius", "holistic", "per-gpu")
-MAPPERS = ("round-robin", "cross")
-RESIDENT_MODES = ("none", "all", "auto")
+from tinypipe.policy.modes import (
+    MAPPERS,
+    PACKERS,
+    RESIDENT_MODES,
+    ActivationHome,
+    HostLayout,
+    MapperName,
+    OptimizerMode,
+    PackerName,
+    ResidentMode,
+    SwapMode,
+    mode_fields,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,19 +41,19 @@ class Policy:
     """
 
     name: str = "custom"
-    packing: str | tuple[int, ...] = "holistic"
+    packing: PackerName | tuple[int, ...] = "holistic"
     pack_size: int = 0  # for packing="uniform": layers per pack (0: choose)
     num_packs: int = 0  # for packing="balanced": number of packs (0: choose)
-    mapping: str | tuple[int, ...] = "round-robin"
-    swap: str = "layer"
+    mapping: MapperName | tuple[int, ...] = "round-robin"
+    swap: SwapMode = "layer"
     prefetch_depth: int = 1
-    resident: str | tuple[int, ...] = "none"
-    host_memory: str = "compact"
+    resident: ResidentMode | tuple[int, ...] = "none"
+    host_memory: HostLayout = "compact"
     microbatches: int = 4
     microbatch_size: int = 1  # sequences per microbatch
     recompute: bool = True
-    optimizer: str = "sync"
-    activation_home: str = "gpu"
+    optimizer: OptimizerMode = "sync"
+    activation_home: ActivationHome = "gpu"
 
     def __post_init__(self) -> None:
         def bad(field_: str, why: str) -> InputError:
@@ -73,13 +79,13 @@ class Policy:
                 raise bad("mapping", "explicit mapping must be a non-empty list of GPU indices >= 0")
         if isinstance(self.resident, str):
             if self.resident not in RESIDENT_MODES:
-                raise bad("resident", f"must be one of {', '.join(RESIDENT_MODES)} or a list of layers")
+                raise bad("resident", f"must be one of {', '.join(RESIDENT_MODES)} or a list of layers; "
+                          f"got {self.resident!r}")
         else:
             object.__setattr__(self, "resident", tuple(self.resident))
             if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in self.resident):
                 raise bad("resident", "layer indices must be integers >= 0")
-        for name, choices in (("swap", SWAP_MODES), ("host_memory", HOST_LAYOUTS),
-                              ("optimizer", OPTIMIZER_MODES), ("activation_home", ACT_HOMES)):
+        for name, choices in _MODE_FIELDS.items():
             v = getattr(self, name)
             if v not in choices:
                 raise bad(name, f"must be one of {', '.join(choices)}; got {v!r}")
@@ -115,27 +121,36 @@ class Policy:
         if unknown:
             raise InputError(f"{where}: unknown field {unknown[0]!r}; known fields: {', '.join(sorted(known))}")
         kw: dict[str, Any] = {}
-        for fl in fields(cls):
-            if not f.has(fl.name):
+        for name, tp in _HINTS.items():  # parsed by the field's type
+            if not f.has(name):
                 continue
-            v = f.raw(fl.name)
-            if fl.name in ("packing", "mapping", "resident") and isinstance(v, list):
+            v = f.raw(name)
+            if name in _MODE_FIELDS:
+                v = f.str(name, choices=_MODE_FIELDS[name])
+            elif _with_list(tp) and isinstance(v, list):
                 if any(isinstance(x, bool) or not isinstance(x, int) for x in v):
-                    raise InputError(f"{where}: {fl.name}: expected a list of integers")
+                    raise InputError(f"{where}: {name}: expected a list of integers")
                 v = tuple(v)
-            elif fl.name in ("packing", "mapping", "resident"):
-                v = f.str(fl.name)
-            elif fl.name == "recompute":
-                v = f.bool(fl.name)
-            elif fl.name in ("pack_size", "num_packs", "prefetch_depth", "microbatches", "microbatch_size"):
-                v = f.int(fl.name)
-            else:
-                v = f.str(fl.name)
-            kw[fl.name] = v
+            elif tp is bool:
+                v = f.bool(name)
+            elif tp is int:
+                v = f.int(name)
+            else:  # a name, or a mode that may also be a list (its value is checked on construction)
+                v = f.str(name)
+            kw[name] = v
         try:
             return cls(**kw)
         except InputError as exc:
             raise InputError(f"{where}: {exc}") from None
+
+
+def _with_list(tp: Any) -> bool:
+    """Whether a field's type admits a list of integers (`PackerName | tuple[int, ...]`)."""
+    return get_origin(tp) in (Union, types.UnionType) and any(get_origin(a) is tuple for a in get_args(tp))
+
+
+_HINTS: dict[str, Any] = get_type_hints(Policy)
+_MODE_FIELDS = mode_fields(Policy)  # swap, host_memory, optimizer, activation_home
 
 
 PRESETS: dict[str, Policy] = {
