@@ -24,7 +24,8 @@ from _common import machine, write_json
 from tinypipe.sim import simulate
 
 from tinypipe.compile import compile_schedule, make_plan
-from tinypipe.cost import CostModel, estimate
+from tinypipe.cost import estimate
+from tinypipe.costmodel import CostModel
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS
@@ -58,9 +59,9 @@ def estimates(cs: list[dict], cost: CostModel) -> list[float]:
     est = []
     for c in cs:
         p, model, hw, trace = c["args"]
-        plan, w = make_plan(p, model, hw, trace, iterations=1, cost=cost)
+        plan = make_plan(p, model, hw, trace, iterations=1, cost=cost)
         sizes = tuple(len(x) for x in plan.pack_layers)
-        est.append(estimate(w, sizes, plan.pack_gpu, kept=plan.kept).iteration_s)
+        est.append(estimate(plan, sizes, plan.pack_gpu, kept=plan.kept).iteration_s)
     return est
 
 

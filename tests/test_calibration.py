@@ -6,9 +6,10 @@ import json
 
 import tinypipe.traces as shipped
 
-from tinypipe.cost import CostModel, workload
+from tinypipe.costmodel import CostModel
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
+from tinypipe.plan import base_plan
 from tinypipe.policy import PRESETS
 from tinypipe.trace import trace_for
 
@@ -23,8 +24,8 @@ def test_calibration_ships_and_improved_the_fit() -> None:
     assert CostModel.calibrated().to_json() == data["constants"]
 
 
-def test_workload_uses_the_calibrated_model() -> None:
+def test_plan_uses_the_calibrated_model() -> None:
     """Without an explicit CostModel, the estimates (and so the holistic packer) use the calibrated one."""
     m, hw = load_model("tiny-llama"), load_hardware("h200x2")
-    w = workload(PRESETS["tinypipe"], m, hw, trace_for(m, hw.gpus[0], microbatch_size=1, seq_len=64))
+    w = base_plan(PRESETS["tinypipe"], m, hw, trace_for(m, hw.gpus[0], microbatch_size=1, seq_len=64))
     assert w.cost == CostModel.calibrated()

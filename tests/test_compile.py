@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tinypipe.compile import (
-    Plan,
     compile_schedule,
     compute_plan,
     gradient_pass,
@@ -23,18 +22,19 @@ from tinypipe.compile import (
     swap_pass,
     transfer_pass,
 )
-from tinypipe.cost import CostModel
+from tinypipe.costmodel import CostModel
 from tinypipe.errors import InputError
 from tinypipe.hardware import GPU, Hardware, Host, Link
 from tinypipe.model import LayerKind, LayerSpec, ModelSpec
+from tinypipe.plan import Plan
 from tinypipe.policy import mobius
 from tinypipe.policy.policy import PRESETS, Policy
 from tinypipe.schedule import Kind, Schedule
 from tinypipe.trace import KindProfile, ProfileTrace
+from tinypipe.units import GIB
 from tinypipe.validate import validate
 
 GOLDEN = Path(__file__).parent / "golden"
-GIB = 1 << 30
 
 
 # ---- toys, built by hand so that goldens do not move with shipped data ---------------------------
@@ -115,6 +115,15 @@ def test_swap_pass_layer_mode() -> None:
     # every FWD/BWD's first op in a segment depends on its LOAD
     first_fwd = next(o for o in ops if o.kind is Kind.FWD and o.layer == 2)
     assert loads[2] in first_fwd.deps
+
+
+@pytest.mark.parametrize("field, value", [("swap", "layers"), ("optimizer", "asynchronous"),
+                                          ("host_memory", "compacted"), ("activation_home", "cpu")])
+def test_plan_refuses_an_unknown_mode(field: str, value: str) -> None:
+    """A plan built with a mode it does not know fails at once instead of compiling as another mode
+    (`swap="layers"` once compiled as pack swapping); mypy catches the literal before that."""
+    with pytest.raises(ValueError, match=f"plan: {field} must be one of"):
+        Plan.toy((1, 1), (0, 0), 1, **{field: value})
 
 
 def test_swap_pass_pack_mode_prefetch() -> None:

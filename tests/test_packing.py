@@ -5,28 +5,28 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 from itertools import accumulate
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinypipe.cost import Workload, estimate, gpu_peak_bytes
+from tinypipe.cost import estimate, gpu_peak_bytes
 from tinypipe.hardware import load_hardware
+from tinypipe.plan import Plan
 from tinypipe.policy import mobius, packing
 from tinypipe.policy.mapping import best_cycle, cross, round_robin, shared_links
+from tinypipe.units import GIB, MIB
 
-GIB = 1 << 30
 
-
-def wl(n: int = 12, g: int = 2, m: int = 4, *, mem: int = 8 * GIB, **kw: object) -> Workload:
-    """A hand-made workload: n equal blocks of 0.5 GiB, 10 GB/s uploads, 10 ms forward per microbatch."""
-    base: dict[str, object] = dict(
-        num_layers=n, num_gpus=g, microbatches=m, fwd_s=(0.01,) * n, bwd_s=(0.03,) * n,
-        weight_bytes=(GIB // 2,) * n, act_bytes=(0,) + (16 << 20,) * (n - 1), input_bytes=(0,) + (16 << 20,) * (n - 1),
-        opt_s=(0.02,) * n, workspace_bytes=64 << 20, h2d_gbps=(10.0,) * g, p2p_gbps=20.0, p2p_through_host=False,
-        gpu_memory_bytes=(mem,) * g, host_memory_bytes=256 * GIB, host_static_bytes=64 * GIB, host_dynamic_bytes=0,
-        host_dma_gbps=50.0, swap="layer", prefetch_depth=1, resident="none", activation_home="gpu", optimizer="sync")
-    base.update(kw)
-    return Workload(**base)  # type: ignore[arg-type]
+def wl(n: int = 12, g: int = 2, m: int = 4, *, mem: int = 8 * GIB, **kw: Any) -> Plan:
+    """A hand-made plan (no packs): n equal blocks of 0.5 GiB, 10 GB/s uploads, 10 ms forward per microbatch;
+    activations held on the GPU are each layer's 16 MiB input (nothing more is saved)."""
+    w = Plan(microbatches=m, fwd_s=(0.01,) * n, bwd_s=(0.03,) * n, weight_bytes=(GIB // 2,) * n,
+             input_bytes=(0,) + (16 * MIB,) * (n - 1), saved_bytes=(0,) * n, layer_workspace_bytes=(64 * MIB,) * n,
+             host_grad_bytes=(0,) * n, master_bytes=(0,) * n, opt_s=(0.02,) * n, num_gpus=g, h2d_gbps=(10.0,) * g,
+             p2p_gbps=20.0, p2p_through_host=False, gpu_memory_bytes=(mem,) * g, host_memory_bytes=256 * GIB,
+             host_static_bytes=64 * GIB, host_dynamic_bytes=0, host_dma_gbps=50.0)
+    return replace(w, **kw)
 
 
 def rr(g: int) -> packing.Mapper:

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from tinypipe.compile import Plan, run_passes
+from tinypipe.compile import run_passes
 from tinypipe.errors import ScheduleError
+from tinypipe.plan import Plan
 from tinypipe.schedule import Action, Kind, Schedule
 from tinypipe.validate import validate
 

@@ -1,108 +1,16 @@
 """Analytic cost model: per-pack compute and upload time, pack overhead, pipeline fill, memory per GPU.
 
-Pure and fast (prefix sums, no simulation): the packers call `estimate` thousands of times. Its
-constants live in `CostModel` so that later work can calibrate them against the simulator.
+Pure and fast (prefix sums, no simulation): the packers call `estimate` thousands of times with the
+`Plan` of the policy (`tinypipe.plan`) and a candidate packing. Its constants live in `CostModel`
+(`tinypipe.costmodel`), calibrated against the simulator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 from itertools import accumulate
 
-from tinypipe.errors import InputError
-from tinypipe.hardware import Hardware
-from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_s_per_param
-from tinypipe.model import DTYPE_BYTES, ModelSpec
-from tinypipe.policy.policy import Policy
-from tinypipe.schedule import recomputes
-from tinypipe.trace import ProfileTrace
-from tinypipe.units import GIB
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """The constants of the analytic model. The defaults are first guesses; `calibrated()` gives the
-    constants fitted against the simulator by bench/calibrate_cost.py (shipped as
-    traces/calibration/cost_model.json), which is what the packers use."""
-
-    pack_overhead_s: float = 5e-4  # per pack use: stream syncs, launch gaps, bookkeeping (a guess)
-    copy_latency_s: float = 5e-6  # fixed cost per copy; DESIGN §8 measured 3-6 us on the H200 host
-    h2d_efficiency: float = 1.0  # achieved / route bandwidth for weight uploads
-    gpu_reserve_bytes: int = GIB  # CUDA context and allocator slack kept free on every GPU
-    host_reserve_bytes: int = 4 * GIB  # OS and process overhead kept free in host DRAM
-    memory_weight: float = 0.05  # holistic packing: fraction of time worth trading for a full GPU
-    fill_scale: float = 1.0  # multiplies the pipeline fill and drain estimate
-
-    FITTED = ("pack_overhead_s", "h2d_efficiency", "fill_scale")  # what calibration adjusts
-
-    @classmethod
-    def calibrated(cls) -> CostModel:
-        """The simulator-calibrated constants when shipped, else the defaults."""
-        return _calibrated()
-
-    def to_json(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.FITTED}
-
-
-@lru_cache(maxsize=1)
-def _calibrated() -> CostModel:
-    import tinypipe.traces as shipped
-    from tinypipe.jsonio import Fields, load_json
-
-    p = shipped.path("calibration", "cost_model")
-    if p is None:
-        return CostModel()
-    f = Fields(load_json(p), str(p)).obj_("constants")
-    return CostModel(pack_overhead_s=f.float("pack_overhead_s", minimum=0.0),
-                     h2d_efficiency=f.float("h2d_efficiency", positive=True),
-                     fill_scale=f.float("fill_scale", minimum=0.0))
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Everything the estimates need about one model, trace, hardware and policy, as flat tuples.
-
-    Per-layer values are per microbatch; `pre_*` are prefix sums (index l = sum over layers < l).
-    """
-
-    num_layers: int
-    num_gpus: int
-    microbatches: int
-    fwd_s: tuple[float, ...]
-    bwd_s: tuple[float, ...]  # with recompute when the policy recomputes
-    weight_bytes: tuple[int, ...]  # compute dtype, what a LOAD moves
-    act_bytes: tuple[int, ...]  # kept on the GPU from FWD to BWD when activations live on the GPU
-    input_bytes: tuple[int, ...]  # x.L{l}: the layer's input (0 for the first layer)
-    opt_s: tuple[float, ...]  # CPU optimizer time per layer
-    workspace_bytes: int  # largest transient workspace of any layer
-    h2d_gbps: tuple[float, ...]  # per GPU, host -> GPU, with shared links split between GPUs
-    p2p_gbps: float  # slowest GPU <-> GPU route
-    p2p_through_host: bool  # GPU <-> GPU copies stage through host memory (no peer-to-peer)
-    gpu_memory_bytes: tuple[int, ...]
-    host_memory_bytes: int
-    host_static_bytes: int
-    host_dynamic_bytes: int  # gradient ring slots and offloaded activations at their peak
-    host_dma_gbps: float
-    swap: str
-    prefetch_depth: int
-    resident: str | tuple[int, ...]
-    activation_home: str
-    optimizer: str
-    cost: CostModel = field(default_factory=CostModel)
-
-    pre_fwd: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    pre_bwd: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    pre_weight: tuple[float, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        for name, src in (("pre_fwd", self.fwd_s), ("pre_bwd", self.bwd_s), ("pre_weight", self.weight_bytes)):
-            object.__setattr__(self, name, (0.0, *accumulate(float(x) for x in src)))
-
-    @property
-    def layer_time_s(self) -> tuple[float, ...]:
-        """Compute time of each layer over one iteration (all microbatches, forward + backward)."""
-        return tuple(self.microbatches * (f + b) for f, b in zip(self.fwd_s, self.bwd_s))
+from tinypipe.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -129,79 +37,7 @@ class Estimate:
         return max((p / max(1, c) for p, c in zip(self.gpu_peak_bytes, self.gpu_capacity_bytes)), default=0.0)
 
 
-def workload(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
-             cost: CostModel | None = None) -> Workload:
-    """Flatten model, trace, hardware and policy into the numbers the estimates use."""
-    cost = cost or CostModel.calibrated()
-    dt = trace.dtype
-    if dt not in DTYPE_BYTES:
-        raise InputError(f"trace: unknown dtype {dt!r}")
-    fwd, bwd, act, inp, ws = [], [], [], [], 0
-    for layer in model.layers:
-        try:
-            kp = trace.layer(layer)
-        except KeyError:
-            raise InputError(f"trace for {trace.gpu_model}: no profile for layer kind "
-                             f"{layer.kind.value!r} (layer {layer.index} of {model.name})") from None
-        fwd.append(kp.fwd_s)
-        redo = recomputes(policy.recompute, layer.index, len(model.layers))
-        bwd.append(kp.backward_s(redo))
-        # the layer's input (x.L, and its gradient dx.L) as the trace has it: measured in the compute dtype
-        # by `tinypipe profile` (an fp32 CPU run's inputs are twice the bf16 size); the analytic and shipped
-        # traces give the previous layer's boundary bytes, which the model spec counts in bf16
-        x = kp.saved_act_bytes_recompute if layer.index else 0
-        inp.append(x)
-        act.append(x + (0 if redo else kp.saved_act_bytes))
-        ws = max(ws, kp.workspace_bytes)
-    g = len(hardware.gpus)
-    h2d = host_to_gpu_gbps(hardware)
-    pairs = [hardware.route(f"gpu{a}", f"gpu{b}") for a in range(g) for b in range(g) if a != b]
-    p2p = min((r.bottleneck_gbps for r in pairs), default=float("inf"))
-    hb = host_bytes(model, policy.host_memory, compute_dtype=dt, optimizer=policy.optimizer)
-    ring = hb.grad_bytes if policy.host_memory == "compact" else 0
-    grad_fp32 = [layer.gpu_params * 4 for layer in model.layers]
-    if policy.host_memory == "compact":
-        # Sync: a ring of slots per GPU; async: up to one iteration of gradients waits on the host.
-        dyn = sum(grad_fp32) if policy.optimizer == "async" else (
-            g * DEFAULT_GRAD_RING_SLOTS * max(grad_fp32, default=0))
-    else:
-        dyn = 0
-    if policy.activation_home == "host":
-        dyn += policy.microbatches * sum(inp)
-    opt_s_per_param = optimizer_s_per_param(hardware.host, policy.host_memory)
-    return Workload(
-        num_layers=len(model.layers), num_gpus=g, microbatches=policy.microbatches,
-        fwd_s=tuple(fwd), bwd_s=tuple(bwd),
-        weight_bytes=tuple(layer.param_bytes(dt) for layer in model.layers),
-        act_bytes=tuple(act), input_bytes=tuple(inp),
-        opt_s=tuple(layer.params * opt_s_per_param for layer in model.layers),
-        workspace_bytes=ws, h2d_gbps=h2d, p2p_gbps=p2p, p2p_through_host=any(r.through_host for r in pairs),
-        gpu_memory_bytes=tuple(x.memory_bytes for x in hardware.gpus),
-        host_memory_bytes=hardware.host.memory_bytes, host_static_bytes=hb.total_bytes - ring,
-        host_dynamic_bytes=dyn, host_dma_gbps=hardware.host.dma_gbps,
-        swap=policy.swap, prefetch_depth=policy.prefetch_depth, resident=policy.resident,
-        activation_home=policy.activation_home, optimizer=policy.optimizer, cost=cost)
-
-
-def host_to_gpu_gbps(hardware: Hardware) -> tuple[float, ...]:
-    """Upload rate per GPU when all GPUs upload at once: each link split among the GPUs crossing it."""
-    bw: dict[frozenset[str], float] = {frozenset((ln.a, ln.b)): ln.gbps for ln in hardware.links}
-    routes = [hardware.route("host", gpu.name) for gpu in hardware.gpus]
-    users: dict[frozenset[str], int] = {}
-    for r in routes:
-        for u, v in r.edges:
-            users[frozenset((u, v))] = users.get(frozenset((u, v)), 0) + 1
-    out = []
-    for r in routes:
-        rate = r.bottleneck_gbps
-        for u, v in r.edges:
-            e = frozenset((u, v))
-            rate = min(rate, bw.get(e, rate) / users[e])
-        out.append(min(rate, hardware.host.dma_gbps / max(1, len(routes))))
-    return tuple(out)
-
-
-def _uses(w: Workload, packs: list[int]) -> list[tuple[int, str]]:
+def _uses(w: Plan, packs: list[int]) -> list[tuple[int, str]]:
     """One GPU's pack uses in stream order: forward ascending, then backward descending.
 
     The GPU's last pack is one merged use ("FB") when the policy keeps it between its forward and
@@ -216,7 +52,7 @@ def _uses(w: Workload, packs: list[int]) -> list[tuple[int, str]]:
     return fwd + bwd
 
 
-def estimate(w: Workload, sizes: tuple[int, ...], mapping: tuple[int, ...],
+def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
              *, kept: frozenset[int] = frozenset()) -> Estimate:
     """Predict iteration time and memory peaks of packing `sizes` on GPUs `mapping` (one per pack).
 
@@ -294,7 +130,7 @@ def estimate(w: Workload, sizes: tuple[int, ...], mapping: tuple[int, ...],
         host_capacity_bytes=w.host_memory_bytes - c.host_reserve_bytes)
 
 
-def _pinned(w: Workload, kept: frozenset[int]) -> frozenset[int]:
+def _pinned(w: Plan, kept: frozenset[int]) -> frozenset[int]:
     """Layers held on their GPU for the whole iteration (outside the prefetch window)."""
     if w.resident == "all":
         return frozenset(range(w.num_layers))
@@ -303,7 +139,7 @@ def _pinned(w: Workload, kept: frozenset[int]) -> frozenset[int]:
     return kept
 
 
-def gpu_peak_bytes(w: Workload, sizes: tuple[int, ...], mapping: tuple[int, ...],
+def gpu_peak_bytes(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
                    *, kept: frozenset[int] = frozenset()) -> tuple[int, ...]:
     """Estimated peak bytes per GPU: activations, the prefetch window of weights, gradients, workspace.
 

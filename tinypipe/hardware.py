@@ -134,6 +134,23 @@ class Hardware:
             r = self._routes[(src, dst)] = self._compute_route(src, dst)
         return r
 
+    def host_to_gpu_gbps(self) -> tuple[float, ...]:
+        """Upload rate per GPU when all GPUs upload at once: each link split among the GPUs crossing it."""
+        bw: dict[frozenset[str], float] = {frozenset((ln.a, ln.b)): ln.gbps for ln in self.links}
+        routes = [self.route(HOST, gpu.name) for gpu in self.gpus]
+        users: dict[frozenset[str], int] = {}
+        for r in routes:
+            for u, v in r.edges:
+                users[frozenset((u, v))] = users.get(frozenset((u, v)), 0) + 1
+        out = []
+        for r in routes:
+            rate = r.bottleneck_gbps
+            for u, v in r.edges:
+                e = frozenset((u, v))
+                rate = min(rate, bw.get(e, rate) / users[e])
+            out.append(min(rate, self.host.dma_gbps / max(1, len(routes))))
+        return tuple(out)
+
     @cached_property
     def _kinds(self) -> dict[str, str]:
         kinds = {HOST: "host"}

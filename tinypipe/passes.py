@@ -18,9 +18,9 @@ from tinypipe.ops import (
     RECV,
     SEND,
     Op,
-    Plan,
     _splice,
 )
+from tinypipe.plan import Plan
 from tinypipe.schedule import Kind, Mem
 
 # ---- 1. compute plan ----------------------------------------------------------------------------
@@ -312,7 +312,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     cache: dict[tuple[int, str, int, int | None], tuple[Mem, ...]] = {}
     devs = {g: ("host" if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
     sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
-             "gr": plan.weight_bytes, "ws": plan.workspace_bytes, "act": plan.input_bytes,
+             "gr": plan.weight_bytes, "ws": plan.layer_workspace_bytes, "act": plan.input_bytes,
              "gring": plan.host_grad_bytes}
     n = plan.num_layers
 

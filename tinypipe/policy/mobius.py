@@ -17,7 +17,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from tinypipe.cost import Workload
+from tinypipe.plan import Plan
 from tinypipe.units import GIB
 
 from .packing import Mapper, balanced
@@ -26,7 +26,7 @@ MOBIUS_TIME_LIMIT_S = 2.0  # total MILP time over all pack counts tried; then th
 MOBIUS_MIP_GAP = 0.02  # stop a MILP within 2% of optimal: the model is no more exact than that
 
 
-def mobius_counts(w: Workload) -> list[int]:
+def mobius_counts(w: Plan) -> list[int]:
     """Pack counts Mobius tries: the three smallest multiples of the GPU count whose average pack,
     twice over (a pack and the next being prefetched) plus gradients, could fit."""
     g, n = w.num_gpus, w.num_layers
@@ -41,7 +41,7 @@ def mobius_counts(w: Workload) -> list[int]:
     return ks or [n - n % g if n >= g else n]
 
 
-def mobius(w: Workload, mapper: Mapper, *, counts: Sequence[int] | None = None,
+def mobius(w: Plan, mapper: Mapper, *, counts: Sequence[int] | None = None,
            time_limit_s: float | None = None) -> tuple[int, ...]:
     """The Mobius partition: a MILP per candidate pack count, best objective wins (cached).
 
@@ -62,10 +62,10 @@ def mobius(w: Workload, mapper: Mapper, *, counts: Sequence[int] | None = None,
     return hit
 
 
-_MOBIUS_CACHE: dict[tuple[Workload, tuple[tuple[int, ...], ...], float], tuple[int, ...]] = {}
+_MOBIUS_CACHE: dict[tuple[Plan, tuple[tuple[int, ...], ...], float], tuple[int, ...]] = {}
 
 
-def _mobius(w: Workload, ns: list[int], maps: tuple[tuple[int, ...], ...], time_limit_s: float) -> tuple[int, ...]:
+def _mobius(w: Plan, ns: list[int], maps: tuple[tuple[int, ...], ...], time_limit_s: float) -> tuple[int, ...]:
     deadline = time.monotonic() + time_limit_s
     best: tuple[float, tuple[int, ...]] | None = None
     for k, n in enumerate(ns):
@@ -98,7 +98,7 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
-def mobius_milp(w: Workload, num_packs: int, mapping: tuple[int, ...], *, time_limit_s: float,
+def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit_s: float,
                 window: int | None = None) -> tuple[float, tuple[int, ...]] | None:
     """Solve the Mobius MILP for a fixed pack count; (objective seconds, sizes) or None.
 

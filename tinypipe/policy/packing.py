@@ -19,7 +19,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
 
-from tinypipe.cost import Estimate, Workload, estimate
+from tinypipe.cost import Estimate, estimate
+from tinypipe.plan import Plan
 
 Mapper = Callable[[int], tuple[int, ...]]  # number of packs -> the GPU of each pack
 
@@ -121,7 +122,7 @@ def score(e: Estimate, memory_weight: float) -> tuple[float, float, float]:
     return (gpu, host, e.iteration_s * (1.0 + memory_weight * min(1.0, e.gpu_fill_fraction)))
 
 
-def best_of(w: Workload, mapper: Mapper, candidates: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
+def best_of(w: Plan, mapper: Mapper, candidates: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
     """The candidate packing the cost model likes best (first on ties)."""
     best: tuple[tuple[float, float, float], tuple[int, ...]] | None = None
     for sizes in candidates:
@@ -133,13 +134,13 @@ def best_of(w: Workload, mapper: Mapper, candidates: Iterable[tuple[int, ...]]) 
     return best[1]
 
 
-def _counts(w: Workload, counts: Sequence[int] | None) -> list[int]:
+def _counts(w: Plan, counts: Sequence[int] | None) -> list[int]:
     return [n for n in (counts or range(1, w.num_layers + 1)) if 1 <= n <= w.num_layers]
 
 
 # ---- holistic -----------------------------------------------------------------------------------
 
-def holistic(w: Workload, mapper: Mapper, *, counts: Sequence[int] | None = None,
+def holistic(w: Plan, mapper: Mapper, *, counts: Sequence[int] | None = None,
              max_rounds: int = 25) -> tuple[int, ...]:
     """Pack count and boundaries chosen together by the cost model, for memory and throughput.
 

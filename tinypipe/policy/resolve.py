@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from tinypipe.cost import Workload, gpu_peak_bytes
+from tinypipe.cost import gpu_peak_bytes
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware
+from tinypipe.plan import Plan
 from tinypipe.policy import mobius, packing
 from tinypipe.policy.mapping import cross, round_robin
 from tinypipe.policy.policy import Policy
 
 
-def resolve(policy: Policy, w: Workload, hardware: Hardware, *, model_name: str = "the model",
+def resolve(policy: Policy, w: Plan, hardware: Hardware, *, model_name: str = "the model",
             tied: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(pack sizes, GPU of each pack). A policy that cannot apply to this model or hardware is an
     InputError naming the policy field.
@@ -91,7 +92,7 @@ def resolve(policy: Policy, w: Workload, hardware: Hardware, *, model_name: str 
     return sizes, mapper(len(sizes))
 
 
-def residency(policy: Policy, w: Workload, sizes: tuple[int, ...],
+def residency(policy: Policy, w: Plan, sizes: tuple[int, ...],
               mapping: tuple[int, ...]) -> tuple[frozenset[int], frozenset[int]]:
     """(kept, pinned) layers for the policy's `resident` setting.
 
