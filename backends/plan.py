@@ -136,7 +136,7 @@ def _check_model(name: str) -> ModelSpec:
     return source.spec
 
 
-def make_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPlan:
+def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPlan:
     """Check the `tinypipe run` options and compile the schedule; InputError on any mistake.
     `phase(text)` hears what starts next (the CLI shows it as progress)."""
     from .data.addition import ADDITION

@@ -99,9 +99,9 @@ def run_main(args: argparse.Namespace) -> int:
 
     phase("tinypipe run: loading PyTorch")
     from .launch import launch
-    from .plan import make_plan
+    from .plan import make_run_plan
 
-    plan = make_plan(args, phase=phase)
+    plan = make_run_plan(args, phase=phase)
     if note is not None:
         note.close()
         print(_header(plan), file=sys.stderr)

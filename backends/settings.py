@@ -36,7 +36,7 @@ DEFAULTS = {
 RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
             "lr", "betas", "eps", "weight_decay", "seed", "backend", "checkpoint_every", "checkpoint_minutes")
 FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes")  # may differ from the record
-PLANNED = ("policy", "microbatch_size")  # None stays None: make_plan chooses (the embedded job's, or the policy's)
+PLANNED = ("policy", "microbatch_size")  # None stays None: make_run_plan chooses (the embedded job's or the policy's)
 SEED_LIMIT = 2**63
 
 

@@ -72,7 +72,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     """Run one case; the JSON record of what it measured and predicted."""
     import torch
     from tinypipe.backends.launch import launch
-    from tinypipe.backends.plan import make_plan
+    from tinypipe.backends.plan import make_run_plan
     from tinypipe.backends.run import add_run_arguments, replay_record, timeline
 
     from tinypipe.floor import schedule_floor
@@ -86,7 +86,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
             "--gpu-mem", gpu_mem, "--out", out, "--checkpoint-minutes", "0", *extra]
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    plan = make_plan(args)
+    plan = make_run_plan(args)
     job = dataclasses.replace(plan.job, save_model=False)
     results = launch(job, plan.world)
     assert results is not None

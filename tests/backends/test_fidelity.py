@@ -38,7 +38,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tinypipe.backends.launch import launch  # noqa: E402
-from tinypipe.backends.plan import make_plan  # noqa: E402
+from tinypipe.backends.plan import make_run_plan  # noqa: E402
 from tinypipe.backends.run import add_run_arguments, timeline  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 
@@ -63,7 +63,7 @@ def _profile_and_run(root: Path) -> tuple[float, float, float, list[str]]:
                      "--repeat", "10", "--no-rates", "--out", str(prof)]) == 0
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
-    plan = make_plan(ap.parse_args(["--gpus", "2", "--steps", str(STEPS), "--profile", str(prof),
+    plan = make_run_plan(ap.parse_args(["--gpus", "2", "--steps", str(STEPS), "--profile", str(prof),
                                     "--out", str(root / "run")]))
     assert not plan.trace.analytic and plan.trace.dtype == "fp32"
     results = launch(dataclasses.replace(plan.job, progress=False, save_model=False), plan.world)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
 from tinypipe.backends.interpreter import Interpreter, StepData  # noqa: E402
-from tinypipe.backends.plan import make_plan  # noqa: E402
+from tinypipe.backends.plan import make_run_plan  # noqa: E402
 from tinypipe.backends.profile import rates as rates_module  # noqa: E402
 from tinypipe.backends.profile.command import trace_file  # noqa: E402
 from tinypipe.backends.profile.layers import STEP, LayerBench  # noqa: E402
@@ -173,7 +173,7 @@ def test_simulate_search_and_run_take_the_profile(profiled: tuple[Path, Path, st
     add_run_arguments(ap)
     args = ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(4 * SEQ), "--microbatch-size", "2",
                           "--steps", "2", "--out", str(out.parent / "run"), "--profile", str(out)])
-    plan = make_plan(args)
+    plan = make_run_plan(args)
     assert plan.trace == trace and plan.note is None
 
 

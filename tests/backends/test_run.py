@@ -17,7 +17,7 @@ from tinypipe.backends import checkpoint  # noqa: E402
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.launch import WorkerError, launch  # noqa: E402
-from tinypipe.backends.plan import make_plan  # noqa: E402
+from tinypipe.backends.plan import make_run_plan  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402
 from tinypipe.backends.run import add_run_arguments, sparkline  # noqa: E402
 
@@ -122,12 +122,12 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen
                       host_memory="replicated")
     args = parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out", str(out),
                  "--checkpoint-every", "4")
-    plan = make_plan(args)
+    plan = make_run_plan(args)
     first = launch(dataclasses.replace(plan.job, stop_after=2, progress=False, save_model=False), plan.world)
     assert first is not None and all(r.interrupted for r in first)
     assert checkpoint.find(out) == out / checkpoint.DIR
     assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 2
-    resumed = make_plan(parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out",
+    resumed = make_run_plan(parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out",
                               str(out), "--checkpoint-every", "4", "--resume"))
     second = launch(dataclasses.replace(resumed.job, progress=False, save_model=False, keep_masters=True), 3)
     assert second is not None and [r.start_step for r in second] == [2, 2, 2]
@@ -149,7 +149,7 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
     error in one line (its words, not the exception's class; no `Terminating process` warnings
     from torch on stderr), and no checkpoint or model is left half-written."""
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
-    plan = make_plan(parse("--gpus", "2", "--policy", pol, "--steps", "2", "--out", str(tmp_path / "out")))
+    plan = make_run_plan(parse("--gpus", "2", "--policy", pol, "--steps", "2", "--out", str(tmp_path / "out")))
     sched = plan.schedule
     first = next(a for a in sched.actions if a.resource == "g1.h2d")
     acts = tuple(dataclasses.replace(a, kind=Kind.EVICT, resource="g1.compute") if a is first else a
@@ -216,7 +216,7 @@ def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: s
              "CKPT_DONE": fake_checkpoint(tmp_path / "done", step=30, steps=30)}
     args = parse(*[subst.get(a, a) for a in argv])
     with pytest.raises(InputError, match=match) as info:
-        make_plan(args)
+        make_run_plan(args)
     assert "\n" not in str(info.value)
 
 
@@ -243,7 +243,7 @@ def test_a_tied_model_runs_on_every_gpu_under_the_defaults(tmp_path: Path, tied_
     import tinypipe.backends.plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: fixed_cpu_hardware(workers))
-    plan = make_plan(parse("--gpus", "2", "--model", tied_config, "--out", str(tmp_path / "out")))
+    plan = make_run_plan(parse("--gpus", "2", "--model", tied_config, "--out", str(tmp_path / "out")))
     assert sorted(set(plan.schedule.pack_gpu)) == [0, 1]
     assert plan.schedule.pack_gpu[0] == plan.schedule.pack_gpu[-1]  # the head with the embedding
     assert plan.note is not None and "balanced packs dealt round-robin" in plan.note
@@ -257,7 +257,7 @@ def test_checkpoints_by_time_keep_the_last_two(tmp_path: Path) -> None:
     from tinypipe.backends.launch import run_threads
 
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
-    plan = make_plan(parse("--gpus", "2", "--policy", pol, "--steps", "6", "--out", str(tmp_path / "plan")))
+    plan = make_run_plan(parse("--gpus", "2", "--policy", pol, "--steps", "6", "--out", str(tmp_path / "plan")))
     for name, every_s, steps in (("often", 1e-9, [6, 4]), ("rarely", 3600.0, [6])):
         out = tmp_path / name
         run_threads(dataclasses.replace(plan.job, out=str(out), checkpoint_s=every_s, progress=False,
@@ -289,7 +289,7 @@ def test_cuda_two_gpus_train_like_the_reference(tmp_path: Path, layout: str, opt
     rounding difference can move an element by up to lr per step)."""
     pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1], host_memory=layout, optimizer=optimizer,
                       swap=swap)
-    plan = make_plan(parse("--backend", "cuda", "--gpus", "2", "--dtype", "fp32", "--policy", pol, "--steps", "6",
+    plan = make_run_plan(parse("--backend", "cuda", "--gpus", "2", "--dtype", "fp32", "--policy", pol, "--steps", "6",
                            "--out", str(tmp_path / "out")))
     results = launch(dataclasses.replace(plan.job, progress=False, keep_masters=True), 2)
     assert results is not None
@@ -319,4 +319,4 @@ def test_a_policy_that_does_not_fit_host_memory_is_refused(tmp_path: Path, monke
     small = dataclasses.replace(small, host=dataclasses.replace(small.host, memory_bytes=1 << 20))
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: small)
     with pytest.raises(InputError, match="does not fit.*host"):
-        make_plan(parse("--gpus", "2", "--out", str(tmp_path)))
+        make_run_plan(parse("--gpus", "2", "--out", str(tmp_path)))
