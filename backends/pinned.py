@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tinypipe.errors import CapacityError
+from tinypipe.units import GIB
 
 # Every block starts on a 4 KiB boundary (the x86-64 page) and the slab ends on one: copies start
 # page-aligned and the registered range is whole pages. Padding is below 4 KiB per block.
@@ -88,7 +89,7 @@ def _register(ptr: int, nbytes: int, what: str) -> None:
     rc = int(cudart.cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
     if rc != 0:
         why = cudart.cudaGetErrorString(cudart.cudaError(rc))
-        raise CapacityError(f"could not page-lock {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) of host memory for "
+        raise CapacityError(f"could not page-lock {nbytes:,} bytes ({nbytes / GIB:.2f} GiB) of host memory for "
                             f"{what}: cudaHostRegister failed with CUDA error {rc} ({why}); free host memory or "
                             f"give this rank fewer layers")
 

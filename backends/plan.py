@@ -27,7 +27,7 @@ from tinypipe.sim import SimResult, simulate
 
 from tinypipe.compile import WINDOW_ITERATIONS, compile_schedule
 from tinypipe.errors import InputError
-from tinypipe.hardware import GPU, Hardware, Host, Link, load_hardware, shipped_hardware
+from tinypipe.hardware import GPU, HOST, Hardware, Host, Link, load_hardware, shipped_hardware
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy, load_policy
 from tinypipe.schedule import Schedule
@@ -94,7 +94,7 @@ def cpu_hardware(workers: int, *, threads: int) -> Hardware:
                f"at start-up; all workers share the host's memory",
         host=Host(memory_bytes=mem, dma_gbps=gbps, cpu_cores=cores, adam_params_per_s=adam),
         gpus=tuple(GPU(f"gpu{i}", "CPU", mem, flops, gbps) for i in range(workers)), switches=("rc0",),
-        links=(Link("host", "rc0", "mem", gbps, 0.0),)
+        links=(Link(HOST, "rc0", "mem", gbps, 0.0),)
         + tuple(Link("rc0", f"gpu{i}", "pcie", gbps, 2e-6) for i in range(workers)))
 
 

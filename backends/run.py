@@ -250,6 +250,8 @@ def _host_lines(plan: Any, results: list[Any]) -> list[str]:
 def summary(plan: Any, results: list[Any], before: float | None, after: float | None, *,
             trace_path: str | None = None) -> str:
     """The end-of-run report for people."""
+    from tinypipe.hardware import HOST
+
     losses: dict[int, float] = {}
     for r in results:
         losses.update(r.losses)
@@ -274,7 +276,7 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
                  f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, "
                  f"{'analytic' if plan.trace.analytic else 'measured'} trace)")
     dev = ", ".join(f"g{r.rank} {_mib(r.peak_device_bytes)}" for r in sorted(results, key=lambda r: r.rank))
-    pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != "host")
+    pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != HOST)
     lines.append(f"device    peak {dev} measured; {pred} predicted")
     lines += _host_lines(plan, results)
     if trace_path:

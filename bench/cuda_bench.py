@@ -30,12 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tinypipe.units import GIB
+
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ROOT / "bench" / "policies"
 MODEL = "llama-3.1-8b"
 SEQ = 2048
 BATCH_TOKENS = 65536
-GIB = 2**30
 # Iterations left out of the steady state: the first fills the pipeline; the second waits for every
 # layer's first AdamW step, which allocates and first touches its moments (8 B per parameter: ~3.5 s
 # more on the 2x H200 8B run of 2026-12-01, where later iterations took 5.0 s). All are recorded.

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tinypipe.units import GIB
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 POLICIES = ROOT / "bench" / "policies"
@@ -128,8 +130,8 @@ def main() -> int:
           f"{'pred GiB':>8s} {'error':>7s}")
     for r in rs:
         print(f"{r['config']:70s} {r['measured_iteration_s']:10.3f} {r['predicted_iteration_s']:11.3f} "
-              f"{100 * r['iteration_error']:+6.1f}% {r['measured_peak_gpu_bytes'] / 2**30:8.2f} "
-              f"{r['predicted_peak_gpu_bytes'] / 2**30:8.2f} {100 * r['peak_gpu_error']:+6.1f}%")
+              f"{100 * r['iteration_error']:+6.1f}% {r['measured_peak_gpu_bytes'] / GIB:8.2f} "
+              f"{r['predicted_peak_gpu_bytes'] / GIB:8.2f} {100 * r['peak_gpu_error']:+6.1f}%")
     errs = [abs(r["iteration_error"]) for r in rs]
     mem = [abs(r["peak_gpu_error"]) for r in rs]
     print(f"{len(rs)} configurations: iteration |error| median {100 * statistics.median(errs):.1f}%, worst "

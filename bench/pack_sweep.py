@@ -21,6 +21,7 @@ from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS
 from tinypipe.table import gib, render
 from tinypipe.trace import trace_for
+from tinypipe.units import GIB
 
 
 def main() -> None:
@@ -77,7 +78,7 @@ def main() -> None:
     ax.set_xlabel("layers per pack")
     ax.set_ylabel("tokens/s (simulated)")
     ax2 = ax.twinx()
-    ax2.plot(ks, [r["peak_gpu_bytes"] / 2**30 for r in rows], "s:", color="C1", label="peak GPU GiB")
+    ax2.plot(ks, [r["peak_gpu_bytes"] / GIB for r in rows], "s:", color="C1", label="peak GPU GiB")
     ax2.set_ylabel("peak GPU memory, GiB")
     ax.set_title(f"{model.name} on {hw.name}: pack size sweep")
     fig.legend(loc="lower center", ncol=3, fontsize=8)

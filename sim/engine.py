@@ -238,10 +238,10 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
             if g is None:
                 raise ScheduleError(f"`{a}` (action {a.id}) is a copy and must run on a GPU stream")
             if k in _HOST_TO_GPU:
-                src, dst = "host", gpu_node[g]
+                src, dst = HOST, gpu_node[g]
                 nbytes = a.nbytes
             elif k in _GPU_TO_HOST:
-                src, dst = gpu_node[g], "host"
+                src, dst = gpu_node[g], HOST
                 nbytes = a.nbytes
             else:  # SEND / RECV: one copy sender -> receiver, of the SEND's bytes
                 send = a if k is Kind.SEND else schedule.actions[partner[a.id]]
@@ -281,7 +281,7 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
         if len(gpu_cap) != n:
             raise InputError(f"gpu_mem_bytes lists {len(gpu_cap)} GPUs; the schedule uses {n}")
     capacity = {f"g{g}": gpu_cap[g] for g in range(n)}
-    capacity["host"] = hardware.host.memory_bytes if host_mem_bytes is None else host_mem_bytes
+    capacity[HOST] = hardware.host.memory_bytes if host_mem_bytes is None else host_mem_bytes
     static = {d: schedule.static(d) for d in capacity}
     wall0 = time.perf_counter()
     memory = Memory(capacity, static, on_capacity=on_capacity)

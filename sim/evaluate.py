@@ -8,7 +8,7 @@ from tinypipe.sim.engine import simulate
 
 from tinypipe.compile import compile_schedule
 from tinypipe.errors import TinypipeError
-from tinypipe.hardware import Hardware
+from tinypipe.hardware import HOST, Hardware
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy
 from tinypipe.search import Evaluation
@@ -37,9 +37,9 @@ class SimEvaluator:
             return Evaluation(policy, False, why=str(exc))
         res = simulate(sched, self.model, self.hardware, trace, gpu_mem_bytes=self.gpu_mem_bytes,
                        host_mem_bytes=self.host_mem_bytes, on_capacity="record")
-        gpu_short = max((res.peak_bytes[d] - res.capacity_bytes[d] for d in res.peak_bytes if d != "host"),
+        gpu_short = max((res.peak_bytes[d] - res.capacity_bytes[d] for d in res.peak_bytes if d != HOST),
                         default=0)
-        host_short = res.peak_bytes.get("host", 0) - res.capacity_bytes.get("host", 0)
+        host_short = res.peak_bytes.get(HOST, 0) - res.capacity_bytes.get(HOST, 0)
         return Evaluation(policy, res.fits, tokens_per_s=res.tokens_per_s, iteration_s=res.iteration_s,
                           peak_gpu_bytes=res.peak_gpu_bytes, peak_host_bytes=res.peak_host_bytes,
                           why=res.violation or "", gpu_short_bytes=max(0, gpu_short),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tinypipe.errors import CapacityError, ScheduleError
+from tinypipe.hardware import HOST
 from tinypipe.schedule import Action
 
 
@@ -20,7 +21,7 @@ def capacity_message(device: str, action: Action, needed: int, free: int, capaci
     """The one-line error for an allocation that does not fit."""
     what = ", ".join(buffers)
     hint = ("lower the prefetch depth or microbatch size, swap layer by layer, or use more GPUs"
-            if device != "host" else "use the compact host layout if not in use, or a host with more memory")
+            if device != HOST else "use the compact host layout if not in use, or a host with more memory")
     return (f"{device} out of memory at `{action}` (action {action.id}, t={t_s:.6f} s): needs {needed:,} bytes "
             f"({what}), only {free:,} of {capacity:,} bytes free; {hint}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinypipe.hardware import HOST
 from tinypipe.schedule import Schedule
 from tinypipe.timeline import Timeline, resource_sort_key, steady_state
 from tinypipe.units import GIB
@@ -104,11 +105,11 @@ class SimResult:
 
     @property
     def peak_gpu_bytes(self) -> int:
-        return max((b for d, b in self.peak_bytes.items() if d != "host"), default=0)
+        return max((b for d, b in self.peak_bytes.items() if d != HOST), default=0)
 
     @property
     def peak_host_bytes(self) -> int:
-        return self.peak_bytes.get("host", 0)
+        return self.peak_bytes.get(HOST, 0)
 
     @property
     def host_bytes_per_param(self) -> float:

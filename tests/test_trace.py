@@ -24,8 +24,8 @@ from tinypipe.trace import (
     trace_for,
     unmatched_note,
 )
+from tinypipe.units import MIB
 
-MIB = 2**20
 H200 = load_hardware("h200x2").gpu(0)
 RTX4090 = load_hardware("rtx4090x8-pcie4").gpu(0)
 LLAMA8B = load_model("llama-3.1-8b")

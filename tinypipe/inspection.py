@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinypipe.hardware import Hardware
+from tinypipe.hardware import HOST, Hardware
 from tinypipe.hostmem import host_bytes
 from tinypipe.model import LayerSpec, ModelSpec
 from tinypipe.policy.modes import HOST_LAYOUTS
@@ -97,8 +97,8 @@ def hardware_report(hw: Hardware) -> dict[str, Any]:
     gpus = [g.name for g in hw.gpus]
     routes = []
     for g in gpus:
-        r = hw.route("host", g)
-        routes.append({"src": "host", "dst": g, "path": list(r.nodes), "gbps": r.bottleneck_gbps,
+        r = hw.route(HOST, g)
+        routes.append({"src": HOST, "dst": g, "path": list(r.nodes), "gbps": r.bottleneck_gbps,
                        "latency_s": r.latency_s})
     peer = [[0.0 if a == b else hw.route(a, b).bottleneck_gbps for b in gpus] for a in gpus]
     return {

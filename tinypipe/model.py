@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from tinypipe.units import MIB
+
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 LAYER_NORM_FAMILIES = ("gpt2", "gpt_neox")  # LayerNorm with bias; the others use RMSNorm
 
@@ -26,7 +28,7 @@ NORM_STAT_BYTES = DTYPE_BYTES["fp32"]  # a norm's per-token statistic (reciproca
 # and 68 ms at 128, 256, 512 and 1024 MiB (unchunked: 50 ms; the backward recomputes the logits).
 # 256 MiB keeps the head's workspace below the block's measured one at every shipped microbatch
 # size (400 vs 728 MiB at 1 x 2048 tokens); 512 MiB would not.
-HEAD_CHUNK_BYTES = 256 * 2**20
+HEAD_CHUNK_BYTES = 256 * MIB
 LOGIT_BYTES = DTYPE_BYTES["fp32"]  # the loss's softmax is computed over fp32 logits
 # At a chunk's peak, forward or backward, its logits (bf16) coexist with their fp32 shifted copy
 # (forward) or softmax (backward), then that fp32 softmax with the logits' gradient (bf16): 2 + 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tinypipe.hardware import HOST
 from tinypipe.schedule import HOST_OPTIM, KIND_STREAM, Action, Kind, Mem, gpu_resource
 
 FWD, BWD, LOAD, EVICT = Kind.FWD, Kind.BWD, Kind.LOAD, Kind.EVICT
@@ -34,7 +35,7 @@ class Op:
         self.id = -1
 
     def __repr__(self) -> str:
-        where = "host" if self.gpu == ON_HOST else f"g{self.gpu}"
+        where = HOST if self.gpu == ON_HOST else f"g{self.gpu}"
         mb = "" if self.mb is None else f" m{self.mb}"
         return f"<{where} {self.kind.value} L{self.layer}{mb} i{self.it}>"
 

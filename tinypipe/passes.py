@@ -5,6 +5,7 @@ compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass ->
 
 from __future__ import annotations
 
+from tinypipe.hardware import HOST
 from tinypipe.ops import (
     BWD,
     EVICT,
@@ -310,7 +311,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     one Mem object (they are immutable), which keeps this pass cheap.
     """
     cache: dict[tuple[int, str, int, int | None], tuple[Mem, ...]] = {}
-    devs = {g: ("host" if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
+    devs = {g: (HOST if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
     sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
              "gr": plan.weight_bytes, "ws": plan.layer_workspace_bytes, "act": plan.input_bytes,
              "gring": plan.host_grad_bytes}

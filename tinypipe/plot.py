@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tinypipe.errors import InputError
+from tinypipe.hardware import HOST
 from tinypipe.timeline import Timeline
 from tinypipe.units import GIB
 
@@ -43,8 +44,8 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str = "", widt
     bars: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for r in timeline.records:
         bars[(r.resource, r.kind)].append((r.start_s - t0, max(r.end_s - r.start_s, 0.0)))
-    gpu_mem = {d: v for d, v in timeline.memory.items() if d != "host" and v}
-    host_mem = {d: v for d, v in timeline.memory.items() if d == "host" and v}
+    gpu_mem = {d: v for d, v in timeline.memory.items() if d != HOST and v}
+    host_mem = {d: v for d, v in timeline.memory.items() if d == HOST and v}
     panels = [m for m in (gpu_mem, host_mem) if m]  # GPU and host memory differ by ~100x: own axes
     fig, axes = plt.subplots(1 + len(panels), 1, sharex=True, squeeze=False,
                              figsize=(width_in, 0.35 * len(resources) + 1.0 + 2.0 * len(panels)),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinypipe.errors import InputError
-from tinypipe.hardware import Hardware
+from tinypipe.hardware import HOST, Hardware
 from tinypipe.hostmem import host_bytes, optimizer_s_per_param
 from tinypipe.model import ModelSpec
 from tinypipe.policy import Policy
@@ -206,7 +206,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
         kp = trace.layer(layer)
         compute += kp.fwd_s + kp.backward_s(recomputes(p.recompute, layer.index, len(model.layers)))
     compute *= p.microbatches / len(hw.gpus)
-    links = sum(hw.route("host", g.name).bottleneck_gbps for g in hw.gpus)
+    links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
     optim = model.params * optimizer_s_per_param(hw.host, p.host_memory)

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from tinypipe.errors import InputError
 from tinypipe.jsonio import Fields, load_json
+from tinypipe.units import MIB
 
 FORMAT = "tinypipe.timeline/1"
 STREAM_ORDER = ("compute", "h2d", "d2h", "send", "recv", "optim")
@@ -177,7 +178,7 @@ class Timeline:
         for d, samples in self.memory.items():
             for t, b in samples:
                 events.append({"ph": "C", "name": "memory", "pid": pid[d], "tid": 0,
-                               "ts": (t - t0) * 1e6, "args": {"MiB": b / 2**20}})
+                               "ts": (t - t0) * 1e6, "args": {"MiB": b / MIB}})
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"source": self.source, **self.meta, **(other_data or {})}}
 

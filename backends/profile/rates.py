@@ -31,15 +31,16 @@ from typing import Any
 import torch
 
 from tinypipe.hardware import Hardware, Host
-from tinypipe.hostmem import COMPACT_OPTIM_FACTOR, REPLICATED_OPTIM_FACTOR
-from tinypipe.policy.modes import HostLayout
+from tinypipe.hostmem import optimizer_time_factor
+from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
+from tinypipe.units import MIB
 
 from ..hostlayouts import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
 
 FORMAT = "tinypipe-host-rates-v1"
-COPY_BYTES = 256 << 20  # large enough to reach the link's rate (DESIGN §8: >= 16 MiB on the H200 host)
-CPU_COPY_BYTES = 64 << 20  # host memcpy: past the last-level cache, a fraction of a second on 2 cores
+COPY_BYTES = 256 * MIB  # large enough to reach the link's rate (DESIGN §8: >= 16 MiB on the H200 host)
+CPU_COPY_BYTES = 64 * MIB  # host memcpy: past the last-level cache, a fraction of a second on 2 cores
 SMALL_COPY_BYTES = 4 << 10
 OPTIM_PARAMS = 1 << 24  # 16M fp32 parameters: 256 MiB of state, past any cache, ~20 ms a step on 2 cores
 
@@ -64,7 +65,7 @@ class HostRates:
     repeat: int
     when: str
 
-    def factors(self) -> dict[str, float]:
+    def factors(self) -> dict[HostLayout, float]:
         """Each layout's optimizer time per parameter over a plain fused AdamW's (hostmem's factors, measured)."""
         return {"replicated": self.adam_params_per_s / self.replicated_params_per_s,
                 "compact": self.adam_params_per_s / self.compact_params_per_s}
@@ -73,8 +74,8 @@ class HostRates:
         f = self.factors()
         return {"format": FORMAT, **asdict(self),
                 "optimizer_time_factor": {k: round(v, 3) for k, v in f.items()},
-                "optimizer_time_factor_in_tinypipe": {"replicated": REPLICATED_OPTIM_FACTOR,
-                                                      "compact": round(COMPACT_OPTIM_FACTOR, 3)},
+                "optimizer_time_factor_in_tinypipe": {lay: round(optimizer_time_factor(lay), 3)
+                                                      for lay in HOST_LAYOUTS},
                 "fields": "h2d/d2h_gbps: one copy of copy_bytes each way alone (pinned host memory on CUDA, host "
                           "memcpy on a CPU); bidir_gbps: both directions at once, total; copy_latency_s: a "
                           "small_copy_bytes copy's time less its bytes at h2d_gbps; *_params_per_s: fp32 parameters "
@@ -104,7 +105,7 @@ class HostRates:
                     compact_params_per_s=self.compact_params_per_s)
         source = (f"{base.name} with rates measured by `tinypipe profile` on {self.device}, {self.when}: GPU "
                   f"links {link:.1f} GB/s (min of H2D {self.h2d_gbps:.1f}, D2H {self.d2h_gbps:.1f}, pinned, "
-                  f"{self.copy_bytes >> 20} MiB copies) with a {self.copy_latency_s * 1e6:.1f} us fixed cost; both "
+                  f"{self.copy_bytes // MIB} MiB copies) with a {self.copy_latency_s * 1e6:.1f} us fixed cost; both "
                   f"directions at once {self.bidir_gbps:.1f} GB/s -> host DMA cap {dma:.1f} GB/s; fused AdamW "
                   f"{self.adam_params_per_s / 1e9:.3g} G params/s on {self.threads} threads (compact step "
                   f"{self.factors()['compact']:.2f} x, replicated {self.factors()['replicated']:.2f} x its time; "

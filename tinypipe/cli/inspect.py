@@ -52,7 +52,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                             "host ok (compact)", "all-resident ok"], rows, align="lrrrllll"))
         return 0
     if args.what == "hardware":
-        from tinypipe.hardware import load_hardware, shipped_hardware
+        from tinypipe.hardware import HOST, load_hardware, shipped_hardware
         from tinypipe.inspection import hardware_report
 
         if not args.name:
@@ -60,7 +60,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             if args.json:
                 return print_json([hardware_report(h) for h in hws])
             rows = [[h.name, h.provenance, len(h.gpus), h.gpus[0].model, table.gib(h.gpus[0].memory_bytes),
-                     table.gib(h.host.memory_bytes), h.route("host", h.gpus[0].name).bottleneck_gbps]
+                     table.gib(h.host.memory_bytes), h.route(HOST, h.gpus[0].name).bottleneck_gbps]
                     for h in hws]
             print(table.render(["name", "provenance", "GPUs", "GPU", "GPU mem", "host DRAM", "host->gpu0 GB/s"],
                                rows, align="llrlrrr"))

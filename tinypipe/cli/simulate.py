@@ -89,6 +89,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe import table
     from tinypipe.hardware import load_hardware
     from tinypipe.hfconfig import load_model
+    from tinypipe.policy.modes import OPTIMIZER_MODES
     from tinypipe.search import SearchSpace, SearchTarget, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
     from tinypipe.trace import find_trace, load_profiles
@@ -107,7 +108,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                      gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                      host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
                      profiles=load_profiles(args.profile or ()), dtype=args.dtype)
-    space = SearchSpace(optimizers=("sync", "async") if args.allow_async else ("sync",))
+    space = SearchSpace(optimizers=OPTIMIZER_MODES if args.allow_async else ("sync",))
     measured = sorted({t.microbatch_size for t in w.profiles
                        if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
     if w.profiles and not measured:
@@ -178,10 +179,11 @@ def _clip(text: str, width: int = 110) -> str:
 
 def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
     """`host 143.75 > 64.00 GiB; GPU 46.42 > 24.00 GiB` for every kind of device over its capacity."""
+    from tinypipe.hardware import HOST
     from tinypipe.units import GIB
 
     parts = []
-    for label, devs in (("host", [d for d in peak if d == "host"]), ("GPU", [d for d in peak if d != "host"])):
+    for label, devs in (("host", [d for d in peak if d == HOST]), ("GPU", [d for d in peak if d != HOST])):
         over = [d for d in devs if peak[d] > capacity.get(d, peak[d])]
         if over:
             d = max(over, key=lambda x: peak[x] - capacity[x])

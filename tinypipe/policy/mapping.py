@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 from itertools import permutations
 
-from tinypipe.hardware import Hardware
+from tinypipe.hardware import HOST, Hardware
 
 EXACT_MAX_GPUS = 8
 
@@ -24,7 +24,7 @@ def round_robin(num_packs: int, num_gpus: int) -> tuple[int, ...]:
 
 def shared_links(hardware: Hardware) -> tuple[tuple[int, ...], ...]:
     """For each pair of GPUs, how many links their host->GPU routes have in common."""
-    edges = [frozenset(frozenset(e) for e in hardware.route("host", g.name).edges) for g in hardware.gpus]
+    edges = [frozenset(frozenset(e) for e in hardware.route(HOST, g.name).edges) for g in hardware.gpus]
     return tuple(tuple(len(a & b) if i != j else 0 for j, b in enumerate(edges)) for i, a in enumerate(edges))
 
 
