@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from tinypipe.units import GIB
+
 from .pinned import PinnedSlab
 
-GROW_BYTES = 1 << 30  # pinned at a time when the lot runs out: one registration per GiB
+GROW_BYTES = GIB  # pinned at a time when the lot runs out: one registration per GiB
 GROW_MAX = 64  # buffers at a time at most (small activations: 4 KiB alignment each)
 
 

@@ -33,7 +33,7 @@ from tinypipe.policy import Policy, load_policy
 from tinypipe.schedule import Schedule
 from tinypipe.table import gib
 from tinypipe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
-from tinypipe.units import parse_bytes
+from tinypipe.units import MIB, parse_bytes
 
 from .hoststate import AdamWConfig
 from .settings import DEFAULTS
@@ -77,7 +77,7 @@ def cpu_hardware(workers: int, *, threads: int) -> Hardware:
     try:
         a = torch.randn(256, 256)
         flops = _rate(lambda: [a @ a for _ in range(8)], 8 * 2 * 256**3)
-        src, dst = torch.empty(8 << 20, dtype=torch.uint8), torch.empty(8 << 20, dtype=torch.uint8)
+        src, dst = torch.empty(8 * MIB, dtype=torch.uint8), torch.empty(8 * MIB, dtype=torch.uint8)
         gbps = _rate(lambda: dst.copy_(src), src.numel()) / 1e9
         p = torch.zeros(1 << 18, requires_grad=True)
         p.grad = torch.ones_like(p)

@@ -201,7 +201,9 @@ def _pct(v: float | None) -> str:
 
 
 def _mib(b: float) -> str:
-    return f"{b / 2**20:,.1f} MiB"
+    from tinypipe.units import MIB
+
+    return f"{b / MIB:,.1f} MiB"
 
 
 HELD_PARTS = (("master_bytes", "fp32 master"), ("upload_copy_bytes", "upload copy"), ("grad_bytes", "gradients"),

@@ -121,7 +121,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
         "host_rss_phases_per_rank": [r.rss_phases for r in sorted(results, key=lambda r: r.rank)],
         "host_state_bytes": held, "host_state_bytes_per_param": held / params,
         "predicted_tokens_per_s": sim.tokens_per_s, "predicted_iteration_s": sim.iteration_s,
-        "predicted_peak_gpu_bytes": max((b for d, b in sim.peak_bytes.items() if d != "host"), default=0),
+        "predicted_peak_gpu_bytes": sim.peak_gpu_bytes,
         "predicted_peak_host_bytes": sim.peak_host_bytes,
         "floor": floor.to_json(), "floor_tokens_per_s": floor_tps, "achieved_over_floor": tps / floor_tps,
         "busy_s_per_iteration": busy, "wall_s": wall,
