@@ -35,7 +35,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from tinypipe.schedule import Action, Kind, gpu_resource
+from tinypipe.kinds import Kind
+from tinypipe.order import predecessors
+from tinypipe.schedule import Action, gpu_resource
 from tinypipe.timeline import Record
 
 from .comm import Handle
@@ -47,7 +49,6 @@ STUCK_S = 300.0  # no progress for this long: report what each resource waits fo
 # FWD / BWD the host may have issued beyond the oldest one the device has not finished. Each is
 # milliseconds of GPU work and under a millisecond of issuing, so 2 keeps the device fed.
 RUNAHEAD_COMPUTE = 2
-_COMPUTE = (Kind.FWD, Kind.BWD)
 # The loop's pause when nothing can be issued. The host optimizer's compact step is hundreds of
 # torch calls per layer, each taking the GIL back; with a 50 us poll here the step measured ~95 ms
 # per 8B block in the steady state on an H200 host (2026-11-30), where the fused-AdamW rate x 1.69
@@ -163,6 +164,11 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     queues: dict[str, deque[Action]] = defaultdict(deque)
     for a in actions:
         queues[a.resource].append(a)
+    # what each action waits for (tinypipe.order) on other resources; on its own resource the queue
+    # issues it after the earlier ones, and the stream (or the host worker) runs them in order
+    before = predecessors(actions)
+    needs = {a.id: tuple(d for d in before[a.id] if d in by_id and by_id[d].resource != a.resource)
+             for a in actions}
     loads_left: dict[tuple[int, int], int] = defaultdict(int)
     for a in actions:
         if a.kind == Kind.LOAD:
@@ -196,13 +202,13 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
         return len(in_flight)
 
     def ready(a: Action) -> bool:
-        if not all(d in available or d not in by_id for d in a.deps):
+        if not all(d in available for d in needs[a.id]):
             return False
-        if a.kind == Kind.RECV and compute and compute[0].id < a.id:
+        if a.kind.info.stream == "recv" and compute and compute[0].id < a.id:
             return False  # posted no earlier than its place in the schedule: see "RECV gate" in the module docstring
         if carry is not None and carry.steps and carry.blocks(interp, a, a.iteration + shift):
             return False
-        return a.kind not in _COMPUTE or len(in_flight) < RUNAHEAD_COMPUTE or computing() < RUNAHEAD_COMPUTE
+        return not a.kind.info.is_compute or len(in_flight) < RUNAHEAD_COMPUTE or computing() < RUNAHEAD_COMPUTE
 
     try:
         while queues or running or (on_host and carry is None):
@@ -261,7 +267,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                     started = streams.settle(interp.dispatch(a, step))
                     if started is None:
                         streams.mark_end(a.id)
-                if a.kind in _COMPUTE:
+                if a.kind.info.is_compute:
                     in_flight.append(a.id)
                 if started is None:
                     finish(a)

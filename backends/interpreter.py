@@ -4,7 +4,8 @@ DESIGN §5. Each handler does what docs/schedule-contract.md says its kind means
 a layer's weights between the host state and the device; FWD runs a layer without keeping the
 graph and keeps its input (or, without recompute, keeps the graph); BWD recomputes from that input
 and back-propagates, accumulating the weight gradients on the device; GRAD_OUT hands them to the
-host; OPT_STEP runs AdamW there; SEND / RECV move activations and their gradients between ranks;
+host; OPT_STEP runs AdamW there; SEND_F / RECV_F move activations, SEND_B / RECV_B their gradients
+between ranks;
 OFFLOAD_ACT / FETCH_ACT park a kept input in host memory. `executor.py` decides when each runs.
 
 Values are keyed by (step, layer, microbatch): `x` is the input of a layer, `dx` the gradient with
@@ -21,7 +22,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tinypipe.schedule import Action, Kind, Schedule, resource_gpu
+from tinypipe.kinds import Carries, Kind
+from tinypipe.schedule import Action, Schedule, resource_gpu
 
 from .comm import Comm, Handle
 from .compiled import LayerCaller
@@ -65,7 +67,8 @@ class Interpreter:
 
     HANDLERS: ClassVar[dict[Kind, str]] = {
         Kind.LOAD: "_load", Kind.EVICT: "_evict", Kind.FWD: "_fwd", Kind.BWD: "_bwd",
-        Kind.SEND: "_send", Kind.RECV: "_recv", Kind.OFFLOAD_ACT: "_offload", Kind.FETCH_ACT: "_fetch",
+        Kind.SEND_F: "_send", Kind.SEND_B: "_send", Kind.RECV_F: "_recv", Kind.RECV_B: "_recv",
+        Kind.OFFLOAD_ACT: "_offload", Kind.FETCH_ACT: "_fetch",
         Kind.GRAD_OUT: "_grad_out", Kind.OPT_STEP: "_opt_step",
     }
 
@@ -290,25 +293,14 @@ class Interpreter:
         return None
 
     # ---- between ranks ---------------------------------------------------------------------------------
-    def is_backward(self, a: Action) -> bool:
-        """Whether a SEND / RECV carries a gradient (`dx`) rather than an activation (`x`).
-
-        The buffer names of the memory effects say it (docs/schedule-contract.md); without them, the
-        layer tells: an activation goes to the owner of the layer it enters, a gradient leaves it.
-        """
-        for mem in (*a.allocs, *a.frees):
-            if mem.buffer.startswith("dx."):
-                return True
-            if mem.buffer.startswith("x."):
-                return False
-        mine = a.layer in self.owned
-        return mine if a.kind == Kind.SEND else not mine
+    def _store(self, a: Action) -> dict[Key, torch.Tensor]:
+        """Where a SEND / RECV half's tensor lives: `dx` for a gradient (SEND_B / RECV_B), else `x`."""
+        return self.dx if a.kind.info.carries is Carries.GRADIENT else self.x
 
     def _send(self, a: Action, step: int) -> Done:
         if self.comm is None or a.peer is None:
             raise self.fail(a, "a SEND needs a peer and a communicator")
-        store = self.dx if self.is_backward(a) else self.x
-        t = store.pop(self._key(a, step), None)
+        t = self._store(a).pop(self._key(a, step), None)
         if t is None:
             raise self.fail(a, "nothing to send (the FWD / BWD producing it has not run)")
         self.use(t)
@@ -320,7 +312,7 @@ class Interpreter:
             raise self.fail(a, "a RECV needs a peer and a communicator")
         mb = self.data[step].microbatches[a.microbatch or 0][0]
         buf = torch.empty((*mb.shape, self.hidden_size), dtype=self.compute_dtype, device=self.device)
-        store = self.dx if self.is_backward(a) else self.x
+        store = self._store(a)
         key = self._key(a, step)
 
         def arrived() -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from _common import write_json
 from tinypipe.sim import simulate
-from tinypipe.sim.rendezvous import pair_sends
 
 from tinypipe.replay import load_run_trace
 from tinypipe.replay_command import add_replay_arguments, replay, settle
@@ -40,7 +39,7 @@ def main() -> None:
         setup = settle(trace, args)
         case_out = {}
         for warmup in (1, 2):
-            rep = replay(trace, setup, simulate=simulate, pair_sends=pair_sends, warmup=warmup)
+            rep = replay(trace, setup, simulate=simulate, warmup=warmup)
             js = rep.to_json()
             js["trace"] = str(trace_path.relative_to(ROOT))
             case_out[f"warmup{warmup}"] = js

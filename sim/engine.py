@@ -1,12 +1,16 @@
 """The simulator: one SimPy process per schedule resource runs its actions in order (stream + event semantics).
 
-An action starts when the previous action on its resource and all its dependencies have finished.
-Costs follow docs/schedule-contract.md: FWD / BWD take the trace's times (BWD with recompute when
-the schedule recomputes), EVICT takes no time, OPT_STEP runs on `host.optim` at the host's AdamW rate
-at the host layout's rate (`hostmem.optimizer_s_per_param`), and copies (LOAD, FETCH_ACT,
-OFFLOAD_ACT, GRAD_OUT, SEND/RECV) are fluid flows over the hardware route (sim/network.py). A SEND
-and its RECV rendezvous: the copy starts when both halves are ready and both end when it ends; each
-half's record starts when its own stream reached it (as a CUDA event recorded before it would).
+An action starts when its predecessors have finished (`tinypipe.order`: the previous action on its
+resource and all its dependencies): the lane's process has finished the previous one, and it waits
+for the dependencies (the deadlock report lists the predecessors still running). Each kind is timed
+by its cost class in `tinypipe.kinds.KINDS`, as docs/schedule-contract.md says: compute (FWD / BWD)
+takes the trace's times (BWD with recompute when the schedule recomputes), a free kind (EVICT) no
+time, the optimizer (OPT_STEP, on `host.optim`) the host layout's rate
+(`hostmem.optimizer_s_per_param`), and copies (uploads, downloads and the SEND / RECV halves) are
+fluid flows over the hardware route (sim/network.py); a cost class it has no rule for is an error.
+A SEND and its RECV (paired by `tinypipe.order.pair_halves`) rendezvous: the copy starts when both
+halves are ready and both end when it ends; each half's record starts when its own stream reached it
+(as a CUDA event recorded before it would).
 Memory effects go through the ledgers (sim/memory.py).
 
 Replay (`tinypipe replay`) swaps in measured times: `durations` gives actions a fixed duration instead
@@ -25,20 +29,19 @@ import simpy
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
 from tinypipe.hostmem import optimizer_s_per_param
+from tinypipe.kinds import Cost, Direction, Kind
 from tinypipe.model import ModelSpec
-from tinypipe.schedule import Kind, Schedule, resource_gpu
+from tinypipe.order import pair_halves, predecessors
+from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.timeline import Record, Timeline
 from tinypipe.trace import ProfileTrace
 
 from .memory import Memory
 from .network import Network
-from .rendezvous import pair_sends
 from .result import SimResult, build_result
 
 HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
 _TIMED, _COPY, _PAIR = 0, 1, 2
-_HOST_TO_GPU = (Kind.LOAD, Kind.FETCH_ACT)
-_GPU_TO_HOST = (Kind.OFFLOAD_ACT, Kind.GRAD_OUT)
 
 Copy = tuple[float, float, tuple[str, ...]]  # bytes, latency_s, capacities crossed
 
@@ -67,7 +70,8 @@ class Engine:
         self.env = simpy.Environment()
         self.memory = memory
         self.network = Network(self.env, link_capacities(hardware))
-        self.partner = pair_sends(schedule)
+        self.partner = pair_halves(schedule.actions)
+        self._lanes = lanes
         n = len(schedule.actions)
         self.start_s = [0.0] * n
         self.end_s = [-1.0] * n  # -1: not finished
@@ -111,7 +115,7 @@ class Engine:
     def _run(self, ids: Sequence[int]) -> Generator[simpy.Event, Any, None]:
         env, actions, end_s, start_s = self.env, self.schedule.actions, self.end_s, self.start_s
         mode, cost, waiters, memory, net = self._mode, self._cost, self._waiters, self.memory, self.network
-        for aid in ids:
+        for aid in ids:  # one process per lane runs it in order: the predecessor on the stream is done
             a = actions[aid]
             for d in a.deps:
                 if end_s[d] < 0:
@@ -155,14 +159,15 @@ class Engine:
 
     def _deadlock_message(self, stuck: list[int]) -> str:
         acts = self.schedule.actions
+        before = predecessors(acts, lanes=self._lanes)
         lines = []
         for ids in self.schedule.by_resource().values():
             first = next((i for i in ids if self.end_s[i] < 0), None)
             if first is None:
                 continue
             a = acts[first]
-            waits = [f"`{acts[d]}` (action {d})" for d in a.deps if self.end_s[d] < 0]
-            if a.kind in (Kind.SEND, Kind.RECV) and not waits:
+            waits = [f"`{acts[d]}` (action {d})" for d in before[first] if self.end_s[d] < 0]
+            if first in self.partner and not waits:
                 p = self.partner[first]
                 waits = [f"its other half `{acts[p]}` (action {p})"]
             lines.append(f"`{a}` (action {first}) waits for " + (", ".join(waits) or "its predecessor"))
@@ -213,12 +218,13 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
                 raise ScheduleError(f"`{a}` (action {a.id}) depends on action {d}, which "
                                     + ("is itself" if d == a.id else f"does not exist (ids are 0..{n - 1})"))
         k = a.kind
-        if k is Kind.FWD or k is Kind.BWD or k is Kind.OPT_STEP:
+        c = k.info.cost
+        if c is Cost.COMPUTE or c is Cost.OPTIMIZER:
             if not 0 <= a.layer < len(model.layers):
                 raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
             layer = model.layers[a.layer]
-            if k is Kind.OPT_STEP:
-                mode.append(_TIMED)
+            mode.append(_TIMED)
+            if c is Cost.OPTIMIZER:
                 cost.append(layer.params * opt_s_per_param)
                 continue
             if a.layer not in profiles:
@@ -228,30 +234,35 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
                     raise InputError(f"trace has no profile for layer kind {layer.kind.value!r} "
                                      f"(layer {a.layer}); it has {', '.join(trace.kinds)}") from None
             p = profiles[a.layer]
-            mode.append(_TIMED)
-            cost.append(p.fwd_s if k is Kind.FWD else p.backward_s(schedule.recomputes(a.layer)))
-        elif k is Kind.EVICT:
+            if k.info.direction is Direction.NONE:
+                raise ScheduleError(f"`{a}` (action {a.id}): compute kind {k.value} is neither forward nor backward")
+            forward = k.info.direction is Direction.FORWARD
+            cost.append(p.fwd_s if forward else p.backward_s(schedule.recomputes(a.layer)))
+        elif c is Cost.FREE:
             mode.append(_TIMED)
             cost.append(0.0)
-        else:
+        elif c is Cost.UPLOAD or c is Cost.DOWNLOAD or c is Cost.PEER:
             g = gpu_of.get(a.resource)
             if g is None:
                 raise ScheduleError(f"`{a}` (action {a.id}) is a copy and must run on a GPU stream")
-            if k in _HOST_TO_GPU:
+            if c is Cost.UPLOAD:
                 src, dst = HOST, gpu_node[g]
                 nbytes = a.nbytes
-            elif k in _GPU_TO_HOST:
+            elif c is Cost.DOWNLOAD:
                 src, dst = gpu_node[g], HOST
                 nbytes = a.nbytes
-            else:  # SEND / RECV: one copy sender -> receiver, of the SEND's bytes
-                send = a if k is Kind.SEND else schedule.actions[partner[a.id]]
+            else:  # a SEND / RECV half: one copy sender -> receiver, of the SEND's bytes
+                send = a if k.info.stream == "send" else schedule.actions[partner[a.id]]
                 sg = gpu_of.get(send.resource)
                 assert sg is not None and send.peer is not None
                 src, dst = gpu_node[sg], gpu_node[send.peer]
                 nbytes = send.nbytes
             lat, links = route(src, dst)
-            mode.append(_PAIR if k in (Kind.SEND, Kind.RECV) else _COPY)
+            mode.append(_PAIR if c is Cost.PEER else _COPY)
             cost.append((float(nbytes), lat, links))
+        else:
+            raise ScheduleError(f"`{a}` (action {a.id}): the simulator has no cost for kind {k.value} "
+                                f"(cost {c.value}); add one to sim/engine.py")
     return mode, cost
 
 

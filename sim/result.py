@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinypipe.hardware import HOST
+from tinypipe.order import predecessors
 from tinypipe.schedule import Schedule
 from tinypipe.timeline import Timeline, resource_sort_key, steady_state
 from tinypipe.units import GIB
@@ -15,8 +16,9 @@ from tinypipe.units import GIB
 class CriticalPath:
     """The chain of actions that set the run's length, walked back from the last action to end.
 
-    Each step goes to whichever predecessor finished last: the previous action on the resource, a
-    dependency, or — for a SEND / RECV — a predecessor of its other half (the copy waits for both).
+    Each step goes to whichever predecessor (`tinypipe.order.predecessors`) finished last: the previous
+    action on the resource, a dependency, or — for a SEND / RECV — a predecessor of its other half (the
+    copy waits for both).
     The time from that predecessor's end to the action's end is charged to the action's resource
     and kind, so the shares add up to 1 (of the whole run, all iterations).
     """
@@ -40,18 +42,7 @@ def critical_path(schedule: Schedule, timeline: Timeline, partner: dict[int, int
     for r in timeline.records:
         end[r.id] = r.end_s
     t0 = timeline.start_s
-    prev = [-1] * len(acts)
-    for ids in schedule.by_resource().values():
-        for a, b in zip(ids, ids[1:]):
-            prev[b] = a
-
-    def preds(i: int) -> list[int]:
-        out = [prev[i], *acts[i].deps]
-        p = partner.get(i)
-        if p is not None:
-            out += [prev[p], *acts[p].deps]
-        return [x for x in out if x >= 0]
-
+    preds = predecessors(acts, partner=partner)
     cur = max(range(len(acts)), key=lambda i: (end[i], i))
     path: list[int] = []
     by_res: dict[str, float] = {}
@@ -60,7 +51,7 @@ def critical_path(schedule: Schedule, timeline: Timeline, partner: dict[int, int
     while cur not in seen:
         seen.add(cur)
         path.append(cur)
-        cands = preds(cur)
+        cands = preds[cur]
         best = max(cands, key=lambda i: (end[i], i)) if cands else -1
         since = end[best] if best >= 0 else t0
         act = acts[cur]

@@ -153,15 +153,15 @@ def test_transfer_pass_pairs_and_offload() -> None:
     plan = Plan.toy((1, 1), (0, 1), 2, activation_home="host")
     ops = transfer_pass(plan, compute_plan(plan))
     assert short(ops) == [
-        "FWD L0 m0 g0", "SEND L1 m0 g0", "RECV L1 m0 g1", "FWD L0 m1 g0", "SEND L1 m1 g0", "RECV L1 m1 g1",
+        "FWD L0 m0 g0", "SEND_F L1 m0 g0", "RECV_F L1 m0 g1", "FWD L0 m1 g0", "SEND_F L1 m1 g0", "RECV_F L1 m1 g1",
         "FWD L1 m0 g1", "OFFLOAD_ACT L1 m0 g1", "FWD L1 m1 g1", "OFFLOAD_ACT L1 m1 g1",
-        "FETCH_ACT L1 m0 g1", "BWD L1 m0 g1", "SEND L1 m0 g1", "RECV L1 m0 g0",
-        "FETCH_ACT L1 m1 g1", "BWD L1 m1 g1", "SEND L1 m1 g1", "RECV L1 m1 g0", "BWD L0 m0 g0", "BWD L0 m1 g0"]
+        "FETCH_ACT L1 m0 g1", "BWD L1 m0 g1", "SEND_B L1 m0 g1", "RECV_B L1 m0 g0",
+        "FETCH_ACT L1 m1 g1", "BWD L1 m1 g1", "SEND_B L1 m1 g1", "RECV_B L1 m1 g0", "BWD L0 m0 g0", "BWD L0 m1 g0"]
     fwd1 = next(o for o in ops if o.kind is Kind.FWD and o.layer == 1)
-    assert fwd1.deps[0].kind is Kind.RECV and fwd1.deps[0].peer == 0
+    assert fwd1.deps[0].kind is Kind.RECV_F and fwd1.deps[0].peer == 0
     fetch1 = [o for o in ops if o.kind is Kind.FETCH_ACT][1]
     assert {d.kind for d in fetch1.deps} == {Kind.OFFLOAD_ACT, Kind.BWD}  # one microbatch ahead
-    grads = [o for o in ops if o.kind is Kind.SEND and o.grad]
+    grads = [o for o in ops if o.kind is Kind.SEND_B]
     assert len(grads) == 2 and all(o.gpu == 1 and o.peer == 0 for o in grads)
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 from tinypipe.sim import simulate
-from tinypipe.sim.rendezvous import pair_sends
 
 from tinypipe.cli import main
 from tinypipe.compile import compile_schedule
@@ -45,7 +44,7 @@ def replay_of(argv: list[str]) -> ReplayReport:
     add_replay_arguments(ap)
     args = ap.parse_args(argv)
     trace = load_run_trace(args.trace)
-    return replay(trace, settle(trace, args), simulate=simulate, pair_sends=pair_sends, warmup=args.warmup)
+    return replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup)
 
 
 def assert_within_bound(rep: ReplayReport, slack_s: float) -> None:

@@ -20,7 +20,7 @@ def test_short_strings() -> None:
     """Actions print like PyTorch pipelining's: resource, kind, layer, microbatch, peer."""
     assert str(Action(0, Kind.LOAD, "g1.h2d", layer=12)) == "g1.h2d LOAD L12"
     assert str(Action(0, Kind.FWD, "g0.compute", layer=3, microbatch=2)) == "g0.compute FWD L3 m2"
-    assert str(Action(0, Kind.SEND, "g0.send", layer=3, microbatch=0, peer=1)) == "g0.send SEND L3 m0 >g1"
+    assert str(Action(0, Kind.SEND_F, "g0.send", layer=3, microbatch=0, peer=1)) == "g0.send SEND_F L3 m0 >g1"
 
 
 def test_text_round_trip_literal() -> None:

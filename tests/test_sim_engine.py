@@ -116,8 +116,8 @@ def test_send_recv_rendezvous_into_one_copy() -> None:
     gpu0 -> rc0 -> gpu1 (10 µs + 40 µs) ends both halves at 1050 µs; the receiver's FWD follows."""
     b = Builder()
     f = b("FWD", "g0.compute", layer=0, microbatch=0)
-    b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000, deps=(f,))
-    rv = b("RECV", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000)
+    b("SEND_F", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000, deps=(f,))
+    rv = b("RECV_F", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000)
     b("FWD", "g1.compute", layer=1, microbatch=0, deps=(rv,))
     r = sim(b.schedule())
     assert log(r) == [
@@ -133,8 +133,8 @@ def test_copy_staged_through_host_crosses_the_dma_cap_twice() -> None:
     """Without GPU peer-to-peer a 4 MB SEND goes gpu0 -> rc0 -> host -> rc0 -> gpu1: it passes the
     40 GB/s DMA cap down and up, so it moves at 20 GB/s: 10 µs + 200 µs."""
     b = Builder()
-    b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=4_000_000)
-    b("RECV", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=4_000_000)
+    b("SEND_F", "g0.send", layer=1, microbatch=0, peer=1, nbytes=4_000_000)
+    b("RECV_F", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=4_000_000)
     r = sim(b.schedule(), replace(tiny_hardware(), gpu_p2p=False))
     assert log(r) == ["0.000 210.000 g0.send S1.0", "0.000 210.000 g1.recv R1.0"]
     assert r.link_bytes == {"gpu0->rc0": 4_000_000, "host->rc0": 4_000_000, "host.dma": 8_000_000,
@@ -144,9 +144,9 @@ def test_copy_staged_through_host_crosses_the_dma_cap_twice() -> None:
 def test_recv_ready_after_send() -> None:
     """The copy also waits when the receiver is the late half: it starts when RECV is reached."""
     b = Builder()
-    b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000)
+    b("SEND_F", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000)
     f = b("FWD", "g1.compute", layer=0, microbatch=0)
-    b("RECV", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000, deps=(f,))
+    b("RECV_F", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000, deps=(f,))
     assert log(sim(b.schedule())) == [
         "0.000 1050.000 g0.send S1.0",
         "0.000 1000.000 g1.compute F0.0",
@@ -301,8 +301,20 @@ def test_bad_dependency_is_a_schedule_error() -> None:
 
 def test_unmatched_send_is_a_schedule_error() -> None:
     b = Builder()
-    b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=10)
+    b("SEND_F", "g0.send", layer=1, microbatch=0, peer=1, nbytes=10)
     with pytest.raises(ScheduleError, match=r"g0 -> g1: 1 SEND but 0 RECV"):
+        sim(b.schedule())
+
+
+def test_a_kind_without_a_simulator_cost_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind whose cost the simulator does not know is refused, not timed like some other kind."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(Kind.EVICT, "info", replace(Kind.EVICT.info, cost=SimpleNamespace(value="teleport")))
+    b = Builder()
+    b("EVICT", "g0.compute", layer=0)
+    with pytest.raises(ScheduleError, match=r"`g0.compute EVICT L0` \(action 0\): the simulator has no cost for "
+                                            r"kind EVICT \(cost teleport\)"):
         sim(b.schedule())
 
 
@@ -326,8 +338,8 @@ def test_replay_durations_replace_each_actions_cost() -> None:
     b = Builder()
     ld = b("LOAD", "g0.h2d", layer=0, nbytes=100_000_000)
     f = b("FWD", "g0.compute", layer=0, microbatch=0, deps=(ld,))
-    s = b("SEND", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000, deps=(f,))
-    rv = b("RECV", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000)
+    s = b("SEND_F", "g0.send", layer=1, microbatch=0, peer=1, nbytes=1_000_000, deps=(f,))
+    rv = b("RECV_F", "g1.recv", layer=1, microbatch=0, peer=0, nbytes=1_000_000)
     b("FWD", "g1.compute", layer=1, microbatch=0, deps=(rv,))
     r = sim(b.schedule(), durations={ld: 300e-6, f: 1500e-6, s: 20e-6, rv: 70e-6})
     assert log(r) == [
@@ -385,9 +397,9 @@ def pipeline(model: ModelSpec, gpus: int, microbatches: int, iterations: int, ac
                 deps = [ld]
                 if layer and gpu[layer - 1] != g:
                     p = gpu[layer - 1]
-                    b("SEND", f"g{p}.send", layer=layer, microbatch=m, peer=g, nbytes=act_bytes, iteration=it,
+                    b("SEND_F", f"g{p}.send", layer=layer, microbatch=m, peer=g, nbytes=act_bytes, iteration=it,
                       deps=(last_fwd[m],))
-                    deps.append(b("RECV", f"g{g}.recv", layer=layer, microbatch=m, peer=p, nbytes=act_bytes,
+                    deps.append(b("RECV_F", f"g{g}.recv", layer=layer, microbatch=m, peer=p, nbytes=act_bytes,
                                   iteration=it))
                 last_fwd[m] = b("FWD", f"g{g}.compute", layer=layer, microbatch=m, iteration=it, deps=tuple(deps))
         last_bwd: dict[int, int] = {}
@@ -397,9 +409,9 @@ def pipeline(model: ModelSpec, gpus: int, microbatches: int, iterations: int, ac
                 deps = []
                 if layer < n - 1 and gpu[layer + 1] != g:
                     p = gpu[layer + 1]
-                    b("SEND", f"g{p}.send", layer=layer, microbatch=m, peer=g, nbytes=act_bytes, iteration=it,
+                    b("SEND_B", f"g{p}.send", layer=layer, microbatch=m, peer=g, nbytes=act_bytes, iteration=it,
                       deps=(last_bwd[m],))
-                    deps.append(b("RECV", f"g{g}.recv", layer=layer, microbatch=m, peer=p, nbytes=act_bytes,
+                    deps.append(b("RECV_B", f"g{g}.recv", layer=layer, microbatch=m, peer=p, nbytes=act_bytes,
                                   iteration=it))
                 last_bwd[m] = b("BWD", f"g{g}.compute", layer=layer, microbatch=m, iteration=it, deps=tuple(deps))
             wb = model.layers[layer].param_bytes()
@@ -438,8 +450,8 @@ def test_more_bandwidth_can_slow_a_run_under_fair_sharing() -> None:
     b = Builder()
     f = b("LOAD", "g0.h2d", layer=1, nbytes=100_000_000)
     b("FWD", "g0.compute", layer=1, microbatch=0, deps=(f,))
-    b("SEND", "g1.send", layer=1, microbatch=0, peer=2, nbytes=300_000_000)
-    rv = b("RECV", "g2.recv", layer=1, microbatch=0, peer=1, nbytes=300_000_000)
+    b("SEND_F", "g1.send", layer=1, microbatch=0, peer=2, nbytes=300_000_000)
+    rv = b("RECV_F", "g2.recv", layer=1, microbatch=0, peer=1, nbytes=300_000_000)
     b("LOAD", "g1.h2d", layer=2, nbytes=20_000_000, deps=(rv,))
     s = b.schedule(gpus=3)
     ends = [round(simulate(s, tiny_model(), tiny_hardware(pcie_gbps=g, dma_gbps=10, gpus=3, latency_s=0.0),

@@ -90,9 +90,9 @@ def test_fwd_before_load() -> None:
 def test_unpaired_send() -> None:
     """A SEND whose RECV is missing is reported as unpaired, the SEND marked."""
     s = small()
-    recv = [a for a in s.actions if a.kind is Kind.RECV and a.resource == "g1.recv"][-1]
+    recv = [a for a in s.actions if a.kind in (Kind.RECV_F, Kind.RECV_B) and a.resource == "g1.recv"][-1]
     send = s.actions[recv.id - 1]
-    assert send.kind is Kind.SEND
+    assert send.kind in (Kind.SEND_F, Kind.SEND_B)
     lines = failure(drop(s, recv.id))
     assert lines[0].startswith(f"unpaired SEND: action {send.id} ({send}) has no matching RECV on g{send.peer}")
     assert any(f">>{send.label}<<" in ln for ln in lines)
@@ -101,11 +101,21 @@ def test_unpaired_send() -> None:
 def test_pairs_out_of_order() -> None:
     """Two RECVs swapped on one side no longer match their SENDs in order."""
     s = small()
-    recvs = [a for a in s.actions if a.kind is Kind.RECV and a.resource == "g1.recv"]
+    recvs = [a for a in s.actions if a.kind in (Kind.RECV_F, Kind.RECV_B) and a.resource == "g1.recv"]
     a, b = recvs[0], recvs[1]
     s2 = edit(edit(s, a.id, microbatch=b.microbatch, layer=b.layer), b.id, microbatch=a.microbatch, layer=a.layer)
     lines = failure(s2)
     assert lines[0].startswith("SEND/RECV out of order: pair 0 from g0 to g1 joins")
+
+
+def test_pair_of_two_directions() -> None:
+    """A SEND_F whose RECV says RECV_B: the halves disagree on the direction, both marked."""
+    s = small()
+    recv = [a for a in s.actions if a.kind is Kind.RECV_F and a.resource == "g1.recv"][0]
+    lines = failure(edit(s, recv.id, kind=Kind.RECV_B))
+    assert lines[0].startswith("SEND/RECV out of order: pair 0 from g0 to g1 joins")
+    assert lines[0].endswith("the halves must name the same layer, microbatch, iteration, bytes and direction, "
+                             "in the same order on both sides")
 
 
 def test_unbalanced_memory() -> None:

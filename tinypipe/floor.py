@@ -13,12 +13,10 @@ from dataclasses import dataclass
 
 from tinypipe.hardware import HOST, Hardware
 from tinypipe.hostmem import optimizer_s_per_param
+from tinypipe.kinds import Cost, Direction
 from tinypipe.model import ModelSpec
-from tinypipe.schedule import Kind, Schedule, resource_gpu
+from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.trace import KindProfile, ProfileTrace
-
-_UP = (Kind.LOAD, Kind.FETCH_ACT)  # host -> GPU
-_DOWN = (Kind.GRAD_OUT, Kind.OFFLOAD_ACT)  # GPU -> host
 
 
 @dataclass(frozen=True)
@@ -58,19 +56,20 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
     opt_s_per_param = optimizer_s_per_param(hardware.host, schedule.host_memory)
     profiles: dict[int, KindProfile] = {}
     for a in schedule.actions:
-        k = a.kind
+        info = a.kind.info  # the same costs as the simulator's (sim/engine.py), without contention
         g = resource_gpu(a.resource)
-        if k is Kind.OPT_STEP:
+        if info.cost is Cost.OPTIMIZER:
             optimizer += model.layers[a.layer].params * opt_s_per_param
-        elif k is Kind.FWD or k is Kind.BWD:
+        elif info.cost is Cost.COMPUTE:
             assert g is not None
             p = profiles.get(a.layer)
             if p is None:
                 p = profiles[a.layer] = trace.layer(model.layers[a.layer])
-            compute[g] += p.fwd_s if k is Kind.FWD else p.backward_s(schedule.recomputes(a.layer))
-        elif k in _UP and g is not None:
+            forward = info.direction is Direction.FORWARD
+            compute[g] += p.fwd_s if forward else p.backward_s(schedule.recomputes(a.layer))
+        elif info.cost is Cost.UPLOAD and g is not None:
             up[g] += a.nbytes
-        elif k in _DOWN and g is not None:
+        elif info.cost is Cost.DOWNLOAD and g is not None:
             down[g] += a.nbytes
     rate = [hardware.route(HOST, hardware.gpus[g].name).bottleneck_gbps * 1e9 for g in range(gpus)]
     return Floor(compute_s=max(compute) / n,

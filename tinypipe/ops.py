@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from tinypipe.hardware import HOST
-from tinypipe.schedule import HOST_OPTIM, KIND_STREAM, Action, Kind, Mem, gpu_resource
+from tinypipe.kinds import HOST_OPTIM, KIND_STREAM, Kind
+from tinypipe.schedule import Action, Mem, gpu_resource
 
 FWD, BWD, LOAD, EVICT = Kind.FWD, Kind.BWD, Kind.LOAD, Kind.EVICT
-SEND, RECV, OFFLOAD, FETCH = Kind.SEND, Kind.RECV, Kind.OFFLOAD_ACT, Kind.FETCH_ACT
+SEND_F, SEND_B, RECV_F, RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
+OFFLOAD, FETCH = Kind.OFFLOAD_ACT, Kind.FETCH_ACT
 GRAD_OUT, OPT_STEP = Kind.GRAD_OUT, Kind.OPT_STEP
 ON_HOST = -1  # the `gpu` of an op that runs on the host (OPT_STEP, on `host.optim`); not a device name
 
@@ -14,12 +16,10 @@ ON_HOST = -1  # the `gpu` of an op that runs on the host (OPT_STEP, on `host.opt
 class Op:
     """An action under construction: mutable, deps are Op references; `lower` freezes it."""
 
-    __slots__ = ("kind", "gpu", "layer", "pack", "mb", "it", "nbytes", "peer", "deps", "grad",
-                 "allocs", "frees", "id")
+    __slots__ = ("kind", "gpu", "layer", "pack", "mb", "it", "nbytes", "peer", "deps", "allocs", "frees", "id")
 
     def __init__(self, kind: Kind, gpu: int, layer: int, pack: int | None, mb: int | None, it: int,
-                 nbytes: int = 0, peer: int | None = None, deps: list[Op] | None = None,
-                 grad: bool = False) -> None:
+                 nbytes: int = 0, peer: int | None = None, deps: list[Op] | None = None) -> None:
         self.kind = kind
         self.gpu = gpu
         self.layer = layer
@@ -29,7 +29,6 @@ class Op:
         self.nbytes = nbytes
         self.peer = peer
         self.deps: list[Op] = deps if deps is not None else []
-        self.grad = grad  # SEND/RECV: True for a gradient (dx), False for an activation (x)
         self.allocs: tuple[Mem, ...] = ()
         self.frees: tuple[Mem, ...] = ()
         self.id = -1

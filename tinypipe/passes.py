@@ -6,6 +6,7 @@ compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass ->
 from __future__ import annotations
 
 from tinypipe.hardware import HOST
+from tinypipe.kinds import Carries, Kind
 from tinypipe.ops import (
     BWD,
     EVICT,
@@ -16,13 +17,15 @@ from tinypipe.ops import (
     OFFLOAD,
     ON_HOST,
     OPT_STEP,
-    RECV,
-    SEND,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
     Op,
     _splice,
 )
 from tinypipe.plan import Plan
-from tinypipe.schedule import Kind, Mem
+from tinypipe.schedule import Mem
 
 # ---- 1. compute plan ----------------------------------------------------------------------------
 
@@ -164,9 +167,9 @@ def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
 def transfer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     """SEND/RECV pairs for boundary activations and gradients between GPUs; offload when asked.
 
-    A cross-GPU dep of FWD L m (on FWD L-1 m) becomes SEND x.L{L} (after the producer, on its
-    GPU) + RECV (on the consumer's GPU, the consumer's new dep); of BWD L m (on BWD L+1 m)
-    likewise for dx.L{L+1}. `layer` of a SEND/RECV is the L of the buffer it moves. Both halves
+    A cross-GPU dep of FWD L m (on FWD L-1 m) becomes SEND_F x.L{L} (after the producer, on its
+    GPU) + RECV_F (on the consumer's GPU, the consumer's new dep); of BWD L m (on BWD L+1 m)
+    likewise SEND_B / RECV_B for dx.L{L+1}. `layer` of a SEND/RECV is the L of the buffer it moves. Both halves
     sit right after the producer, so the send and recv streams order pairs by producer, the same
     on both sides. activation_home=host: OFFLOAD_ACT L m after FWD L m (the input's last forward
     reader); FETCH_ACT L m before BWD L m, after the offload and after BWD L m-1 (inputs come
@@ -187,8 +190,8 @@ def transfer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
                 grad = kind is BWD
                 lay = d.layer if grad else op.layer
                 nb = plan.input_bytes[lay]
-                send = Op(SEND, d.gpu, lay, None, op.mb, op.it, nb, op.gpu, [d], grad)
-                recv = Op(RECV, op.gpu, lay, None, op.mb, op.it, nb, d.gpu, [], grad)
+                send = Op(SEND_B if grad else SEND_F, d.gpu, lay, None, op.mb, op.it, nb, op.gpu, [d])
+                recv = Op(RECV_B if grad else RECV_F, op.gpu, lay, None, op.mb, op.it, nb, d.gpu, [])
                 deps[j] = recv
                 after.setdefault(d, []).extend((send, recv))
         if offload and op.layer > 0:
@@ -350,10 +353,12 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             op.allocs = mem(g, "w", lay)
         elif k is EVICT:
             op.frees = mem(g, "w", lay)
-        elif k is SEND:
-            op.frees = mem(g, "dx" if op.grad else "x", lay, m)
-        elif k is RECV:
-            op.allocs = mem(g, "dx" if op.grad else "x", lay, m)
+        elif k.info.is_half:  # the sender frees the buffer it moves (x, or dx for a gradient); the receiver takes it
+            moved = mem(g, "dx" if k.info.carries is Carries.GRADIENT else "x", lay, m)
+            if k.info.stream == "send":
+                op.frees = moved
+            else:
+                op.allocs = moved
         elif k is OFFLOAD:
             op.allocs, op.frees = mem(ON_HOST, "act", lay, m), mem(g, "x", lay, m)
         elif k is FETCH:

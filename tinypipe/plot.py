@@ -11,15 +11,11 @@ from typing import Any
 
 from tinypipe.errors import InputError
 from tinypipe.hardware import HOST
+from tinypipe.kinds import KINDS
 from tinypipe.timeline import Timeline
 from tinypipe.units import GIB
 
-# One color per action kind (matplotlib's tab10/tab20 palette).
-KIND_COLORS: dict[str, str] = {
-    "FWD": "#1f77b4", "BWD": "#ff7f0e", "LOAD": "#2ca02c", "EVICT": "#7f7f7f", "SEND": "#9467bd",
-    "RECV": "#c5b0d5", "OFFLOAD_ACT": "#8c564b", "FETCH_ACT": "#c49c94", "GRAD_OUT": "#d62728",
-    "OPT_STEP": "#e377c2",
-}
+KIND_COLORS: dict[str, str] = {k.value: info.colour for k, info in KINDS.items()}  # by printed name
 
 
 def _pyplot() -> Any:

@@ -25,6 +25,9 @@ Decisions, each checked on the committed 2x H200 traces (bench/results/cuda_h200
   rank (backends/hostwork.py), and the ranks' steps overlap (147 of 204 consecutive OPT_STEPs in
   the 2-GPU async trace). Replay gives each rank's OPT_STEPs a lane of their own, in schedule
   order; on one lane the 2-GPU replays came out 63% (sync) and 43% (async) long.
+- Old traces. Runs before SEND_F / SEND_B / RECV_F / RECV_B record a transfer as SEND or RECV
+  (`kinds.LEGACY_KINDS`); such a record matches the schedule's half of either direction, and the
+  replayed window names it by the schedule's kind.
 - The CPU stand-in. Under `--backend cpu` a rank's compute, h2d and d2h actions run one at a time on
   the rank's thread as they are issued (backends/streams.py), so replay runs them as one lane per
   rank in their measured start order; transfers and optimizer steps keep their own lanes.
@@ -40,6 +43,7 @@ from typing import Any
 
 from tinypipe.errors import InputError
 from tinypipe.jsonio import load_json
+from tinypipe.kinds import recorded_as
 from tinypipe.schedule import HOST_OPTIM, Schedule, resource_gpu
 from tinypipe.timeline import FORMAT as TIMELINE_FORMAT
 from tinypipe.timeline import Record, Timeline
@@ -134,7 +138,8 @@ def match_window(schedule: Schedule, trace: RunTrace) -> tuple[int, tuple[Record
             raise TraceMismatch(f"{trace.where}: record id {r.id} is negative")
         shift, aid = divmod(r.id, stride)
         a = acts[aid]
-        got = (r.resource, r.kind, r.layer, r.microbatch, r.iteration)
+        kind = a.kind.value if recorded_as(r.kind, a.kind) else r.kind
+        got = (r.resource, kind, r.layer, r.microbatch, r.iteration)
         exp = (a.resource, a.kind.value, a.layer, a.microbatch, a.iteration + shift)
         if got != exp:
             names = ("resource", "kind", "layer", "microbatch", "iteration")
@@ -153,7 +158,7 @@ def match_window(schedule: Schedule, trace: RunTrace) -> tuple[int, tuple[Record
                             f"{schedule.iterations}-iteration schedule (first missing: action {missing}, "
                             f"`{acts[missing]}`); give --iterations to match the run")
     shift = full[0]
-    recs = tuple(Record(aid, r.resource, r.kind, r.label, r.layer, r.microbatch, r.iteration - shift,
+    recs = tuple(Record(aid, r.resource, acts[aid].kind.value, r.label, r.layer, r.microbatch, r.iteration - shift,
                         r.start_s, r.end_s) for aid, r in sorted(windows[shift].items()))
     run = windows[shift]
     for a in acts:  # same actions, but the same dependencies? A run never starts an action before them.

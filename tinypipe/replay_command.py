@@ -3,7 +3,7 @@
 The settings come from the trace's `otherData.run` (written by `tinypipe run --trace`); options on
 the command line replace them, and traces written before that record existed need them (`--policy`,
 `--seq-len`, `--batch-tokens`, `--gpu-mem`; model and hardware are named in every trace). The
-simulator is passed in (`simulate`, `pair_sends`): the core does not import `tinypipe.sim`.
+simulator is passed in (`simulate`): the core does not import `tinypipe.sim`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware, load_hardware
 from tinypipe.hfconfig import from_hf_config, load_model
 from tinypipe.model import ModelSpec
+from tinypipe.order import pair_halves
 from tinypipe.policy import Policy, load_policy
 from tinypipe.replay import (
     RunTrace,
@@ -30,7 +31,6 @@ from tinypipe.replay import (
     opt_threads,
 )
 from tinypipe.replay_report import ReplayReport, critical_gaps, kind_rows, resource_rows
-from tinypipe.schedule import Schedule
 from tinypipe.timeline import Timeline
 from tinypipe.trace import ProfileTrace, trace_for
 from tinypipe.units import parse_bytes
@@ -131,8 +131,7 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
 Simulate = Callable[..., Any]  # tinypipe.sim.simulate
 
 
-def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, pair_sends: Callable[[Schedule], dict[int, int]],
-           warmup: int = 1) -> ReplayReport:
+def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1) -> ReplayReport:
     """Recompile, check the trace against the schedule, simulate with measured and with profiled times."""
     s = setup
     schedule = compile_schedule(s.policy, s.model, s.hardware, s.profile, iterations=s.iterations)
@@ -141,7 +140,7 @@ def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, pair_sends: Cal
         raise TraceMismatch(f"{trace.where}: the run's schedule had {stride} actions, the recompiled one has "
                             f"{len(schedule.actions)}: not the same schedule (check the options)")
     first_step, window = match_window(schedule, trace)
-    partner = pair_sends(schedule)
+    partner = pair_halves(schedule.actions)
     lane_lists = lanes(schedule, window, trace.source)
     replayed = simulate(schedule, s.model, s.hardware, s.profile, on_capacity="record",
                         durations=effective_durations(window, partner), lanes=lane_lists)
@@ -165,11 +164,10 @@ def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, pair_sends: Cal
         gaps=gaps)
 
 
-def replay_main(args: argparse.Namespace, *, simulate: Simulate,
-                pair_sends: Callable[[Schedule], dict[int, int]]) -> int:
+def replay_main(args: argparse.Namespace, *, simulate: Simulate) -> int:
     """The `tinypipe replay` command: the report as tables, or JSON with --json."""
     trace = load_run_trace(args.trace)
-    report = replay(trace, settle(trace, args), simulate=simulate, pair_sends=pair_sends, warmup=args.warmup)
+    report = replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tinypipe import table
+from tinypipe.kinds import COMPUTE_KINDS
 from tinypipe.model import ModelSpec
+from tinypipe.order import predecessors
 from tinypipe.replay import effective_durations
 from tinypipe.schedule import HOST_OPTIM, Schedule
 from tinypipe.timeline import Record, Timeline, resource_sort_key
@@ -214,15 +216,12 @@ def resource_rows(schedule: Schedule, measured: Timeline, predicted: Timeline, w
 def critical_gaps(schedule: Schedule, window: Sequence[Record], lane_lists: Mapping[str, Sequence[int]],
                   partner: Mapping[int, int]) -> tuple[tuple[float, ...], tuple[GapRow, ...]]:
     """Gaps on the measured critical path (see the module docstring): per iteration, and per resource and kind."""
-    prev: dict[int, int] = {}
-    for ids in lane_lists.values():
-        for a, b in zip(ids, ids[1:]):
-            prev[b] = a
+    before = predecessors(schedule.actions, partner=partner, lanes=lane_lists)  # in the run's own lanes
     start = [r.start_s for r in window]
     end = [r.end_s for r in window]
     t0 = min(start, default=0.0)
     ends = Timeline(tuple(window)).iteration_ends_s()
-    compute = [r for r in window if r.kind in ("FWD", "BWD")] or list(window)
+    compute = [r for r in window if r.kind in COMPUTE_KINDS] or list(window)
     cur = max(compute, key=lambda r: (r.end_s, r.id)).id
     per_iteration = [0.0] * len(ends)
     acc: dict[tuple[str, str], list[Any]] = {}
@@ -231,8 +230,7 @@ def critical_gaps(schedule: Schedule, window: Sequence[Record], lane_lists: Mapp
         halves = [cur] + ([partner[cur]] if cur in partner else [])
         seen.update(halves)
         late = max(halves, key=lambda h: (start[h], h))  # a copy starts when its later half does
-        cands = [x for h in halves for x in (prev.get(h), *schedule.actions[h].deps) if x is not None
-                 and x not in halves]
+        cands = [x for x in before[cur] if x not in halves]
         best = max(cands, key=lambda i: (end[i], i)) if cands else None
         gap = start[late] - (t0 if best is None else end[best])
         if gap > 0:

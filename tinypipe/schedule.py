@@ -6,19 +6,22 @@ resource and every action in `deps` have finished. Memory effects: `allocs` are 
 action starts, `frees` are returned when it ends.
 
 Resources: per GPU `i`: `g{i}.compute` (FWD, BWD, EVICT), `g{i}.h2d` (LOAD, FETCH_ACT),
-`g{i}.d2h` (GRAD_OUT, OFFLOAD_ACT), `g{i}.send` (SEND), `g{i}.recv` (RECV); on the host: `host.optim`
-(OPT_STEP). Sends and receives have a stream each so that a GPU in the middle of the pipeline can
-receive microbatch m+1 while it sends microbatch m on (one shared stream serialises the pipeline).
-Memory devices: `g{i}` and `host`.
+`g{i}.d2h` (GRAD_OUT, OFFLOAD_ACT), `g{i}.send` (SEND_F, SEND_B), `g{i}.recv` (RECV_F, RECV_B); on the
+host: `host.optim` (OPT_STEP). Sends and receives have a stream each so that a GPU in the middle of the
+pipeline can receive microbatch m+1 while it sends microbatch m on (one shared stream serialises the
+pipeline). Memory devices: `g{i}` and `host`. What each kind means (its stream, direction, the buffer it
+carries, its cost) is one table, `tinypipe.kinds.KINDS`; `tinypipe.order` says when each action may run.
 
-What each kind means:
+What each kind does:
 - LOAD L: upload layer L's weights (compute dtype) host -> GPU; `nbytes` moved.
 - EVICT L: drop layer L's weights from the GPU; takes no time.
 - FWD L m / BWD L m: forward / backward of layer L for microbatch m (BWD recomputes the forward
   first when `Schedule.recomputes(L)`: under `recompute`, every layer but the head).
-- SEND / RECV: the two halves of one GPU -> GPU copy of a boundary activation (forward) or of
-  its gradient (backward); `peer` is the other GPU. A pair moves as one copy, started when both
-  halves are ready; pairs between two GPUs match in list order.
+- SEND_F / RECV_F, SEND_B / RECV_B: the two halves of one GPU -> GPU copy of a boundary activation
+  (forward) or of its gradient (backward); `peer` is the other GPU. A pair moves as one copy, started
+  when both halves are ready; pairs between two GPUs match in list order. Text written before the
+  direction was part of the kind says SEND / RECV: `parse_action` tells the direction from the buffer
+  the half moves (`dx.*`: backward, `x.*`: forward).
 - OFFLOAD_ACT / FETCH_ACT: a saved activation GPU -> host after FWD, host -> GPU before BWD.
 - GRAD_OUT L: layer L's accumulated gradients GPU -> host (fp32 or compute dtype, see nbytes).
 - OPT_STEP L: the CPU optimizer step for layer L.
@@ -32,43 +35,15 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from tinypipe.errors import InputError
+from tinypipe.kinds import GPU_STREAMS as GPU_STREAMS
+from tinypipe.kinds import HOST_OPTIM as HOST_OPTIM
+from tinypipe.kinds import KIND_STREAM as KIND_STREAM
+from tinypipe.kinds import LEGACY_KINDS
+from tinypipe.kinds import Kind as Kind
 from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout, parse_mode
-
-
-class Kind(str, Enum):
-    """Action kinds; the value is the printed name."""
-
-    LOAD = "LOAD"
-    EVICT = "EVICT"
-    FWD = "FWD"
-    BWD = "BWD"
-    SEND = "SEND"
-    RECV = "RECV"
-    OFFLOAD_ACT = "OFFLOAD_ACT"
-    FETCH_ACT = "FETCH_ACT"
-    GRAD_OUT = "GRAD_OUT"
-    OPT_STEP = "OPT_STEP"
-
-
-# The stream each kind runs on ("host" for host.optim).
-KIND_STREAM: dict[Kind, str] = {
-    Kind.LOAD: "h2d",
-    Kind.FETCH_ACT: "h2d",
-    Kind.EVICT: "compute",
-    Kind.FWD: "compute",
-    Kind.BWD: "compute",
-    Kind.SEND: "send",
-    Kind.RECV: "recv",
-    Kind.OFFLOAD_ACT: "d2h",
-    Kind.GRAD_OUT: "d2h",
-    Kind.OPT_STEP: "optim",
-}
-GPU_STREAMS = ("compute", "h2d", "d2h", "send", "recv")
-HOST_OPTIM = "host.optim"
 
 
 def recomputes(recompute: bool, layer: int, num_layers: int) -> bool:
@@ -125,7 +100,7 @@ class Action:
     frees: tuple[Mem, ...] = ()  # returned at end
 
     def __str__(self) -> str:
-        """Short form for people: `g1.h2d LOAD L12`, `g0.compute FWD L3 m2`, `g0.send SEND L3 m0 >g1`."""
+        """Short form for people: `g1.h2d LOAD L12`, `g0.compute FWD L3 m2`, `g0.send SEND_F L3 m0 >g1`."""
         parts = [self.resource, self.kind.value]
         parts.append(f"L{self.layer}")
         if self.microbatch is not None:
@@ -136,11 +111,8 @@ class Action:
 
     @property
     def label(self) -> str:
-        """Compact cell label for the grid: `F3.2` (FWD L3 m2), `LD12`, `S3.0>1`."""
-        short = {Kind.LOAD: "LD", Kind.EVICT: "EV", Kind.FWD: "F", Kind.BWD: "B", Kind.SEND: "S",
-                 Kind.RECV: "R", Kind.OFFLOAD_ACT: "OA", Kind.FETCH_ACT: "FA", Kind.GRAD_OUT: "GO",
-                 Kind.OPT_STEP: "OPT"}[self.kind]
-        s = short + str(self.layer)
+        """Compact cell label for the grid: `F3.2` (FWD L3 m2), `LD12`, `S3.0` (a SEND_F or SEND_B)."""
+        s = self.kind.info.label + str(self.layer)
         if self.microbatch is not None:
             s += f".{self.microbatch}"
         return s
@@ -172,9 +144,10 @@ def parse_action(line: str, where: str = "schedule") -> Action:
     toks = line.split()
     if len(toks) < 3:
         raise InputError(f"{where}: expected `ID RESOURCE KIND ...`, got {line!r}")
+    legacy = LEGACY_KINDS.get(toks[2])
     try:
         aid = int(toks[0])
-        kind = Kind(toks[2])
+        kind = legacy[0] if legacy is not None else Kind(toks[2])
     except ValueError:
         raise InputError(f"{where}: bad action id or kind in {line!r}") from None
     kw: dict[str, Any] = {"id": aid, "kind": kind, "resource": toks[1]}
@@ -205,6 +178,12 @@ def parse_action(line: str, where: str = "schedule") -> Action:
         raise InputError(f"{where}: cannot parse token {exc} in {line!r}") from None
     if "layer" not in kw:
         raise InputError(f"{where}: action without a layer (L<n>) in {line!r}")
+    if legacy is not None:  # SEND / RECV before the direction was in the kind: the buffer moved tells it
+        moved = {m.buffer.split(".", 1)[0] for m in (*allocs, *frees)}
+        if moved not in ({"x"}, {"dx"}):
+            raise InputError(f"{where}: {toks[2]} moves no x.* or dx.* buffer, so its direction is unknown; "
+                             f"write {legacy[0].value} or {legacy[1].value} in {line!r}")
+        kw["kind"] = legacy["dx" in moved]
     return Action(deps=deps, allocs=tuple(allocs), frees=tuple(frees), **kw)
 
 

@@ -24,10 +24,11 @@ from typing import Any, NamedTuple
 
 from tinypipe.errors import InputError
 from tinypipe.jsonio import Fields, load_json
+from tinypipe.kinds import COMPUTE_KINDS, GPU_STREAMS
 from tinypipe.units import MIB
 
 FORMAT = "tinypipe.timeline/1"
-STREAM_ORDER = ("compute", "h2d", "d2h", "send", "recv", "optim")
+STREAM_ORDER = (*GPU_STREAMS, "optim")
 
 
 def steady_state(iteration_times_s: list[float]) -> float:
@@ -111,7 +112,7 @@ class Timeline:
         consecutive iterations end almost together. Optimizer waits still count, because the next
         iteration's uploads wait on them. Without compute records, all records mark it.
         """
-        compute = [r for r in self.records if r.kind in ("FWD", "BWD")] or self.records
+        compute = [r for r in self.records if r.kind in COMPUTE_KINDS] or self.records
         ends: dict[int, float] = {}
         for r in compute:
             ends[r.iteration] = max(ends.get(r.iteration, r.end_s), r.end_s)

@@ -1,11 +1,12 @@
 """Static checks of a Schedule; a failure raises ScheduleError with a summary line and the marked grid.
 
 Checks, in order: well-formed actions (resource, stream, ids, ranges); exactly M FWD and M BWD
-per layer per iteration, on the layer's GPU; SEND/RECV pairs in the same order on both sides,
-halves naming each other; no cycle through dependencies, stream order and pairs (a pair is one
-event); the cross-GPU dependency rule; every FWD/BWD runs while its layer is loaded on its GPU
-(a happens-before check: some LOAD before it, that LOAD's EVICT after it); each BWD after its
-FWD; memory effects balance (each buffer allocated before it is freed, never twice at once, all
+per layer per iteration, on the layer's GPU; SEND/RECV pairs (`tinypipe.order.pair_halves`) in
+the same order on both sides, halves naming the same layer, microbatch, bytes and direction; no
+cycle through `tinypipe.order.predecessors` (dependencies, stream order; a pair is one event);
+the cross-GPU dependency rule; every FWD/BWD runs while its layer is loaded on its GPU (a
+happens-before check: some LOAD before it, that LOAD's EVICT after it); each BWD after its FWD;
+memory effects balance (each buffer allocated before it is freed, never twice at once, all
 freed by the end). Happens-before uses vector clocks over the resources.
 """
 
@@ -16,19 +17,9 @@ from collections import defaultdict
 from typing import NoReturn
 
 from tinypipe.errors import ScheduleError
-from tinypipe.schedule import (
-    GPU_STREAMS,
-    HOST_OPTIM,
-    KIND_STREAM,
-    Action,
-    Kind,
-    Schedule,
-    gpu_resource,
-    grid,
-    resource_gpu,
-)
-
-_NEEDS_MB = (Kind.FWD, Kind.BWD, Kind.SEND, Kind.RECV, Kind.OFFLOAD_ACT, Kind.FETCH_ACT)
+from tinypipe.kinds import GPU_STREAMS, HOST_OPTIM, KIND_STREAM, Kind
+from tinypipe.order import UnpairedError, pair_halves, predecessors, sender_receiver
+from tinypipe.schedule import Schedule, gpu_resource, grid, resource_gpu
 
 
 def validate(schedule: Schedule) -> None:
@@ -107,13 +98,13 @@ class _Checker:
                           a.id)
             if not 0 <= a.iteration < s.iterations:
                 self.fail(f"{where}: iteration {a.iteration} outside 0..{s.iterations - 1}", a.id)
-            if a.kind in _NEEDS_MB and (a.microbatch is None or not 0 <= a.microbatch < s.microbatches):
+            if a.kind.info.per_microbatch and (a.microbatch is None or not 0 <= a.microbatch < s.microbatches):
                 self.fail(f"{where}: microbatch {a.microbatch} outside 0..{s.microbatches - 1}", a.id)
-            if a.kind in (Kind.SEND, Kind.RECV):
+            if a.kind.info.is_half:
                 g = resource_gpu(a.resource)
                 if a.peer is None or a.peer == g or not 0 <= a.peer < s.num_gpus:
                     self.fail(f"{where}: {a.kind.value} needs a peer GPU other than its own, got {a.peer}", a.id)
-            elif a.kind is not Kind.OPT_STEP and resource_gpu(a.resource) != self.owner[a.layer]:
+            elif a.kind.info.stream != "optim" and resource_gpu(a.resource) != self.owner[a.layer]:
                 self.fail(f"{where}: layer {a.layer} belongs to g{self.owner[a.layer]}, not "
                           f"{a.resource.split('.')[0]}", a.id)
 
@@ -138,34 +129,23 @@ class _Checker:
                                       "one per microbatch", first.get((kind, layer, it, mb)))
 
     def pairs(self) -> None:
-        sends: dict[tuple[int, int], list[Action]] = defaultdict(list)
-        recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
+        try:
+            self.partner = pair_halves(self.acts)
+        except UnpairedError as exc:
+            self.fail(str(exc), exc.action)
+        count: dict[tuple[int, int], int] = defaultdict(int)
         for a in self.acts:
-            g = resource_gpu(a.resource)
-            if g is None or a.peer is None:  # reported by the field checks
+            if a.id not in self.partner or a.kind.info.stream != "send":
                 continue
-            if a.kind is Kind.SEND:
-                sends[g, a.peer].append(a)
-            elif a.kind is Kind.RECV:
-                recvs[a.peer, g].append(a)
-        for key in sorted(set(sends) | set(recvs)):
-            ss, rs = sends.get(key, []), recvs.get(key, [])
-            for k in range(max(len(ss), len(rs))):
-                if k >= len(rs):
-                    self.fail(f"unpaired SEND: {self.name(ss[k].id)} has no matching RECV on g{key[1]} "
-                              f"(g{key[0]} sends {len(ss)} times to g{key[1]}, which receives {len(rs)} times)",
-                              ss[k].id)
-                if k >= len(ss):
-                    self.fail(f"unpaired RECV: {self.name(rs[k].id)} has no matching SEND on g{key[0]} "
-                              f"(g{key[1]} receives {len(rs)} times from g{key[0]}, which sends {len(ss)} times)",
-                              rs[k].id)
-                a, b = ss[k], rs[k]
-                if (a.layer, a.microbatch, a.iteration, a.nbytes) != (b.layer, b.microbatch, b.iteration, b.nbytes):
-                    self.fail(f"SEND/RECV out of order: pair {k} from g{key[0]} to g{key[1]} joins "
-                              f"{self.name(a.id)} with {self.name(b.id)}; the halves must name the same layer, "
-                              "microbatch, iteration and bytes, in the same order on both sides", a.id, b.id)
-                self.partner[a.id] = b.id
-                self.partner[b.id] = a.id
+            key = sender_receiver(a)
+            k = count[key]
+            count[key] += 1
+            b = self.acts[self.partner[a.id]]
+            if (a.layer, a.microbatch, a.iteration, a.nbytes, a.kind.info.direction) != (
+                    b.layer, b.microbatch, b.iteration, b.nbytes, b.kind.info.direction):
+                self.fail(f"SEND/RECV out of order: pair {k} from g{key[0]} to g{key[1]} joins "
+                          f"{self.name(a.id)} with {self.name(b.id)}; the halves must name the same layer, "
+                          "microbatch, iteration, bytes and direction, in the same order on both sides", a.id, b.id)
 
     def order(self) -> None:
         """Kahn's algorithm over merged pairs, smallest id first; a cycle is reported with its path."""
@@ -173,21 +153,14 @@ class _Checker:
         rep = list(range(n))
         for x, y in partner.items():
             rep[x] = min(x, y)
+        before = predecessors(acts, partner=partner)  # a pair's halves: both halves' predecessors
         preds: list[list[int]] = [[] for _ in range(n)]
-        last: dict[str, int] = {}
-        for a in acts:
-            r = rep[a.id]
-            p = last.get(a.resource)
-            if p is not None:
-                preds[r].append(rep[p])
-            last[a.resource] = a.id
-            preds[r].extend(rep[d] for d in a.deps)
         succs: list[list[int]] = [[] for _ in range(n)]
         indeg = [0] * n
         for r in range(n):
             if rep[r] != r:
                 continue
-            ps = {p for p in preds[r] if p != r}
+            ps = {rep[p] for p in before[r]} - {r}
             preds[r] = sorted(ps)
             indeg[r] = len(ps)
             for p in ps:

@@ -56,9 +56,9 @@ def build(pack_layers: list[list[int]], pack_gpu: list[int], *, microbatches: in
                 if layers[0] > 0 and gpu_of[layers[0] - 1] != g:
                     L = layers[0]
                     snd = x_ready[(L, m)]
-                    add(Kind.SEND, gpu_of[L - 1], "send", layer=L, pack=p - 1, mb=m, it=it, peer=g, deps=(snd,),
+                    add(Kind.SEND_F, gpu_of[L - 1], "send", layer=L, pack=p - 1, mb=m, it=it, peer=g, deps=(snd,),
                         frees=mem(gpu_of[L - 1], f"x.L{L}.m{m}"))
-                    x_ready[(L, m)] = add(Kind.RECV, g, "recv", layer=L, pack=p, mb=m, it=it, peer=gpu_of[L - 1],
+                    x_ready[(L, m)] = add(Kind.RECV_F, g, "recv", layer=L, pack=p, mb=m, it=it, peer=gpu_of[L - 1],
                                           allocs=mem(g, f"x.L{L}.m{m}"))
                 for L in layers:
                     wait = tuple(loads.values()) if swap == "pack" else (loads[L],)
@@ -85,9 +85,9 @@ def build(pack_layers: list[list[int]], pack_gpu: list[int], *, microbatches: in
             for m in range(microbatches):
                 nxt = layers[-1] + 1
                 if nxt <= last and gpu_of[nxt] != g:
-                    add(Kind.SEND, gpu_of[nxt], "send", layer=nxt, pack=p + 1, mb=m, it=it, peer=g,
+                    add(Kind.SEND_B, gpu_of[nxt], "send", layer=nxt, pack=p + 1, mb=m, it=it, peer=g,
                         deps=(dx_ready[(nxt, m)],), frees=mem(gpu_of[nxt], f"dx.L{nxt}.m{m}"))
-                    dx_ready[(nxt, m)] = add(Kind.RECV, g, "recv", layer=nxt, pack=p, mb=m, it=it, peer=gpu_of[nxt],
+                    dx_ready[(nxt, m)] = add(Kind.RECV_B, g, "recv", layer=nxt, pack=p, mb=m, it=it, peer=gpu_of[nxt],
                                              allocs=mem(g, f"dx.L{nxt}.m{m}"))
                 for L in reversed(layers):
                     fetch = -1

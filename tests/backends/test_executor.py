@@ -35,7 +35,7 @@ def test_recvs_are_posted_in_schedule_order_relative_to_the_ranks_compute() -> N
         pos = {aid: i for i, aid in enumerate(r.issued)}
         computes = [aid for aid in r.issued if kinds[aid] in (Kind.FWD, Kind.BWD)]
         for aid in r.issued:
-            if kinds[aid] is Kind.RECV:
+            if kinds[aid] in (Kind.RECV_F, Kind.RECV_B):
                 earlier = [c for c in computes if c < aid]
                 assert all(pos[c] < pos[aid] for c in earlier), f"rank {r.rank}: RECV {aid} posted too early"
                 checked += 1

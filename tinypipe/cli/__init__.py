@@ -171,9 +171,8 @@ _HANDLERS: dict[str | None, Callable[[argparse.Namespace], int]] = {
 def _cmd_replay(args: argparse.Namespace) -> int:
     from tinypipe.replay_command import replay_main
     from tinypipe.sim import simulate
-    from tinypipe.sim.rendezvous import pair_sends
 
-    return replay_main(args, simulate=simulate, pair_sends=pair_sends)
+    return replay_main(args, simulate=simulate)
 
 
 _HANDLERS["replay"] = _cmd_replay

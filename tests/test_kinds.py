@@ -1,0 +1,84 @@
+"""The kind table: one row per kind, read by every part; old SEND / RECV text still reads back."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tinypipe.errors import InputError
+from tinypipe.kinds import GPU_STREAMS, KIND_STREAM, KINDS, Carries, Cost, Direction, Kind, recorded_as
+from tinypipe.plot import KIND_COLORS
+from tinypipe.schedule import Schedule, parse_action
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def test_every_kind_has_one_row() -> None:
+    """Each Kind has a row, and `kind.info` is that row; streams are a GPU's or the host optimizer's."""
+    assert list(KINDS) == list(Kind)
+    for k, info in KINDS.items():
+        assert k.info is info
+        assert info.stream in (*GPU_STREAMS, "optim")
+        assert KIND_STREAM[k] == info.stream
+        assert KIND_COLORS[k.value] == info.colour
+
+
+def test_the_table_literally() -> None:
+    """What each kind means, as the contract's table says (docs/schedule-contract.md)."""
+    rows = {k.value: (i.stream, i.direction.value, i.carries.value, i.cost.value, i.label) for k, i in KINDS.items()}
+    assert rows == {
+        "LOAD": ("h2d", "none", "weights", "upload", "LD"),
+        "EVICT": ("compute", "none", "weights", "free", "EV"),
+        "FWD": ("compute", "forward", "none", "compute", "F"),
+        "BWD": ("compute", "backward", "none", "compute", "B"),
+        "SEND_F": ("send", "forward", "activation", "peer", "S"),
+        "SEND_B": ("send", "backward", "gradient", "peer", "S"),
+        "RECV_F": ("recv", "forward", "activation", "peer", "R"),
+        "RECV_B": ("recv", "backward", "gradient", "peer", "R"),
+        "OFFLOAD_ACT": ("d2h", "forward", "activation", "download", "OA"),
+        "FETCH_ACT": ("h2d", "backward", "activation", "upload", "FA"),
+        "GRAD_OUT": ("d2h", "backward", "gradient", "download", "GO"),
+        "OPT_STEP": ("optim", "none", "none", "optimizer", "OPT"),
+    }
+
+
+def test_transfer_direction_is_in_the_kind() -> None:
+    """A half's kind says whether it carries an activation forward or a gradient backward."""
+    assert {k for k in Kind if k.info.is_half} == {Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B}
+    for k in (Kind.SEND_F, Kind.RECV_F):
+        assert (k.info.direction, k.info.carries) == (Direction.FORWARD, Carries.ACTIVATION)
+    for k in (Kind.SEND_B, Kind.RECV_B):
+        assert (k.info.direction, k.info.carries) == (Direction.BACKWARD, Carries.GRADIENT)
+    assert {k for k in Kind if k.info.cost is Cost.COMPUTE} == {Kind.FWD, Kind.BWD}
+
+
+def _old_text(text: str) -> str:
+    """A schedule's text as written before the direction was in the kind: SEND_F / SEND_B -> SEND, ..."""
+    return re.sub(r" (SEND|RECV)_[FB] ", r" \1 ", text)
+
+
+@pytest.mark.parametrize("case", ["tinypipe", "tinypipe-act-host", "mobius"])
+def test_old_schedule_text_reads_back(case: str) -> None:
+    """A golden schedule written with SEND / RECV loads as the same schedule: the buffer a half moves
+    (`x.*` or `dx.*`) tells its direction."""
+    text = (GOLDEN / f"{case}.txt").read_text()
+    old = _old_text(text)
+    assert old != text and " SEND_" not in old
+    assert Schedule.loads(old) == Schedule.loads(text)
+
+
+def test_old_half_without_a_buffer_is_an_input_error() -> None:
+    """Without an x.* / dx.* effect, an old SEND's direction is unknown: say so, and what to write."""
+    assert parse_action("4 g0.send SEND L2 m0 i0 B=128 >g1 -g0:dx.L2.m0=128").kind is Kind.SEND_B
+    assert parse_action("5 g1.recv RECV L2 m0 i0 B=128 >g0 +g1:x.L2.m0=128").kind is Kind.RECV_F
+    with pytest.raises(InputError, match=r"line 3: SEND moves no x.\* or dx.\* buffer.*write SEND_F or SEND_B"):
+        parse_action("4 g0.send SEND L2 m0 i0 B=128 >g1", "line 3")
+
+
+def test_old_trace_names_match_either_direction() -> None:
+    """A record of an old run names a half SEND or RECV; it matches the schedule's half of either direction."""
+    assert recorded_as("SEND", Kind.SEND_B) and recorded_as("SEND", Kind.SEND_F) and recorded_as("RECV", Kind.RECV_B)
+    assert recorded_as("SEND_F", Kind.SEND_F) and not recorded_as("SEND_F", Kind.SEND_B)
+    assert not recorded_as("SEND", Kind.RECV_F) and not recorded_as("FWD", Kind.BWD)
