@@ -78,7 +78,7 @@ def _profile_and_run(root: Path) -> tuple[float, float, float, list[str]]:
     lines = [f"steady iteration: measured {measured * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms with the profile "
              f"(x{measured / predicted:.2f}), {analytic_s * 1e3:.1f} ms with the analytic trace "
              f"(x{measured / analytic_s:.2f})"]
-    for kinds in (("FWD",), ("BWD",), ("LOAD", "GRAD_OUT", "EVICT", "SEND"), ("OPT_STEP",)):
+    for kinds in (("FWD",), ("BWD",), ("LOAD", "GRAD_OUT", "EVICT", "SEND_F", "SEND_B"), ("OPT_STEP",)):
         m = _kind_s(list(tl.records), kinds, steady) / len(steady)
         s = _kind_s(list(plan.prediction.timeline.records), kinds, sim_steady) / len(sim_steady)
         lines.append(f"  {'+'.join(kinds):24s} per iteration, all ranks: measured {m * 1e3:6.2f} ms, "
