@@ -22,8 +22,8 @@ schedule needs it:
   (ids), so the gate cannot deadlock: the lowest unfinished action can always be issued.
 
 Every action is timed into `tinypipe.timeline.Record`s (the streams' markers; the host clock for
-OPT_STEP), the schedule's memory effects are applied to a `Ledger`, and the executed per-resource
-order kept.
+OPT_STEP), the schedule's memory effects are applied to a `tinypipe.ledger.Ledger` (allocs when an action is
+issued, frees when it has finished), and the executed per-resource order kept.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tinypipe.kinds import Kind
+from tinypipe.ledger import Ledger
 from tinypipe.order import predecessors
 from tinypipe.schedule import Action, gpu_resource
 from tinypipe.timeline import Record
@@ -54,32 +55,6 @@ RUNAHEAD_COMPUTE = 2
 # per 8B block in the steady state on an H200 host (2026-11-30), where the fused-AdamW rate x 1.69
 # predicts ~62 ms. A longer pause leaves the GIL free; 0.5 ms is far below a layer's GPU work.
 IDLE_SLEEP_S = 5e-4
-
-
-@dataclass
-class Ledger:
-    """Bytes per device from the schedule's memory effects (allocs at start, frees at end)."""
-
-    static: dict[str, int] = field(default_factory=dict)
-    current: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    peak: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    live: dict[tuple[str, str], int] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    def start(self, a: Action) -> None:
-        for m in a.allocs:
-            if (m.device, m.buffer) in self.live:
-                self.problems.append(f"action {a.id} allocates {m.device}:{m.buffer}, which is already live")
-            self.live[(m.device, m.buffer)] = m.nbytes
-            self.current[m.device] += m.nbytes
-            total = self.current[m.device] + self.static.get(m.device, 0)
-            self.peak[m.device] = max(self.peak[m.device], total)
-
-    def end(self, a: Action) -> None:
-        for m in a.frees:
-            if self.live.pop((m.device, m.buffer), None) is None:
-                self.problems.append(f"action {a.id} frees {m.device}:{m.buffer}, which is not live")
-            self.current[m.device] -= m.nbytes
 
 
 @dataclass
@@ -159,7 +134,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     if carry is not None and host_worker is None:
         raise ValueError("run_actions: carry needs the host worker that runs the carried steps")
     interp.data = data
-    ledger = ledger if ledger is not None else Ledger()
+    ledger = ledger if ledger is not None else Ledger(buffers=True)
     by_id = {a.id: a for a in actions}
     queues: dict[str, deque[Action]] = defaultdict(deque)
     for a in actions:

@@ -277,9 +277,11 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
     lines.append(f"          {sim.tokens_per_s:,.0f} tokens/s predicted by the simulator "
                  f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, "
                  f"{'analytic' if plan.trace.analytic else 'measured'} trace)")
-    dev = ", ".join(f"g{r.rank} {_mib(r.peak_device_bytes)}" for r in sorted(results, key=lambda r: r.rank))
+    ranks = sorted(results, key=lambda r: r.rank)
+    dev = ", ".join(f"g{r.rank} {_mib(r.peak_device_bytes)}" for r in ranks)
+    planned = ", ".join(f"g{r.rank} {_mib(r.ledger_peak.get(f'g{r.rank}', 0))}" for r in ranks)
     pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != HOST)
-    lines.append(f"device    peak {dev} measured; {pred} predicted")
+    lines.append(f"device    peak {dev} measured; {planned} by the schedule's ledger as it ran; {pred} predicted")
     lines += _host_lines(plan, results)
     if trace_path:
         lines.append(f"trace     {trace_path} (open in Perfetto)")

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 
+from tinypipe.ledger import Ledger
 from tinypipe.schedule import Schedule
 from tinypipe.timeline import Record
 
 from . import checkpoint
 from .comm import Comm, DistComm
 from .compiled import COMPILE_BACKEND, LayerCaller
-from .executor import Carried, Ledger, RunLog, run_actions
+from .executor import Carried, RunLog, run_actions
 from .groups import DistGroup, Group
 from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
@@ -168,7 +169,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
                          caller=LayerCaller(compile_blocks=job.compile_blocks, backend=job.compile_backend))
     actions = rank_actions(sched, rank)
     by_prefix: dict[int, list[Any]] = {}  # n -> this rank's actions of iterations 0..n-1
-    ledger = Ledger(static={d: b for d, b in sched.static_bytes})
+    ledger = Ledger(sched.static_bytes, buffers=True)
     start, losses = 0, {}
     if job.resume and job.out:
         found = checkpoint.find(job.out)
@@ -243,7 +244,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     return RankResult(
         rank=rank, layers=layers, losses=losses, records=log.records, order=dict(log.order), memory=log.memory,
-        ledger_peak=dict(ledger.peak), ledger_problems=list(ledger.problems), held=host.held().to_json(),
+        ledger_peak=ledger.peaks(), ledger_problems=list(ledger.problems), held=host.held().to_json(),
         peak_device_bytes=peak_dev, peak_rss_bytes=_rss()[1], rss_phases=rss,
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)),

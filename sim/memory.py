@@ -1,18 +1,20 @@
-"""Memory ledgers per device (`g0`, ..., `host`): allocations at action start, frees at action end, peaks.
+"""The simulator's memory: one `tinypipe.ledger.Ledger` for all devices (`g0`, ..., `host`), checked against capacities.
 
-Each ledger holds the static bytes of its device from time 0, applies an action's `allocs` when the
-action starts and its `frees` when it ends, records every change as a (time, bytes) sample and keeps
-the peak. When an allocation would exceed the device's capacity it raises `CapacityError` naming the
-device, the action, the bytes needed and the bytes free — or, when asked to record, notes the first
-violation and carries on so that a search can still compare candidates that do not fit.
+The ledger holds each device's static bytes from time 0, applies an action's `allocs` when the
+action starts and its `frees` when it ends, and keeps the peaks and a (time, bytes) sample per
+change. What is the simulator's own: when an allocation exceeds the device's capacity it raises
+`CapacityError` naming the device, the action, the bytes needed and the bytes free — or, when asked
+to record, notes the first violation and carries on so that a search can still compare candidates
+that do not fit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tinypipe.errors import CapacityError, ScheduleError
+from tinypipe.errors import CapacityError
 from tinypipe.hardware import HOST
+from tinypipe.ledger import Ledger
 from tinypipe.schedule import Action
 
 
@@ -26,21 +28,8 @@ def capacity_message(device: str, action: Action, needed: int, free: int, capaci
             f"({what}), only {free:,} of {capacity:,} bytes free; {hint}")
 
 
-class Ledger:
-    """Bytes in use on one device over time."""
-
-    __slots__ = ("device", "capacity_bytes", "used_bytes", "peak_bytes", "samples")
-
-    def __init__(self, device: str, capacity_bytes: int, static_bytes: int = 0) -> None:
-        self.device = device
-        self.capacity_bytes = capacity_bytes
-        self.used_bytes = static_bytes
-        self.peak_bytes = static_bytes
-        self.samples: list[tuple[float, int]] = [(0.0, static_bytes)]
-
-
 class Memory:
-    """All ledgers of one simulation. `on_capacity`: "raise" (CapacityError) or "record" (first violation).
+    """All devices of one simulation. `on_capacity`: "raise" (CapacityError) or "record" (first violation).
 
     `capacity_bytes` per device is what the run may use: the hardware's memory, or a limit the
     caller sets in its place (e.g. 24 GiB of an 80 GiB card).
@@ -50,13 +39,14 @@ class Memory:
                  on_capacity: str = "raise") -> None:
         if on_capacity not in ("raise", "record"):
             raise ValueError(f"on_capacity must be 'raise' or 'record', got {on_capacity!r}")
-        self.ledgers = {d: Ledger(d, c, static_bytes.get(d, 0)) for d, c in capacity_bytes.items()}
+        self.capacity_bytes = dict(capacity_bytes)
+        self.ledger = Ledger(static_bytes, devices=self.capacity_bytes, samples=True)
         self.on_capacity = on_capacity
         self.violation: str | None = None
-        for d, led in self.ledgers.items():
-            if led.used_bytes > led.capacity_bytes:
-                msg = (f"{d} out of memory before the first action: static {led.used_bytes:,} bytes exceed "
-                       f"the capacity of {led.capacity_bytes:,} bytes; use a device with more memory, or a "
+        for d, used in self.ledger.used_bytes.items():
+            if used > self.capacity_bytes[d]:
+                msg = (f"{d} out of memory before the first action: static {used:,} bytes exceed "
+                       f"the capacity of {self.capacity_bytes[d]:,} bytes; use a device with more memory, or a "
                        "layout that holds less (the compact host layout, if not in use)")
                 self._violate(msg)
 
@@ -67,47 +57,32 @@ class Memory:
             self.violation = message
 
     def alloc(self, action: Action, t_s: float) -> None:
-        """Apply `action.allocs` at its start (time `t_s`)."""
-        allocs = action.allocs
-        if len(allocs) == 1:
-            m = allocs[0]
-            self._take(m.device, m.nbytes, action, t_s, (m.buffer,))
+        """Apply `action.allocs` at its start (time `t_s`); check the capacities it allocates on."""
+        self.ledger.start(action, t_s)
+        if self.violation is not None:  # only the first violation is kept
             return
-        per: dict[str, int] = {}
-        names: dict[str, list[str]] = {}
-        for m in allocs:
-            per[m.device] = per.get(m.device, 0) + m.nbytes
-            names.setdefault(m.device, []).append(m.buffer)
-        for dev, n in per.items():
-            self._take(dev, n, action, t_s, tuple(names[dev]))
+        used, cap = self.ledger.used_bytes, self.capacity_bytes
+        for m in action.allocs:
+            if used[m.device] > cap[m.device]:
+                self._over(action, m.device, t_s)
+                return
 
-    def _take(self, device: str, nbytes: int, action: Action, t_s: float, buffers: tuple[str, ...]) -> None:
-        led = self.ledgers.get(device)
-        if led is None:
-            raise ScheduleError(f"`{action}` (action {action.id}) allocates on unknown device {device!r}; "
-                                f"devices: {', '.join(self.ledgers)}")
-        used = led.used_bytes + nbytes
-        if used > led.capacity_bytes and nbytes > 0 and self.violation is None:  # only the first is kept
-            free = led.capacity_bytes - led.used_bytes
-            self._violate(capacity_message(device, action, nbytes, free, led.capacity_bytes, list(buffers), t_s))
-        led.used_bytes = used
-        if used > led.peak_bytes:
-            led.peak_bytes = used
-        led.samples.append((t_s, used))
+    def _over(self, action: Action, device: str, t_s: float) -> None:
+        mine = [m for m in action.allocs if m.device == device]
+        needed = sum(m.nbytes for m in mine)
+        if needed <= 0:
+            return
+        used, cap = self.ledger.used_bytes[device], self.capacity_bytes[device]
+        self._violate(capacity_message(device, action, needed, cap - (used - needed), cap,
+                                       [m.buffer for m in mine], t_s))
 
     def free(self, action: Action, t_s: float) -> None:
         """Apply `action.frees` at its end (time `t_s`)."""
-        ledgers = self.ledgers
-        for m in action.frees:
-            led = ledgers.get(m.device)
-            if led is None:
-                raise ScheduleError(f"`{action}` (action {action.id}) frees on unknown device {m.device!r}; "
-                                    f"devices: {', '.join(ledgers)}")
-            led.used_bytes -= m.nbytes
-            led.samples.append((t_s, led.used_bytes))
+        self.ledger.end(action, t_s)
 
     def peaks(self) -> dict[str, int]:
-        return {d: led.peak_bytes for d, led in self.ledgers.items()}
+        return self.ledger.peaks()
 
     def samples(self) -> dict[str, tuple[tuple[float, int], ...]]:
-        return {d: tuple(led.samples) for d, led in self.ledgers.items()}
+        assert self.ledger.samples is not None  # kept: built with samples=True
+        return {d: tuple(s) for d, s in self.ledger.samples.items()}
