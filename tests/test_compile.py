@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -17,8 +18,10 @@ from tinypipe.compile import (
     compute_plan,
     gradient_pass,
     lower,
+    make_plan,
     memory_pass,
     optimizer_pass,
+    run_passes,
     swap_pass,
     transfer_pass,
 )
@@ -232,13 +235,26 @@ GOLDEN_CASES = {
 }
 
 
+GOLDEN_KEPT = frozenset({3, 4, 5, 6, 7})  # `auto`'s layers in the goldens: the turnaround packs and L3
+
+
+def golden_inputs(case: str) -> tuple[Policy, ModelSpec, Hardware, ProfileTrace]:
+    """2 GPUs of 40 kB (and no reserve), 4 packs, 2 microbatches."""
+    return (GOLDEN_CASES[case].replace(packing=(2, 2, 2, 2), microbatches=2), toy_model(8),
+            toy_hardware(2, memory_bytes=40_000), toy_trace())
+
+
 @pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
 def test_golden_schedules(case: str) -> None:
-    """2 GPUs, 4 packs, 2 microbatches, 3 iterations: the compiled text equals tests/golden/<case>.txt."""
-    policy = GOLDEN_CASES[case].replace(packing=(2, 2, 2, 2), microbatches=2)
-    # 40 kB GPUs and no reserve: `auto` keeps the turnaround packs and one more layer (L3)
-    sched = compile_schedule(policy, toy_model(8), toy_hardware(2, memory_bytes=40_000), toy_trace(),
-                             iterations=3, cost=CostModel(gpu_reserve_bytes=0))
+    """2 GPUs, 4 packs, 2 microbatches, 3 iterations: the compiled text equals tests/golden/<case>.txt.
+
+    The goldens pin the passes; under `auto` they keep GOLDEN_KEPT, given here, whereas what `auto`
+    chooses is the GPU-memory formula's (`test_auto_keeps_what_costs_no_memory`)."""
+    inputs = golden_inputs(case)
+    sched = compile_schedule(*inputs, iterations=3, cost=CostModel(gpu_reserve_bytes=0))
+    if inputs[0].resident == "auto":
+        plan = make_plan(*inputs, iterations=3, cost=CostModel(gpu_reserve_bytes=0))
+        sched = replace(sched, actions=run_passes(replace(plan, kept=GOLDEN_KEPT)), _by_resource=None)
     validate(sched)
     path = GOLDEN / f"{case}.txt"
     text = sched.dumps()
@@ -247,6 +263,21 @@ def test_golden_schedules(case: str) -> None:
     assert path.exists(), f"missing {path}; run with TINYPIPE_REGEN_GOLDEN=1"
     assert text == path.read_text(), f"{case}: schedule changed; inspect and regenerate with TINYPIPE_REGEN_GOLDEN=1"
     assert Schedule.loads(text) == sched
+
+
+def test_auto_keeps_what_costs_no_memory() -> None:
+    """`auto` keeps each GPU's turnaround pack, then earlier layers, latest first, while the GPU-memory
+    formula's peak fits. On the golden toy every layer is kept: the prefetch window would hold them at
+    the peak anyway. The simulator agrees: keeping them all peaks exactly as keeping GOLDEN_KEPT does."""
+    from tinypipe.sim import simulate
+
+    inputs = golden_inputs("tinypipe")
+    plan = make_plan(*inputs, iterations=3, cost=CostModel(gpu_reserve_bytes=0))
+    assert plan.kept == frozenset(range(8))
+    sched = compile_schedule(*inputs, iterations=3, cost=CostModel(gpu_reserve_bytes=0))
+    golden = replace(sched, actions=run_passes(replace(plan, kept=GOLDEN_KEPT)), _by_resource=None)
+    _, model, hw, trace = inputs
+    assert simulate(sched, model, hw, trace).peak_bytes == simulate(golden, model, hw, trace).peak_bytes
 
 
 def test_every_preset_on_shipped_model_is_valid() -> None:

@@ -1,4 +1,5 @@
-"""Analytic cost model: per-pack compute and upload time, pack overhead, pipeline fill, memory per GPU.
+"""Analytic cost model: per-pack compute and upload time, pack overhead, pipeline fill; memory per GPU
+from the one GPU-memory formula (`tinypipe.gpumem`).
 
 Pure and fast (prefix sums, no simulation): the packers call `estimate` thousands of times with the
 `Plan` of the policy (`tinypipe.plan`) and a candidate packing. Its constants live in `CostModel`
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+from tinypipe import gpumem
 from tinypipe.plan import Plan
 
 
@@ -141,40 +143,12 @@ def _pinned(w: Plan, kept: frozenset[int]) -> frozenset[int]:
 
 def gpu_peak_bytes(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
                    *, kept: frozenset[int] = frozenset()) -> tuple[int, ...]:
-    """Estimated peak bytes per GPU: activations, the prefetch window of weights, gradients, workspace.
-
-    Activations on the GPU: every owned layer's input (and saved activations without recompute)
-    for all microbatches, held at the turnaround; on the host: about two microbatches of the
-    largest pack. Weights: layer swapping holds a pack plus `prefetch_depth` layers; pack swapping
-    holds `prefetch_depth + 1` consecutive pack uses; layers held all iteration are added whole.
-    Gradient accumulators: the largest pack in compute dtype.
-    """
-    m = w.microbatches
-    starts = [0, *accumulate(sizes)]
-    pinned = _pinned(w, kept)
-    by_gpu: list[list[int]] = [[] for _ in range(w.num_gpus)]
-    for s, g in enumerate(mapping):
-        by_gpu[g].append(s)
-    out = []
-    for packs in by_gpu:
-        if not packs:
-            out.append(0)
-            continue
-        layers = [x for s in packs for x in range(starts[s], starts[s + 1])]
-        if w.activation_home == "gpu":
-            act = m * sum(w.act_bytes[x] for x in layers)
-        else:
-            act = 2 * max(sum(w.input_bytes[x] for x in range(starts[s], starts[s + 1])) for s in packs)
-        held = sum(w.weight_bytes[x] for x in layers if x in pinned)
-        win = [sum(w.weight_bytes[x] for x in range(starts[s], starts[s + 1]) if x not in pinned)
-               for s, _ in _uses(w, packs)]
-        if w.swap == "layer":
-            biggest = max((w.weight_bytes[x] for x in layers if x not in pinned), default=0)
-            window = max(win) + w.prefetch_depth * biggest
-        else:
-            d = w.prefetch_depth + 1
-            ring = win + win
-            window = max(sum(ring[u:u + d]) for u in range(len(win)))
-        grads = max(sum(w.weight_bytes[x] for x in range(starts[s], starts[s + 1])) for s in packs)
-        out.append(int(act + held + window + grads + w.workspace_bytes))
-    return tuple(out)
+    """Peak bytes per GPU by the one GPU-memory formula (`tinypipe.gpumem`). `kept`: layers held from
+    forward to backward besides each GPU's last pack, which `auto` always keeps (`resolve.residency`)."""
+    pinned = frozenset(range(w.num_layers)) if w.resident == "all" else (
+        frozenset(w.resident) if isinstance(w.resident, tuple) else frozenset())
+    if w.resident == "auto":
+        starts = [0, *accumulate(sizes)]
+        last = {g: s for s, g in enumerate(mapping)}
+        kept = kept | {x for s in last.values() for x in range(starts[s], starts[s + 1])}
+    return gpumem.gpu_peak_bytes(w, sizes, mapping, w.num_gpus, kept=kept, pinned=pinned)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from tinypipe import gpumem
+from tinypipe.errors import InputError
 from tinypipe.hardware import HOST, Hardware
 from tinypipe.hostmem import host_bytes
 from tinypipe.model import LayerSpec, ModelSpec
+from tinypipe.plan import Plan, base_plan
 from tinypipe.policy.modes import HOST_LAYOUTS
+from tinypipe.policy.packing import per_gpu, uniform
+from tinypipe.policy.policy import Policy
+from tinypipe.trace import ProfileTrace, analytic_trace
 
 
 def layer_groups(model: ModelSpec, seq_len: int) -> list[dict[str, Any]]:
@@ -39,32 +45,33 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(a[k] == b[k] for k in keys)
 
 
-def pack_footprint(model: ModelSpec, k: int, *, tokens: int, microbatches: int = 1, recompute: bool = True,
-                   prefetch_packs: int = 1) -> int:
-    """GPU bytes to run a pack of the k largest consecutive blocks while the next pack uploads.
+def _plan(model: ModelSpec, hw: Hardware, trace: ProfileTrace, **policy: Any) -> Plan:
+    return base_plan(Policy(name="inspect", microbatch_size=trace.microbatch_size, **policy), model, hw, trace)
 
-    Weights of the pack and of `prefetch_packs` more (bf16), their gradients (bf16), and the saved
-    activations of every microbatch (layer inputs under recompute, full activations otherwise) plus
-    one microbatch of full activations during a backward.
-    """
-    blocks = [x for x in model.layers if x.kind.value == "block"] or list(model.layers)
-    k = max(1, min(k, len(blocks)))
-    biggest = max(blocks, key=lambda x: x.gpu_params)
-    w = biggest.param_bytes("bf16")
-    per_mb_saved = (biggest.boundary_bytes_per_token if recompute else biggest.saved_act_bytes_per_token) * tokens
-    return (k * (1 + prefetch_packs) * w + k * w + k * microbatches * per_mb_saved
-            + biggest.saved_act_bytes_per_token * tokens)
+
+def pack_footprint(model: ModelSpec, hw: Hardware, trace: ProfileTrace, k: int, *, microbatches: int = 1,
+                   recompute: bool = True, prefetch_packs: int = 1) -> int:
+    """GPU bytes, by the GPU-memory formula, to train `model` on one GPU in packs of k layers swapped
+    whole, `prefetch_packs` ahead: a pack, the next ones uploading, its gradients, every microbatch's
+    kept activations, and a backward's transients."""
+    plan = _plan(model, hw, trace, swap="pack", prefetch_depth=prefetch_packs, microbatches=microbatches,
+                 recompute=recompute)
+    sizes = uniform(len(model.layers), max(1, min(k, len(model.layers))))
+    return gpumem.gpu_peak_bytes(plan, sizes, (0,) * len(sizes), 1)[0]
 
 
 def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
                  hardware: list[Hardware]) -> dict[str, Any]:
-    """Everything `inspect model` shows, as plain data (the `--json` form)."""
-    tokens = seq_len * microbatch_size
+    """Everything `inspect model` shows, as plain data (the `--json` form). GPU bytes come from the
+    GPU-memory formula over the analytic trace's sizes (the same on every GPU), the packs' on the first
+    hardware's GPUs."""
+    if not hardware:
+        raise InputError("inspect model: name at least one hardware preset to size the model against")
     host = {lay: host_bytes(model, lay) for lay in HOST_LAYOUTS}
-    packs = [{"layers": k, "gpu_bytes": pack_footprint(model, k, tokens=tokens)} for k in (1, 2, 4, 8, 16)
+    trace = analytic_trace(model, hardware[0].gpus[0], microbatch_size=microbatch_size, seq_len=seq_len)
+    packs = [{"layers": k, "gpu_bytes": pack_footprint(model, hardware[0], trace, k)} for k in (1, 2, 4, 8, 16)
              if k <= model.num_blocks]
-    largest = max(model.layers, key=lambda x: x.gpu_params)
-    min_gpu = 2 * largest.param_bytes("bf16") + largest.param_bytes("bf16") + largest.saved_act_bytes_per_token * tokens
+    min_gpu = gpumem.least_peak_bytes(_plan(model, hardware[0], trace))
     fit = []
     for hw in hardware:
         gpu_mem = min(g.memory_bytes for g in hw.gpus)
@@ -72,7 +79,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
             "hardware": hw.name, "gpus": len(hw.gpus), "gpu_bytes": gpu_mem, "host_bytes": hw.host.memory_bytes,
             "gpu_fits": min_gpu <= gpu_mem,
             **{f"host_fits_{lay}": host[lay].total_bytes <= hw.host.memory_bytes for lay in HOST_LAYOUTS},
-            "resident_fits": _resident_bytes(model) <= gpu_mem * len(hw.gpus),
+            "resident_fits": max(_resident_bytes(model, hw, trace)) <= gpu_mem,
         })
     return {
         "model": model.name, "family": model.family, "source": model.source, "params": model.params,
@@ -87,9 +94,13 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
     }
 
 
-def _resident_bytes(model: ModelSpec) -> int:
-    """GPU bytes to keep every layer resident: bf16 weights and bf16 gradients."""
-    return sum(2 * x.param_bytes("bf16") for x in model.layers)
+def _resident_bytes(model: ModelSpec, hw: Hardware, trace: ProfileTrace) -> tuple[int, ...]:
+    """GPU bytes per GPU of `hw`, by the GPU-memory formula, to keep every layer resident (the `resident`
+    policy: one pack per GPU, here balanced by weight bytes)."""
+    plan = _plan(model, hw, trace, swap="pack", prefetch_depth=0, resident="all")
+    sizes = per_gpu(plan.weight_bytes, len(hw.gpus))
+    return gpumem.gpu_peak_bytes(plan, sizes, tuple(range(len(sizes))), len(hw.gpus),
+                                 pinned=frozenset(range(len(model.layers))))
 
 
 def hardware_report(hw: Hardware) -> dict[str, Any]:

@@ -5,6 +5,7 @@ compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass ->
 
 from __future__ import annotations
 
+from tinypipe.gpumem import window_span
 from tinypipe.hardware import HOST
 from tinypipe.kinds import Carries, Kind
 from tinypipe.ops import (
@@ -82,9 +83,10 @@ def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     backward; `pinned` layers one per iteration. Swap `layer`: the LOAD feeds the layer's first op
     and the EVICT follows its last. Swap `pack`: all LOADs feed the use's first op and all EVICTs
     follow its last. Memory stays bounded by a window over the segments of each GPU (pinned ones
-    and kept ones spanning other uses aside): layer mode, LOAD k waits for EVICT k - W with W =
-    the most segments in a use + prefetch_depth; pack mode, a use's LOADs wait for the EVICTs of
-    the use prefetch_depth + 1 uses back. A LOAD also waits for the EVICT of the layer's previous
+    and kept ones spanning other uses aside), `gpumem.window_span`, which the GPU-memory formula
+    reads too: layer mode, LOAD k waits for EVICT k - W with W = the most segments in a use +
+    prefetch_depth; pack mode, a use's LOADs wait for the EVICTs of the use prefetch_depth + 1
+    uses back. A LOAD also waits for the EVICT of the layer's previous
     segment (one buffer per layer).
     """
     n_gpus = max(plan.pack_gpu) + 1
@@ -146,15 +148,15 @@ def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
                 groups[-1].append(seg)
             else:
                 groups.append([seg])
+        span = window_span(max(len(grp) for grp in groups), depth, plan.swap)  # layers, or uses when by pack
         if layer_mode:
-            span = max(len(grp) for grp in groups) + depth
             for k in range(span, len(window)):
                 load, gone = window[k].load, window[k - span].evict
                 assert load is not None and gone is not None  # every segment of the window has both
                 load.deps.append(gone)
         else:
-            for j in range(depth + 1, len(groups)):
-                evict = max(groups[j - depth - 1], key=lambda sg: sg.last_use).evict
+            for j in range(span, len(groups)):
+                evict = max(groups[j - span], key=lambda sg: sg.last_use).evict
                 assert evict is not None
                 for seg in groups[j]:
                     assert seg.load is not None

@@ -68,8 +68,6 @@ class Plan:
     pinned: frozenset[int] = frozenset()  # held for the whole iteration
 
     num_layers: int = field(init=False)
-    act_bytes: tuple[int, ...] = field(init=False, repr=False, compare=False)  # on the GPU from FWD to BWD
-    workspace_bytes: int = field(init=False, repr=False, compare=False)  # largest transient workspace of any layer
     owner: tuple[int, ...] = field(init=False, repr=False, compare=False)  # GPU of each layer
     pack_of: tuple[int, ...] = field(init=False, repr=False, compare=False)  # pack of each layer
     pre_fwd: tuple[float, ...] = field(init=False, repr=False, compare=False)
@@ -96,9 +94,6 @@ class Plan:
             raise ValueError(f"the packs hold {len(owner)} layers, the plan has {n}")
         set_ = object.__setattr__
         set_(self, "num_layers", n)
-        set_(self, "act_bytes", tuple(x + (0 if recomputes(self.recompute, i, n) else a)
-                                      for i, (x, a) in enumerate(zip(self.input_bytes, self.saved_bytes))))
-        set_(self, "workspace_bytes", max(self.layer_workspace_bytes, default=0))
         set_(self, "owner", tuple(owner))
         set_(self, "pack_of", tuple(pack_of))
         for name, src in (("pre_fwd", self.fwd_s), ("pre_bwd", self.bwd_s), ("pre_weight", self.weight_bytes)):

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinypipe.errors import InputError
+from tinypipe.gpumem import least_peak_bytes
 from tinypipe.hardware import HOST, Hardware
 from tinypipe.hostmem import host_bytes, optimizer_s_per_param
 from tinypipe.model import ModelSpec
+from tinypipe.plan import base_plan
 from tinypipe.policy import Policy
 from tinypipe.policy.modes import (
     ActivationHome,
@@ -196,7 +198,9 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
 
     max of: all compute spread perfectly over the GPUs; every non-resident layer uploaded twice
     (forward and backward) through the slower of the summed host links and the host DMA cap; the
-    CPU optimizer over every parameter (once per iteration even when asynchronous).
+    CPU optimizer over every parameter (once per iteration even when asynchronous). It cannot fit
+    when the host layout exceeds host memory, or when a layer's backward alone holds more than a GPU
+    (`gpumem.least_peak_bytes`, the GPU-memory formula's floor under any packing).
     """
     hw, model = w.hardware, w.model
     trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len, dtype=w.dtype,
@@ -214,9 +218,10 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
     if hb > w.host_limit:
         why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} layout, limit {w.host_limit:,}"
-    largest = max(x.param_bytes(w.dtype) for x in model.layers)
-    if 2 * largest > w.gpu_limit:
-        why = why or f"GPU memory: the largest layer ({largest:,} bytes) and its gradient exceed {w.gpu_limit:,}"
+    least = least_peak_bytes(base_plan(p, model, hw, trace))
+    if least > w.gpu_limit:
+        why = why or (f"GPU memory: a layer's backward holds at least {least:,} bytes (its weights, gradient, "
+                      f"activations and workspace), limit {w.gpu_limit:,}")
     return max(compute, uploads, optim), why
 
 

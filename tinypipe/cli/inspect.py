@@ -38,14 +38,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                  r["saved_act_bytes_per_token"], r["boundary_bytes_per_token"]] for r in rep["layers"]]
         print(table.render(["layer", "params", "bf16", "fwd MFLOP/token", "saved act B/token",
                             "boundary B/token"], rows, align="lrrrrr"))
-        print("\nGPU memory for a pack of k blocks (weights + next pack prefetched + grads + saved inputs):")
+        print("\nGPU memory to train on one GPU in packs of k layers, swapped whole with the next pack prefetched "
+              "(the GPU-memory formula: weights, gradients, every microbatch's saved inputs, transients):")
         print(table.render(["k", "GPU bytes"], [[p["layers"], table.gib(p["gpu_bytes"])] for p in rep["packs"]],
                            align="rr"))
         print("\nHost memory (fp32 master + AdamW):")
         rows = [[lay, round(h["bytes_per_param"], 2), table.gib(h["total_bytes"])] for lay, h in rep["host"].items()]
         print(table.render(["layout", "bytes/param", "total"], rows, align="lrr"))
         print(f"\nCan it be trained at all? (needs >= {table.gib(rep['min_gpu_bytes'])} per GPU: the largest "
-              "layer twice + its gradient + one microbatch's activations)")
+              "layer's backward, with its weights, gradient, activations and workspace)")
         rows = [[f["hardware"], f["gpus"], table.gib(f["gpu_bytes"]), table.gib(f["host_bytes"]), f["gpu_fits"],
                  f["host_fits_replicated"], f["host_fits_compact"], f["resident_fits"]] for f in rep["fit"]]
         print(table.render(["hardware", "GPUs", "GPU mem", "host DRAM", "GPU ok", "host ok (replicated)",

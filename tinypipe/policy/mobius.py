@@ -17,28 +17,35 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from tinypipe import gpumem
+from tinypipe.cost import gpu_peak_bytes
 from tinypipe.plan import Plan
 from tinypipe.units import GIB
 
-from .packing import Mapper, balanced
+from .mapping import round_robin
+from .packing import Mapper, Partitioner, balanced
 
 MOBIUS_TIME_LIMIT_S = 2.0  # total MILP time over all pack counts tried; then the best found so far
 MOBIUS_MIP_GAP = 0.02  # stop a MILP within 2% of optimal: the model is no more exact than that
 
 
-def mobius_counts(w: Plan) -> list[int]:
-    """Pack counts Mobius tries: the three smallest multiples of the GPU count whose average pack,
-    twice over (a pack and the next being prefetched) plus gradients, could fit."""
+def mobius_counts(w: Plan, mapper: Mapper | None = None) -> list[int]:
+    """Pack counts Mobius tries: the three smallest multiples of the GPU count at which packs balanced by
+    time fit every GPU by the GPU-memory formula (`cost.gpu_peak_bytes`); the largest multiple when none
+    does. `mapper`: the GPU of each pack (round-robin when None)."""
     g, n = w.num_gpus, w.num_layers
     if n <= g:
         return [n]
-    cap = min(w.gpu_memory_bytes) - w.cost.gpu_reserve_bytes - w.workspace_bytes
-    act = (w.microbatches * sum(w.act_bytes) / g) if w.activation_home == "gpu" else 0.0
-    room = cap - act
-    need = 3 * sum(w.weight_bytes) / room if room > 0 else math.inf
-    k0 = max(1, math.ceil(need / g)) if math.isfinite(need) else n // g
-    ks = [k * g for k in range(k0, k0 + 3) if k * g <= n]
-    return ks or [n - n % g if n >= g else n]
+    caps = [mem - w.cost.gpu_reserve_bytes for mem in w.gpu_memory_bytes]
+    part = Partitioner(w.layer_time_s)
+    k0 = n - n % g
+    for k in range(g, n + 1, g):
+        sizes = part(k)
+        peaks = gpu_peak_bytes(w, sizes, mapper(k) if mapper else round_robin(k, g))
+        if all(p <= c for p, c in zip(peaks, caps)):
+            k0 = k
+            break
+    return [k for k in range(k0, k0 + 3 * g, g) if k <= n]
 
 
 def mobius(w: Plan, mapper: Mapper, *, counts: Sequence[int] | None = None,
@@ -51,7 +58,7 @@ def mobius(w: Plan, mapper: Mapper, *, counts: Sequence[int] | None = None,
     """
     if time_limit_s is None:
         time_limit_s = MOBIUS_TIME_LIMIT_S
-    ns = [n for n in (counts or mobius_counts(w)) if 1 <= n <= w.num_layers]
+    ns = [n for n in (counts or mobius_counts(w, mapper)) if 1 <= n <= w.num_layers]
     maps = tuple(mapper(n) for n in ns)
     key = (w, maps, time_limit_s)
     hit = _MOBIUS_CACHE.get(key)
@@ -98,6 +105,37 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
+Linear = tuple[dict[int, float], float]  # coefficients by variable index, constant
+
+
+def linear_pack_sum(n: int, s_n: int, s: int, v: Sequence[float], scale: float = 1.0) -> Linear:
+    """scale x the sum of v over pack s's layers: v_l (c[l,s] - c[l,s-1]), c[l,last] = 1, c[l,-1] = 0."""
+    coef: dict[int, float] = {}
+    const = 0.0
+    for layer in range(n):
+        x = v[layer] * scale
+        if x == 0.0:
+            continue
+        if s <= s_n - 2:
+            coef[layer * (s_n - 1) + s] = coef.get(layer * (s_n - 1) + s, 0.0) + x
+        else:
+            const += x
+        if s >= 1:
+            coef[layer * (s_n - 1) + s - 1] = coef.get(layer * (s_n - 1) + s - 1, 0.0) - x
+    return coef, const
+
+
+def _add(*terms: tuple[dict[int, float], float, float]) -> Linear:
+    """The sum of (coefficients, constant, factor) terms."""
+    coef: dict[int, float] = {}
+    const = 0.0
+    for c, k, f in terms:
+        for i, x in c.items():
+            coef[i] = coef.get(i, 0.0) + f * x
+        const += f * k
+    return coef, const
+
+
 def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit_s: float,
                 window: int | None = None) -> tuple[float, tuple[int, ...]] | None:
     """Solve the Mobius MILP for a fixed pack count; (objective seconds, sizes) or None.
@@ -106,8 +144,10 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     contiguous and ordered), stage times t[s], makespan T, pipeline step B. Stage time covers the
     pack's compute plus overhead and the upload of the next pack on the same GPU (prefetch). T
     covers each GPU's stages plus its first, unhidden upload; B is at least every pack's compute
-    per microbatch. Memory, per pack s on GPU g: forward W(s) + W(next) + A(g) <= cap, backward
-    2 W(s) (weights + gradients) + W(previous) + A(g) <= cap, with A(g) the activations g keeps.
+    per microbatch. Memory: every moment of the GPU-memory formula (`tinypipe.gpumem.moments`, its
+    window linearised by `gpumem.window_terms`) <= the GPU's capacity less the reserve; pack
+    swapping with one pack prefetched reads as Mobius's own bound, a pack plus the next one being
+    prefetched (and the pack's gradients, the activations its GPU keeps, the transients).
     Objective: min T + (GPUs - 1) B, the GPipe-style makespan. Bytes are in GiB for the solver.
 
     `window`: each boundary may move at most this many layers from the balanced-by-time
@@ -123,32 +163,10 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     nvar = nc + s_n + 2
     comp = [m * (f + b) for f, b in zip(w.fwd_s, w.bwd_s)]
     wts = [b / GIB for b in w.weight_bytes]
-    act = [m * a / GIB if w.activation_home == "gpu" else 0.0 for a in w.act_bytes]
     rows: list[tuple[dict[int, float], float, float]] = []
 
-    def pack_sum(s: int, v: Sequence[float], scale: float = 1.0) -> tuple[dict[int, float], float]:
-        coef: dict[int, float] = {}
-        const = 0.0
-        for layer in range(n):
-            x = v[layer] * scale
-            if x == 0.0:
-                continue
-            if s <= s_n - 2:
-                coef[layer * (s_n - 1) + s] = coef.get(layer * (s_n - 1) + s, 0.0) + x
-            else:
-                const += x
-            if s >= 1:
-                coef[layer * (s_n - 1) + s - 1] = coef.get(layer * (s_n - 1) + s - 1, 0.0) - x
-        return coef, const
-
-    def add(*terms: tuple[dict[int, float], float, float]) -> tuple[dict[int, float], float]:
-        coef: dict[int, float] = {}
-        const = 0.0
-        for c, k, f in terms:
-            for i, x in c.items():
-                coef[i] = coef.get(i, 0.0) + f * x
-            const += f * k
-        return coef, const
+    def pack_sum(s: int, v: Sequence[float], scale: float = 1.0) -> Linear:
+        return linear_pack_sum(n, s_n, s, v, scale)
 
     for layer in range(n):
         for s in range(s_n - 2):  # c[l,s] <= c[l,s+1]
@@ -163,32 +181,22 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     by_gpu: dict[int, list[int]] = {}
     for s, g in enumerate(mapping):
         by_gpu.setdefault(g, []).append(s)
-    cap = {g: (w.gpu_memory_bytes[g] - w.cost.gpu_reserve_bytes - w.workspace_bytes) / GIB for g in by_gpu}
     for g, packs in by_gpu.items():
         rate = w.h2d_gbps[g] * 1e9 * w.cost.h2d_efficiency / GIB  # GiB/s
-        a_coef, a_const = add(*((c, k, 1.0) for c, k in (pack_sum(s, act) for s in packs)))
         for i, s in enumerate(packs):
             cc, ck = pack_sum(s, comp)
-            rows.append((add(({t0 + s: 1.0}, 0.0, 1.0), (cc, ck, -1.0))[0], w.cost.pack_overhead_s + ck, np.inf))
-            rows.append((add(({tB: 1.0}, 0.0, 1.0), (cc, ck, -1.0 / m))[0], ck / m, np.inf))
-            ws, wk = pack_sum(s, wts)
+            rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (cc, ck, -1.0))[0], w.cost.pack_overhead_s + ck, np.inf))
+            rows.append((_add(({tB: 1.0}, 0.0, 1.0), (cc, ck, -1.0 / m))[0], ck / m, np.inf))
             if i + 1 < len(packs):
                 nx, nk = pack_sum(packs[i + 1], wts)
-                rows.append((add(({t0 + s: 1.0}, 0.0, 1.0), (nx, nk, -1.0 / rate))[0], nk / rate, np.inf))
-                coef, const = add((ws, wk, 1.0), (nx, nk, 1.0), (a_coef, a_const, 1.0))
-                rows.append((coef, -np.inf, cap[g] - const))
-            if i > 0:
-                pv, pk = pack_sum(packs[i - 1], wts)
-                coef, const = add((ws, wk, 2.0), (pv, pk, 1.0), (a_coef, a_const, 1.0))
-            else:
-                coef, const = add((ws, wk, 2.0), (a_coef, a_const, 1.0))
-            rows.append((coef, -np.inf, cap[g] - const))
+                rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (nx, nk, -1.0 / rate))[0], nk / rate, np.inf))
         fx, fk = pack_sum(packs[0], wts)
         span: dict[int, float] = {tT: 1.0}
         for s in packs:
             span[t0 + s] = -1.0
-        coef, const = add((span, 0.0, 1.0), (fx, fk, -1.0 / rate))
+        coef, const = _add((span, 0.0, 1.0), (fx, fk, -1.0 / rate))
         rows.append((coef, -const, np.inf))
+    rows += memory_rows(w, mapping)
     data, ri, ci, lb, ub = [], [], [], [], []
     for r, (coef, lo, hi) in enumerate(rows):
         for i, x in coef.items():
@@ -228,3 +236,44 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     if any(k < 1 for k in sizes):
         return None
     return (float(res.fun), sizes)
+
+
+def memory_rows(w: Plan, mapping: tuple[int, ...]) -> list[tuple[dict[int, float], float, float]]:
+    """One row per moment of the GPU-memory formula: its terms as linear expressions in c[l,s] (GiB)
+    <= the GPU's capacity less the reserve. FIRST of pack s >= 1 reads v_l (c[l-1,s-1] - c[l,s-1]),
+    1 only where pack s starts; LAST of pack s < last, v_l (c[l,s] - c[l+1,s])."""
+    n, s_n, g_n = w.num_layers, len(mapping), w.num_gpus
+    pinned = frozenset(range(n)) if w.resident == "all" else (
+        frozenset(w.resident) if isinstance(w.resident, tuple) else frozenset())
+    kept_last = (True,) * g_n if w.resident == "auto" else ()
+    vec = {k: [b / GIB for b in v] for k, v in gpumem.vectors(w, pinned=pinned).items()}
+    packs = gpumem.gpu_packs(mapping, g_n)
+
+    def var(layer: int, s: int) -> int:
+        return layer * (s_n - 1) + s
+
+    def term(t: gpumem.Term) -> Linear:
+        v = vec[t.vector]
+        if t.how == gpumem.SUM:
+            c, k = linear_pack_sum(n, s_n, t.pack, v)
+        elif t.how == gpumem.UPTO:
+            c, k = _add(*((*linear_pack_sum(n, s_n, s, v), 1.0) for s in packs[t.gpu][:t.pack + 1]))
+        elif t.how == gpumem.FIRST and t.pack == 0:
+            c, k = {}, v[0]
+        elif t.how == gpumem.LAST and t.pack == s_n - 1:
+            c, k = {}, v[n - 1]
+        else:
+            c, k, s = {}, 0.0, t.pack - 1 if t.how == gpumem.FIRST else t.pack
+            for layer in range(n - 1):  # between layer and layer + 1
+                x = v[layer + 1] if t.how == gpumem.FIRST else v[layer]
+                c[var(layer, s)] = c.get(var(layer, s), 0.0) + x
+                c[var(layer + 1, s)] = c.get(var(layer + 1, s), 0.0) - x
+        return {i: t.factor * x for i, x in c.items()}, t.factor * k
+
+    rows = []
+    for mo in gpumem.moments(mapping, g_n, w.microbatches, w.activation_home, kept_last):
+        terms = mo.shared + mo.terms + gpumem.window_terms(mo, mapping, g_n, w.prefetch_depth, w.swap, kept_last)
+        coef, const = _add(*((*term(t), 1.0) for t in terms))
+        cap = (w.gpu_memory_bytes[mo.gpu] - w.cost.gpu_reserve_bytes) / GIB
+        rows.append((coef, -np.inf, cap - const))
+    return rows
