@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tinypipe.sim import SimResult, simulate
 
-from tinypipe.compile import WINDOW_ITERATIONS, compile_schedule
+from tinypipe.compiler import WINDOW_ITERATIONS, compile_schedule
 from tinypipe.errors import InputError
 from tinypipe.hardware import GPU, HOST, Hardware, Host, Link, load_hardware, shipped_hardware
 from tinypipe.model import ModelSpec

@@ -23,7 +23,7 @@ from pathlib import Path
 from _common import machine, write_json
 from tinypipe.sim import simulate
 
-from tinypipe.compile import compile_schedule, make_plan
+from tinypipe.compiler import compile_schedule, make_plan
 from tinypipe.cost import estimate
 from tinypipe.costmodel import CostModel
 from tinypipe.hardware import load_hardware

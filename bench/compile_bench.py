@@ -18,7 +18,7 @@ from typing import Any
 
 from _common import machine, write_json
 
-from tinypipe.compile import compile_schedule, make_plan, run_passes
+from tinypipe.compiler import compile_schedule, make_plan, run_passes
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS, mobius

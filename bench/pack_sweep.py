@@ -15,7 +15,7 @@ import time
 from _common import RESULTS, write_json
 from tinypipe.sim import simulate
 
-from tinypipe.compile import compile_schedule
+from tinypipe.compiler import compile_schedule
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS

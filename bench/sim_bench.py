@@ -19,7 +19,7 @@ import time
 from _common import machine, write_json
 
 from tinypipe import sim
-from tinypipe.compile import compile_schedule
+from tinypipe.compiler import compile_schedule
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.policy import PRESETS

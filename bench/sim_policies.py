@@ -14,7 +14,7 @@ from _common import write_json
 from tinypipe.sim import simulate
 from tinypipe.sim.evaluate import SimEvaluator
 
-from tinypipe.compile import compile_schedule
+from tinypipe.compiler import compile_schedule
 from tinypipe.errors import TinypipeError
 from tinypipe.hardware import load_hardware, shipped_hardware
 from tinypipe.hfconfig import load_model

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tinypipe.sim.engine import simulate
 
-from tinypipe.compile import compile_schedule
+from tinypipe.compiler import compile_schedule
 from tinypipe.errors import TinypipeError
 from tinypipe.hardware import HOST, Hardware
 from tinypipe.model import ModelSpec

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinypipe.compile import (
+from tinypipe.compiler import (
     compile_schedule,
     compute_plan,
     gradient_pass,
@@ -25,6 +25,7 @@ from tinypipe.compile import (
     swap_pass,
     transfer_pass,
 )
+from tinypipe.compiler.validate import validate
 from tinypipe.costmodel import CostModel
 from tinypipe.errors import InputError
 from tinypipe.hardware import GPU, Hardware, Host, Link
@@ -35,7 +36,6 @@ from tinypipe.policy.policy import PRESETS, Policy
 from tinypipe.schedule import Kind, Schedule
 from tinypipe.trace import KindProfile, ProfileTrace
 from tinypipe.units import GIB
-from tinypipe.validate import validate
 
 GOLDEN = Path(__file__).parent / "golden"
 

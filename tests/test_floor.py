@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tinypipe.compile import compile_schedule
+from tinypipe.compiler import compile_schedule
 from tinypipe.floor import schedule_floor
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model

@@ -25,7 +25,7 @@ import pytest
 from tinypipe.sim import simulate
 
 from tinypipe import gpumem
-from tinypipe.compile import compile_schedule, make_plan
+from tinypipe.compiler import compile_schedule, make_plan
 from tinypipe.cost import gpu_peak_bytes
 from tinypipe.hardware import Hardware, load_hardware
 from tinypipe.hfconfig import load_model

@@ -56,8 +56,8 @@ sys.meta_path.insert(0, _Block())
 def test_core_imports_and_inspects_without_torch_or_simpy() -> None:
     """With torch and simpy unimportable, the core imports and `inspect model/hardware/schedule` work."""
     code = BLOCKER + """
-import tinypipe.model, tinypipe.hardware, tinypipe.trace, tinypipe.schedule, tinypipe.compile
-import tinypipe.validate, tinypipe.policy, tinypipe.hostmem, tinypipe.inspection, tinypipe.timeline
+import tinypipe.model, tinypipe.hardware, tinypipe.trace, tinypipe.schedule, tinypipe.compiler
+import tinypipe.compiler.validate, tinypipe.policy, tinypipe.hostmem, tinypipe.inspection, tinypipe.timeline
 from tinypipe.cli import main
 assert main(['inspect', 'model', 'llama-3.1-8b']) == 0
 assert main(['inspect', 'hardware', 'h200x2']) == 0

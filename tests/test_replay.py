@@ -18,7 +18,7 @@ import pytest
 from tinypipe.sim import simulate
 
 from tinypipe.cli import main
-from tinypipe.compile import compile_schedule
+from tinypipe.compiler import compile_schedule
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.policy import load_policy

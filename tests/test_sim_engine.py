@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tinypipe.sim import SimResult, simulate
 from tinypipe.sim.engine import link_capacities
 
-from tinypipe.compile import compile_schedule
+from tinypipe.compiler import compile_schedule
 from tinypipe.errors import CapacityError, InputError, ScheduleError, TinypipeError
 from tinypipe.hardware import GPU, Hardware, Host, Link
 from tinypipe.hfconfig import load_model

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tinypipe.compile import WINDOW_ITERATIONS, compile_schedule
+from tinypipe.compiler import WINDOW_ITERATIONS, compile_schedule
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware, load_hardware
 from tinypipe.hfconfig import from_hf_config, load_model

@@ -43,7 +43,7 @@ from tinypipe.backends.run import add_run_arguments, timeline  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 
 from tinypipe.cli import main as cli_main  # noqa: E402
-from tinypipe.compile import compile_schedule  # noqa: E402
+from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.trace import analytic_trace  # noqa: E402
 
 STEPS = 12  # 3 windows of 4 compiled iterations; the steady time is the median after the first

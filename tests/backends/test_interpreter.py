@@ -31,7 +31,7 @@ from tinypipe.backends.reference import reference_train  # noqa: E402
 from tinypipe.backends.worker import Job  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 
-from tinypipe.compile import compile_schedule  # noqa: E402
+from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.hfconfig import load_model  # noqa: E402
 from tinypipe.policy import PRESETS, Policy  # noqa: E402
 from tinypipe.schedule import HOST_OPTIM, Action, Kind, Schedule, resource_gpu  # noqa: E402

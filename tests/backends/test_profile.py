@@ -27,7 +27,7 @@ from tinypipe.sim import simulate  # noqa: E402
 from tinypipe.sim.evaluate import SimEvaluator  # noqa: E402
 
 from tinypipe.cli import main as cli_main  # noqa: E402
-from tinypipe.compile import compile_schedule  # noqa: E402
+from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.hardware import load_hardware  # noqa: E402
 from tinypipe.hfconfig import load_model  # noqa: E402
 from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes  # noqa: E402

@@ -95,9 +95,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_inspect_schedule(args: argparse.Namespace) -> int:
     from tinypipe import table
-    from tinypipe.compile import compile_schedule
+    from tinypipe.compiler import compile_schedule
+    from tinypipe.compiler.validate import validate
     from tinypipe.schedule import grid
-    from tinypipe.validate import validate
 
     positive("--steps", args.steps)
     check_outputs(out=args.out)

@@ -16,7 +16,7 @@ from .util import check_outputs, plot_to, positive, print_json, workloads, write
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tinypipe import table
-    from tinypipe.compile import compile_schedule
+    from tinypipe.compiler import compile_schedule
     from tinypipe.sim import simulate
     from tinypipe.units import parse_bytes
 

@@ -9,12 +9,12 @@ after its last), so stream orders follow need and the final ids point dependenci
 
 from __future__ import annotations
 
+from tinypipe.compiler.ops import Op, lower
+from tinypipe.compiler.passes import compute_plan, gradient_pass, memory_pass, optimizer_pass, swap_pass, transfer_pass
 from tinypipe.costmodel import CostModel
 from tinypipe.errors import InputError
 from tinypipe.hardware import HOST, Hardware
 from tinypipe.model import ModelSpec
-from tinypipe.ops import Op, lower
-from tinypipe.passes import compute_plan, gradient_pass, memory_pass, optimizer_pass, swap_pass, transfer_pass
 from tinypipe.plan import Plan, base_plan
 from tinypipe.policy.policy import Policy
 from tinypipe.policy.resolve import residency, resolve

@@ -5,10 +5,7 @@ compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass ->
 
 from __future__ import annotations
 
-from tinypipe.gpumem import window_span
-from tinypipe.hardware import HOST
-from tinypipe.kinds import Carries, Kind
-from tinypipe.ops import (
+from tinypipe.compiler.ops import (
     BWD,
     EVICT,
     FETCH,
@@ -25,6 +22,9 @@ from tinypipe.ops import (
     Op,
     _splice,
 )
+from tinypipe.gpumem import window_span
+from tinypipe.hardware import HOST
+from tinypipe.kinds import Carries, Kind
 from tinypipe.plan import Plan
 from tinypipe.schedule import Mem
 
