@@ -95,8 +95,7 @@ class Carried:
             t0, t1 = fut.result()
             del self.steps[rid]
             ledger.end(a)
-            out.append(Record(a.id + shift * id_stride, a.resource, a.kind.value, a.label, a.layer, a.microbatch,
-                              a.iteration + shift, t0, t1))
+            out.append(_record(a, shift, id_stride, t0, t1))
         return out
 
 
@@ -260,13 +259,18 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
         a = by_id[aid]
         times = host_times.get(aid) or streams.times(aid)
         t0, t1 = times if times is not None else (0.0, 0.0)
-        log.records.append(Record(a.id + shift * id_stride, a.resource, a.kind.value, a.label, a.layer,
-                                  a.microbatch, a.iteration + shift, t0, t1))
+        log.records.append(_record(a, shift, id_stride, t0, t1))
     streams.forget()
     for (step, _m), loss in sorted(interp.losses.items()):
         log.losses[step] = log.losses.get(step, 0.0) + float(loss.item())
     interp.losses.clear()
     return log
+
+
+def _record(a: Action, shift: int, id_stride: int, t0: float, t1: float) -> Record:
+    """The timeline record of `a` run for step `a.iteration + shift` (ids distinct across windows)."""
+    return Record(a.id + shift * id_stride, a.resource, a.kind.value, a.label, a.layer, a.microbatch,
+                  a.iteration + shift, t0, t1)
 
 
 def _stuck(rank: int, queues: dict[str, deque[Action]], done: set[int], by_id: dict[int, Action]) -> str:

@@ -189,13 +189,7 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
                       compiled=compile_blocks)
     iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
-    note = unmatched_note(profiles, trace, spec)
-    if not trace.analytic and trace.compiled != compile_blocks:
-        kind = "compiled" if compile_blocks else "eager"
-        other = (f"note: no trace of {kind} blocks for {spec.name} at microbatch {policy.microbatch_size}; the "
-                 f"prediction uses one measured {'eager' if compile_blocks else 'compiled'} (`tinypipe profile"
-                 f"{'' if compile_blocks else ' --no-compile'}` measures {kind} ones)")
-        note = other if note is None else f"{note}\n{other}"
+    note = unmatched_note(profiles, trace, spec, compiled=compile_blocks)
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
     compiled = pinned
     if not prediction.fits:

@@ -213,7 +213,8 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
                            host_worker=optimizer, carry=carry)
         log.extend(part)
         losses.update(part.losses)
-        rss.setdefault("first window run", _rss())
+        if "first window run" not in rss:
+            rss["first window run"] = _rss()
         left = interp.leftovers()
         if left:
             raise ExecutionError(f"rank {rank}: steps {step}..{step + n - 1} ended still holding {', '.join(left[:6])}")

@@ -2,14 +2,14 @@
 
     python bench/fidelity.py [--profile bench/results/profile_h200] [--out bench/results/fidelity.jsonl]
 
-Measured: the real runs already recorded under bench/results/ (`cuda_h200.jsonl` from
-`bench/cuda_bench.py`, and the Qwen3-1.7B run of `bench/device/profile_h200.sh`, whose iteration
-times come from its Chrome trace and its peak from its logged summary). Predicted: `tinypipe
-simulate` of the same model, policy, tokens per step and GPU cap, with the traces and the hardware
-(host copy and optimizer rates) that `tinypipe profile` measured on an H200 (`--profile`), never
-with numbers from the run being predicted. The profile was taken on one lent H200 machine on
-2026-12-01; the Llama runs ran on other lent machines (2026-11-30 and 2026-12-01), the Qwen3 run on
-the profiled one. Iteration time: the mean after the warm-up iterations the run's record names.
+Measured: the real runs recorded in bench/results/cuda_h200.jsonl by `bench/cuda_bench.py`.
+Predicted, never with numbers from the run being predicted:
+- LLAMA_RUNS (eager, 2026-11-30 and 12-01): `tinypipe simulate` of the same model, policy, tokens
+  per step and GPU cap, with the traces and host rates `tinypipe profile` measured on another lent
+  H200 machine (`--profile`, bench/results/profile_h200/).
+- RECORD_RUNS: the prediction each run's own plan made from the `--profile` it was given
+  (bench/results/profile_h200_compile/, taken on the machine of the first seven, minutes before).
+Iteration time: the mean after the warm-up iterations the run's record names.
 One JSON object per configuration, replacing `--out`; a table on stdout.
 """
 
@@ -68,15 +68,6 @@ def _bench_records() -> dict[str, dict[str, Any]]:
         if rec.get("tokens_per_s"):
             out[rec["case"]] = rec
     return out
-
-
-def _trace_iteration_s(path: Path, warmup: int) -> float:
-    """Mean iteration after `warmup` of a run's Chrome trace (`Timeline.iteration_times_s`)."""
-    from tinypipe.replay import load_run_trace
-    from tinypipe.timeline import Timeline
-
-    each = Timeline(load_run_trace(path).records).iteration_times_s()
-    return statistics.fmean(each[warmup:])
 
 
 def _predict(model: str, gpus: int, policy: str, microbatch_size: int | None, profile: Path) -> dict[str, Any]:

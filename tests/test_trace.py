@@ -53,6 +53,17 @@ def test_trace_for_matches_compiled_blocks() -> None:
     assert not trace_for(LLAMA8B, H200, 2, 2048, compiled=True).analytic  # the eager measured one
 
 
+def test_a_run_predicted_from_the_other_kind_of_trace_is_told() -> None:
+    """A compiling run predicted from an eager measured trace gets a note saying so; a matching trace or
+    an analytic one gets none."""
+    eager = trace_for(LLAMA8B, H200, 2, 2048, compiled=True)
+    note = unmatched_note((), eager, LLAMA8B, compiled=True)
+    assert note is not None and "no trace of compiled blocks for llama-3.1-8b at microbatch 2" in note
+    assert unmatched_note((), eager, LLAMA8B, compiled=False) is None
+    assert unmatched_note((), eager, LLAMA8B) is None
+    assert unmatched_note((), trace_for(LLAMA8B, RTX4090, 2, 2048, compiled=True), LLAMA8B, compiled=True) is None
+
+
 def test_measured_trace_values() -> None:
     """The mb1 trace holds DESIGN section 8's block numbers: bwd = fwd+bwd - fwd, recompute+bwd - fwd,
     saved + workspace = the measured peak; the chunked head's fwd+bwd 19.7 ms, split as measured at 4x2048."""

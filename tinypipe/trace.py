@@ -283,16 +283,24 @@ def trace_for(model: ModelSpec, hardware_gpu: GPU, microbatch_size: int, seq_len
     return analytic_trace(model, hardware_gpu, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype)
 
 
-def unmatched_note(profiles: Sequence[ProfileTrace], chosen: ProfileTrace, model: ModelSpec) -> str | None:
-    """A line for people when `--profile` traces were given but none of them is `chosen`: what was
-    looked for, what they are for, and what stands in."""
-    if not profiles or any(t is chosen for t in profiles):
-        return None
+def unmatched_note(profiles: Sequence[ProfileTrace], chosen: ProfileTrace, model: ModelSpec,
+                   compiled: bool | None = None) -> str | None:
+    """Lines for people when `chosen` is not what was asked for: `--profile` traces were given but
+    none of them is `chosen` (what was looked for, what they are for, what stands in); or a run that
+    compiles its blocks (or not, `compiled`) is predicted from a measured trace of the other kind."""
+    lines = []
+    if profiles and not any(t is chosen for t in profiles):
 
-    def key(t: ProfileTrace, name: str) -> str:
-        return (f"{t.gpu_model} / {name} / microbatch {t.microbatch_size} / seq {t.seq_len} / {t.dtype}"
-                f"{' / compiled' if t.compiled else ''}")
+        def key(t: ProfileTrace, name: str) -> str:
+            return (f"{t.gpu_model} / {name} / microbatch {t.microbatch_size} / seq {t.seq_len} / {t.dtype}"
+                    f"{' / compiled' if t.compiled else ''}")
 
-    have = "; ".join(sorted({key(t, t.model) for t in profiles}))
-    return (f"note: no --profile trace matches {key(chosen, model.name)} (they are for {have}); "
-            f"using the {'analytic' if chosen.analytic else 'shipped measured'} trace")
+        have = "; ".join(sorted({key(t, t.model) for t in profiles}))
+        lines.append(f"note: no --profile trace matches {key(chosen, model.name)} (they are for {have}); "
+                     f"using the {'analytic' if chosen.analytic else 'shipped measured'} trace")
+    if compiled is not None and not chosen.analytic and chosen.compiled != compiled:
+        kind = "compiled" if compiled else "eager"
+        lines.append(f"note: no trace of {kind} blocks for {model.name} at microbatch {chosen.microbatch_size}; the "
+                     f"prediction uses one measured {'eager' if compiled else 'compiled'} (`tinypipe profile"
+                     f"{'' if compiled else ' --no-compile'}` measures {kind} ones)")
+    return "\n".join(lines) or None

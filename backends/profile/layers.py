@@ -168,7 +168,6 @@ class LayerBench:
         for i in stack.owned():
             strip_parameters(stack.layers[i])  # type: ignore[arg-type]
         caller = LayerCaller(compile_blocks=compile_blocks)  # one, so both interpreters share its graphs
-        self.compiled = compile_blocks
         self.interp = {recompute: Interpreter(rank=0, schedule=_schedule(len(stack.layers), recompute, dtype),
                                               layers=stack.layers, host=host, comm=None, device=device,
                                               hidden_size=stack.spec.hidden_size, tied=stack.tied, caller=caller)
