@@ -53,19 +53,21 @@ class CompactHostState(HostState):
         self._snap_region = {i: slab.take((snap_rows, self._numel[i]), torch.int16) for i in self.layers
                              } if self.snapshots else {}
         biggest_tensor = max((p.numel for i in self.layers for p in self._index[i]), default=1)
-        self._scratch = torch.empty(biggest_tensor, dtype=torch.float32)  # optimizer state keys, joins
+        # the optimizer's parameters are only keys for its state (the moments, which it checkpoints):
+        # views of one element, expanded to each shape, hold no memory
+        self._key = torch.zeros(1, dtype=torch.float32)
         self._chunk_scratch = torch.empty(planes.workspace_elems(min(planes.DEFAULT_CHUNK_ELEMS, biggest_tensor)),
                                           dtype=torch.float32)
         self._free_slots: deque[torch.Tensor] = deque(self._ring.unbind(0))
         self._extra_slots: list[torch.Tensor] = []  # beyond the ring, when more layers wait than slots
         self._slot_of: dict[int, torch.Tensor] = {}
         self._stale: dict[int, tuple[int, torch.Tensor]] = {}
-        self._work: dict[int, dict[str, torch.Tensor]] = {}  # per-parameter views of the scratch
+        self._work: dict[int, dict[str, torch.Tensor]] = {}  # per-parameter state keys
         for i in self.layers:
             for p in self._index[i]:
                 hi, lo = self._planes(i, p)
                 planes.split(params[i][p.name].detach().reshape(-1), hi, lo)
-            self._work[i] = {p.name: self._scratch[:p.numel].view(p.shape) for p in self._index[i]}
+            self._work[i] = {p.name: self._key.expand(p.shape) for p in self._index[i]}
             self._opt[i] = self.optim.make(list(self._work[i].values()))
 
     def _planes(self, layer: int, p: _Param | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +156,8 @@ class CompactHostState(HostState):
             st = opt.state[w]  # kept in the optimizer so that its state_dict checkpoints the moments
             if not st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(w, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(w, memory_format=torch.preserve_format)
+                st["exp_avg"] = torch.zeros(w.shape, dtype=torch.float32)
+                st["exp_avg_sq"] = torch.zeros(w.shape, dtype=torch.float32)
             st["step"] += 1
             hi, lo = self._planes(layer, p)
             planes.compact_adamw_step(hi, lo, grads[p.name], st["exp_avg"], st["exp_avg_sq"],
@@ -202,7 +204,7 @@ class CompactHostState(HostState):
     def _held(self, seen: set[int], optim: int, padding: int) -> HeldBytes:
         master = view_bytes([self._slab])
         grads = view_bytes([self._ring, *self._extra_slots])
-        scratch = storage_bytes([self._scratch, self._chunk_scratch], seen)
+        scratch = storage_bytes([self._chunk_scratch], seen)
         stale = (view_bytes(self._snap_region.values()) if self.snapshots
                  else storage_bytes((t for _, t in self._stale.values()), seen))
         return HeldBytes(self.layout, self.params, master, 0, grads, optim, scratch, stale, padding)

@@ -42,6 +42,12 @@ DEFAULT_CHUNK_ELEMS = 1 << 22
 # Chunk starts are multiples of this many elements, so that each element takes the same code path in
 # torch's fused CPU AdamW (vector lanes vs scalar tail, 16-element thread split) as in the whole call.
 CHUNK_ALIGN_ELEMS = 64
+# How a chunk is joined and split. "shift": contiguous passes (bf16 widening, zero-extension, or;
+# narrowing, shift, narrowing), 3 each way. "strided": 2 strided copies each way. Whole-tensor
+# strided copies measured slow (DESIGN §1.2, over DRAM); on a cache-sized chunk the two are to be
+# compared on the host that runs them (bench/compact_optim.py, variants chunked-* and strided-*).
+MOVES = ("shift", "strided")
+BIT_MOVES = "shift"
 _PLANE_DTYPES = (torch.int16, torch.uint16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # gradients as they land on the host
 
@@ -91,7 +97,7 @@ def hi_as_bf16(hi: torch.Tensor) -> torch.Tensor:
 def compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: torch.Tensor, exp_avg: torch.Tensor,
                        exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
                        weight_decay: float, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-                       scratch: torch.Tensor | None = None) -> None:
+                       scratch: torch.Tensor | None = None, moves: str = BIT_MOVES) -> None:
     """One AdamW update of the fp32 master held in the planes, chunk by chunk, in place.
 
     `step` is the update's 1-based number (torch's `state["step"]` after its increment); `exp_avg`
@@ -100,7 +106,10 @@ def compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: torch.Tens
     to `torch.optim.AdamW(fused=True)` with the same hyperparameters on the joined tensor (see the
     module docstring for the alignment this needs). `scratch`: optional fp32 workspace of at least
     `workspace_elems(chunk_elems)` elements, reused across calls (one per optimizer thread).
+    `moves`: how a chunk is joined and split (`BIT_MOVES`); both are exact.
     """
+    if moves not in MOVES:
+        raise ValueError(f"moves must be one of {', '.join(MOVES)}, got {moves!r}")
     n = _check_planes(hi, lo)
     g = _flat(grad_fp32, grad_fp32.dtype if grad_fp32.dtype in _GRAD_DTYPES else torch.float32, n, "grad_fp32")
     m = _flat(exp_avg, torch.float32, n, "exp_avg")
@@ -115,11 +124,17 @@ def compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: torch.Tens
         e = min(n, s + c)
         k = e - s
         x = master[:k]
-        _join_into(h[s:e], low[s:e], x, tmp[:k])
+        if moves == "strided":
+            _join_strided(h[s:e], low[s:e], x)
+        else:
+            _join_into(h[s:e], low[s:e], x, tmp[:k])
         gc = g[s:e] if g.dtype == torch.float32 else wide[:k].copy_(g[s:e])
         torch._fused_adamw_([x], [gc], [m[s:e]], [v[s:e]], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        _split_consuming(x.view(torch.int32), h[s:e], low[s:e])
+        if moves == "strided":
+            _split_strided(x, h[s:e], low[s:e])
+        else:
+            _split_consuming(x.view(torch.int32), h[s:e], low[s:e])
 
 
 def unfused_compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: torch.Tensor, exp_avg: torch.Tensor,
@@ -158,6 +173,20 @@ def _join_into(h: torch.Tensor, low: torch.Tensor, out: torch.Tensor, tmp: torch
     out.copy_(h.view(torch.bfloat16))
     tmp.copy_(low.view(torch.uint16))
     out.view(torch.int32).bitwise_or_(tmp)
+
+
+def _join_strided(h: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> None:
+    """fp32 `out` <- planes in two strided copies: each plane into its half of every 32-bit word."""
+    words = out.view(torch.int16).view(-1, 2)  # little-endian: [low half, high half]
+    words[:, 0].copy_(low)
+    words[:, 1].copy_(h)
+
+
+def _split_strided(x: torch.Tensor, h: torch.Tensor, low: torch.Tensor) -> None:
+    """Planes <- fp32 `x` in two strided copies (x is left as it was)."""
+    words = x.view(torch.int16).view(-1, 2)
+    low.copy_(words[:, 0])
+    h.copy_(words[:, 1])
 
 
 def _split_consuming(x32: torch.Tensor, h: torch.Tensor, low: torch.Tensor) -> None:

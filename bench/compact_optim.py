@@ -13,6 +13,7 @@ of `--repeat` timings of:
   unfused      backends.planes.unfused_compact_adamw_step: the same three whole passes, vectorized
   join, split  the vectorized whole-tensor join and split alone
   chunked-K    backends.planes.compact_adamw_step with chunks of K elements
+  strided-K    the same with moves="strided" (each chunk joined and split by two strided copies)
 Variants run interleaved (round-robin, order rotated each round) so that a noisy shared machine
 disturbs them alike; ratios are to `plain` measured in the same run. Writes
 bench/results/compact_optim.json (`--append` adds this run to the runs already there).
@@ -82,6 +83,8 @@ def variants(n: int, chunks: tuple[int, ...]) -> dict[str, Callable[[], object]]
     for c in chunks:
         out[f"chunked-{_k(c)}"] = stepper(chunked, compact_adamw_step, chunk_elems=c,
                                            scratch=torch.empty(workspace_elems(c)))
+        out[f"strided-{_k(c)}"] = stepper(chunked, compact_adamw_step, chunk_elems=c,
+                                           scratch=torch.empty(workspace_elems(c)), moves="strided")
     return out
 
 

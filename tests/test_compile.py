@@ -169,19 +169,42 @@ def test_transfer_pass_pairs_and_offload() -> None:
 
 
 def test_gradient_and_optimizer_passes_sync() -> None:
-    """GRAD_OUT after the last BWD, OPT_STEP after it; the next iteration's first LOAD waits for it."""
+    """GRAD_OUT after the last BWD and OPT_STEP after it, except the head's step, which goes after its
+    GPU's last GRAD_OUT of the iteration (the next forward reads the head last); the next
+    iteration's first LOAD of a layer waits for its step."""
     plan = Plan.toy((1, 1), (0, 0), 2, iterations=2, host_memory="replicated")
     ops = optimizer_pass(plan, gradient_pass(plan, swap_pass(plan, compute_plan(plan))))
     outs = [o for o in ops if o.kind is Kind.GRAD_OUT]
     steps = [o for o in ops if o.kind is Kind.OPT_STEP]
     assert [(o.layer, o.it) for o in outs] == [(1, 0), (0, 0), (1, 1), (0, 1)]
-    assert [(o.layer, o.it) for o in steps] == [(1, 0), (0, 0), (1, 1), (0, 1)]
-    assert all(ops.index(s) == ops.index(g) + 1 for s, g in zip(steps, outs))
+    assert [(o.layer, o.it) for o in steps] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for it in range(2):  # L0 right after its GRAD_OUT, the head right after L0's step
+        assert ops.index(steps[2 * it]) == ops.index(outs[2 * it + 1]) + 1
+        assert ops.index(steps[2 * it + 1]) == ops.index(steps[2 * it]) + 1
     last_bwd = [o for o in ops if o.kind is Kind.BWD and o.layer == 1 and o.it == 0][-1]
     assert outs[0].deps[0] is last_bwd
+    head_step = steps[1]
+    assert head_step.deps == [outs[0]]  # it waits for its own gradient only
     load_l1_it1 = next(o for o in ops if o.kind is Kind.LOAD and o.layer == 1 and o.it == 1)
-    assert steps[0] in load_l1_it1.deps
-    assert steps[0] in outs[2].deps  # the host gradient of L1 is consumed before the next GRAD_OUT
+    assert head_step in load_l1_it1.deps
+    assert head_step in outs[2].deps  # the host gradient of L1 is consumed before the next GRAD_OUT
+
+
+def test_optimizer_pass_ring_follows_step_order() -> None:
+    """compact: the k-th GRAD_OUT of a GPU waits for the (k - ring_slots)-th OPT_STEP in host.optim
+    order, which the deferred head step changes (waiting for the head's own step would be a cycle)."""
+    plan = Plan.toy((1, 1, 1), (0, 0, 0), 1, iterations=2, host_memory="compact", ring_slots=2)
+    ops = optimizer_pass(plan, gradient_pass(plan, swap_pass(plan, compute_plan(plan))))
+    outs = [o for o in ops if o.kind is Kind.GRAD_OUT]
+    steps = [o for o in ops if o.kind is Kind.OPT_STEP]
+    assert [(o.layer, o.it) for o in outs] == [(2, 0), (1, 0), (0, 0), (2, 1), (1, 1), (0, 1)]
+    assert [(o.layer, o.it) for o in steps] == [(1, 0), (0, 0), (2, 0), (1, 1), (0, 1), (2, 1)]
+    waits = [{id(d) for d in o.deps if d.kind is Kind.OPT_STEP} for o in outs]
+    # its layer's previous step (the host gradient consumed), and the ring's slot
+    want = [[], [], [0], [2, 1], [0, 2], [1, 3]]
+    assert waits == [{id(steps[i]) for i in w} for w in want]
+    pos = {id(o): i for i, o in enumerate(ops)}
+    assert all(pos[id(d)] < pos[id(o)] for o in ops for d in o.deps)  # still a topological order
 
 
 def test_optimizer_pass_async() -> None:

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tinypipe.backends.planes import (  # noqa: E402
+    MOVES,
     compact_adamw_step,
     hi_as_bf16,
     join,
@@ -73,12 +74,14 @@ def test_hi_as_bf16_is_a_zero_copy_truncation() -> None:
     assert bool((up.float()[finite].abs() <= x[finite].abs()).all())
 
 
+@pytest.mark.parametrize("moves", MOVES)
 @pytest.mark.parametrize("n,chunk,threads", [(1, 64, 1), (7, 64, 1), (7, 4096, 1), (100_003, 4096, 1),
                                              (100_003, 100, 1), (100_003, 1 << 20, 1), (100_003, 16_000, 2)])
-def test_chunked_step_equals_reference_adamw(n: int, chunk: int, threads: int) -> None:
+def test_chunked_step_equals_reference_adamw(n: int, chunk: int, threads: int, moves: str) -> None:
     """Three chunked steps on the planes leave the same master, moments bit for bit as the
-    reference's AdamW (fused on CPU) on the joined fp32 tensor; so does the unfused step. With two
-    threads too: torch splits its fused kernel among threads on 16-element boundaries."""
+    reference's AdamW (fused on CPU) on the joined fp32 tensor, with either way of moving the
+    planes' bits; so does the unfused step. With two threads too: torch splits its fused kernel
+    among threads on 16-element boundaries."""
     torch.set_num_threads(threads)  # the one_thread fixture restores the count
     g = torch.Generator().manual_seed(n + chunk)
     x = torch.randn(n, generator=g)
@@ -96,7 +99,7 @@ def test_chunked_step_equals_reference_adamw(n: int, chunk: int, threads: int) -
     for step, grad in enumerate(grads, start=1):
         param.grad = grad.clone()
         opt.step()
-        compact_adamw_step(hi, lo, grad, m, v, step=step, chunk_elems=chunk, scratch=scratch, **HYPER)
+        compact_adamw_step(hi, lo, grad, m, v, step=step, chunk_elems=chunk, scratch=scratch, moves=moves, **HYPER)
         unfused_compact_adamw_step(hi2, lo2, grad, m2, v2, step=step, **HYPER)
         joined = join(hi, lo, torch.empty(n))
         assert torch.equal(_bits(joined), _bits(param.detach())), f"master differs after step {step}"

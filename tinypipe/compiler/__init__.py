@@ -1,8 +1,8 @@
 """The compiler: a Policy for a model on hardware -> a Schedule, and the static checks of a Schedule.
 
 `compile.py` runs the passes (`compile_schedule`); `ops.py` holds the mutable ops they work on and
-`lower`, which turns them into the schedule's actions; `passes.py` the list-to-list passes;
-`validate.py` the checks every schedule must pass (docs/schedule-contract.md).
+`lower`, which turns them into the schedule's actions; `passes.py` the list-to-list passes
+(`optimizer.py` the optimizer's); `validate.py` the checks every schedule must pass (docs/schedule-contract.md).
 """
 
 from tinypipe.compiler.compile import (

@@ -10,7 +10,8 @@ after its last), so stream orders follow need and the final ids point dependenci
 from __future__ import annotations
 
 from tinypipe.compiler.ops import Op, lower
-from tinypipe.compiler.passes import compute_plan, gradient_pass, memory_pass, optimizer_pass, swap_pass, transfer_pass
+from tinypipe.compiler.optimizer import optimizer_pass
+from tinypipe.compiler.passes import compute_plan, gradient_pass, memory_pass, swap_pass, transfer_pass
 from tinypipe.costmodel import CostModel
 from tinypipe.errors import InputError
 from tinypipe.hardware import HOST, Hardware

@@ -1,6 +1,6 @@
 """The compiler's passes, each a list-to-list function tested alone (docs/schedule-contract.md).
 
-compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass -> memory_pass.
+compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass (optimizer.py) -> memory_pass.
 """
 
 from __future__ import annotations
@@ -235,75 +235,6 @@ def gradient_pass(plan: Plan, ops: list[Op]) -> list[Op]:
         nxt = first.get((lay, it + 1))
         if nxt is not None:
             nxt.deps.append(go)
-    return _splice(ops, {}, after)
-
-
-# ---- 5. optimizer -------------------------------------------------------------------------------
-
-def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
-    """OPT_STEP L on host.optim after GRAD_OUT L; the next iterations' LOADs wait for it.
-
-    sync: the first LOAD of L in iteration i waits for OPT_STEP L of i-1. async (staleness 1):
-    on the one of i-2; OPT_STEP L of i-1 runs as soon as its gradient has landed, and the uploads
-    of iteration i that come after it read the previous version from a snapshot the host state
-    takes first (backends/hoststate.py; one bf16 copy of the model at most, counted in
-    `hostmem.host_bytes`), so all uploads of one iteration read one weight version and no
-    gradient waits on the host for the next iteration. Tied embeddings: OPT_STEP of layer 0
-    also waits for GRAD_OUT of the head (its gradient share) and, under async, for the head's
-    last LOAD (and only the embedding's first LOAD: its backward reads no weights); the head's
-    first LOAD waits for that OPT_STEP as for its own. GRAD_OUT L of
-    iteration i waits for OPT_STEP L of i-1 (the host gradient of L is consumed). compact: a
-    ring of `ring_slots` host gradient slots per GPU: GRAD_OUT k on a GPU waits for OPT_STEP k -
-    ring_slots of that GPU.
-    """
-    pos = {op: i for i, op in enumerate(ops)}
-    grad_out: dict[tuple[int, int], Op] = {}
-    first_load: dict[tuple[int, int], Op] = {}
-    last_load: dict[tuple[int, int], Op] = {}
-    for op in ops:
-        if op.kind is GRAD_OUT:
-            grad_out[op.layer, op.it] = op
-        elif op.kind is LOAD:
-            first_load.setdefault((op.layer, op.it), op)
-            last_load[op.layer, op.it] = op
-    head = plan.num_layers - 1
-    tied = plan.tied and head > 0
-    lag = 1 if plan.optimizer == "sync" else 2
-    after: dict[Op, list[Op]] = {}
-    opt: dict[tuple[int, int], Op] = {}
-    for (lay, it), go in grad_out.items():
-        o = Op(OPT_STEP, ON_HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
-        anchor = go
-        if tied and lay == 0:
-            o.deps.append(grad_out[head, it])
-        if plan.optimizer == "async" and tied and lay == 0 and it + 1 < plan.iterations:
-            # tied: the embedding's own backward reads no weights, so its step need only follow the
-            # embedding's first upload and the head's last one (which carries the shared matrix)
-            for ld in (first_load[lay, it + 1], last_load[head, it + 1]):
-                o.deps.append(ld)
-                if pos[ld] > pos[anchor]:
-                    anchor = ld
-        opt[lay, it] = o
-        after.setdefault(anchor, []).append(o)
-    for (lay, it), go in grad_out.items():  # the gradient slot/buffer of L is free again
-        if it >= 1:
-            go.deps.append(opt[lay, it - 1])
-            if tied and lay == head:
-                go.deps.append(opt[0, it - 1])
-    for (lay, it), ld in first_load.items():
-        if it >= lag:
-            ld.deps.append(opt[lay, it - lag])
-            if tied and lay == head:
-                ld.deps.append(opt[0, it - lag])
-    if plan.host_memory == "compact":
-        per_gpu: dict[int, list[Op]] = {}
-        for op in ops:
-            if op.kind is GRAD_OUT:
-                seq = per_gpu.setdefault(op.gpu, [])
-                if len(seq) >= plan.ring_slots:
-                    back = seq[-plan.ring_slots]
-                    op.deps.append(opt[back.layer, back.it])
-                seq.append(op)
     return _splice(ops, {}, after)
 
 

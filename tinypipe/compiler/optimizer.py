@@ -1,0 +1,102 @@
+"""The optimizer pass: where each layer's host OPT_STEP goes, and what waits for it (sync and async,
+tied embeddings, the compact layout's gradient ring); docs/schedule-contract.md."""
+
+from __future__ import annotations
+
+from tinypipe.compiler.ops import GRAD_OUT, LOAD, ON_HOST, OPT_STEP, Op, _splice
+from tinypipe.plan import Plan
+
+
+def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
+    """OPT_STEP L on host.optim after GRAD_OUT L; the next iterations' LOADs wait for it.
+
+    sync: the first LOAD of L in iteration i waits for OPT_STEP L of i-1. async (staleness 1):
+    on the one of i-2; OPT_STEP L of i-1 runs as soon as its gradient has landed, and the uploads
+    of iteration i that come after it read the previous version from a snapshot the host state
+    takes first (backends/hoststate.py; one bf16 copy of the model at most, counted in
+    `hostmem.host_bytes`), so all uploads of one iteration read one weight version and no
+    gradient waits on the host for the next iteration. Tied embeddings: OPT_STEP of layer 0
+    also waits for GRAD_OUT of the head (its gradient share) and, under async, for the head's
+    last LOAD (and only the embedding's first LOAD: its backward reads no weights); the head's
+    first LOAD waits for that OPT_STEP as for its own. GRAD_OUT L of
+    iteration i waits for OPT_STEP L of i-1 (the host gradient of L is consumed). compact: a
+    ring of `ring_slots` host gradient slots per GPU: the k-th GRAD_OUT on a GPU waits for the
+    (k - ring_slots)-th OPT_STEP of its layers in host.optim order (the step that frees a slot).
+
+    sync, untied head: the head's OPT_STEP goes after the other steps of its GPU's iteration. Its
+    gradient lands first, but the next forward reads the head last, so stepping it first delays
+    every other layer's update by the head's step (0.35 s for Llama-3.1-8B's 525 M-parameter head
+    on an H200 host, 2026-12-01): the optimizer runs behind the backward, and the embedding's
+    update, which the next forward waits for, finishes that much later.
+    """
+    pos = {op: i for i, op in enumerate(ops)}
+    grad_out: dict[tuple[int, int], Op] = {}
+    first_load: dict[tuple[int, int], Op] = {}
+    last_load: dict[tuple[int, int], Op] = {}
+    for op in ops:
+        if op.kind is GRAD_OUT:
+            grad_out[op.layer, op.it] = op
+        elif op.kind is LOAD:
+            first_load.setdefault((op.layer, op.it), op)
+            last_load[op.layer, op.it] = op
+    head = plan.num_layers - 1
+    tied = plan.tied and head > 0
+    lag = 1 if plan.optimizer == "sync" else 2
+    last_grad_out: dict[tuple[int, int], Op] = {}  # (GPU, iteration) -> its last GRAD_OUT
+    for go in grad_out.values():
+        last_grad_out[go.gpu, go.it] = go
+    after: dict[Op, list[Op]] = {}
+    deferred: list[tuple[Op, Op]] = []  # (anchor, OPT_STEP) placed after the anchor's own step
+    opt: dict[tuple[int, int], Op] = {}
+    for (lay, it), go in grad_out.items():
+        o = Op(OPT_STEP, ON_HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
+        anchor = go
+        if plan.optimizer == "sync" and lay == head and head > 0 and not tied:
+            opt[lay, it] = o
+            deferred.append((last_grad_out[go.gpu, it], o))
+            continue
+        if tied and lay == 0:
+            o.deps.append(grad_out[head, it])
+        if plan.optimizer == "async" and tied and lay == 0 and it + 1 < plan.iterations:
+            # tied: the embedding's own backward reads no weights, so its step need only follow the
+            # embedding's first upload and the head's last one (which carries the shared matrix)
+            for ld in (first_load[lay, it + 1], last_load[head, it + 1]):
+                o.deps.append(ld)
+                if pos[ld] > pos[anchor]:
+                    anchor = ld
+        opt[lay, it] = o
+        after.setdefault(anchor, []).append(o)
+    for (lay, it), go in grad_out.items():  # the gradient slot/buffer of L is free again
+        if it >= 1:
+            go.deps.append(opt[lay, it - 1])
+            if tied and lay == head:
+                go.deps.append(opt[0, it - 1])
+    for (lay, it), ld in first_load.items():
+        if it >= lag:
+            ld.deps.append(opt[lay, it - lag])
+            if tied and lay == head:
+                ld.deps.append(opt[0, it - lag])
+    for anchor, o in deferred:
+        after.setdefault(anchor, []).append(o)
+    out = _splice(ops, {}, after)
+    if plan.host_memory == "compact":
+        _ring_deps(out, plan.ring_slots, {o: grad_out[o.layer, o.it].gpu for o in opt.values()})
+    return out
+
+
+def _ring_deps(ops: list[Op], slots: int, gpu_of_step: dict[Op, int]) -> None:
+    """The k-th GRAD_OUT on a GPU waits for the (k - slots)-th OPT_STEP of that GPU's layers in
+    list (host.optim) order: the steps free their gradient slots in that order."""
+    steps: dict[int, list[Op]] = {}
+    outs: dict[int, int] = {}
+    for op in ops:
+        if op.kind is OPT_STEP:
+            steps.setdefault(gpu_of_step[op], []).append(op)
+        elif op.kind is GRAD_OUT:
+            k = outs[op.gpu] = outs.get(op.gpu, -1) + 1
+            if k >= slots:
+                lane = steps.get(op.gpu, [])
+                if len(lane) <= k - slots:  # a compiler bug: the slot would never be freed
+                    raise AssertionError(f"GRAD_OUT of layer {op.layer} (iteration {op.it}) would wait for a "
+                                         f"gradient slot no earlier OPT_STEP frees")
+                op.deps.append(lane[k - slots])
