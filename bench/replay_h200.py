@@ -7,7 +7,9 @@ largest per-kind divergences. Writes bench/results/replay_h200.json; the README'
 The traces predate `otherData.run`, so each replay is given the run's policy and workload, as
 bench/cuda_bench.py ran it (seq 2048, 65,536 tokens per step, --gpu-mem 24GiB). Steady state: the
 first window's iterations 1..3 (`--warmup 1`, Timeline's definition) and 2..3 (`--warmup 2`, the
-bench's, which leaves out the first AdamW steps' first touch of their moments).
+bench's, which leaves out the first AdamW steps' first touch of their moments). The sync runs were
+compiled before the head's OPT_STEP moved after the others (tinypipe/compiler/optimizer.py): they are
+replayed against the schedules they ran (`--schedule`, bench/results/cuda_h200_<case>.schedule.txt).
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ def main() -> None:
     rows, out = [], {}
     for case, policy in CASES.items():
         trace_path = ROOT / "bench" / "results" / f"cuda_h200_{case}.trace.json"
-        args = ap.parse_args([str(trace_path), "--policy", str(ROOT / "bench" / "policies" / policy), *WORKLOAD])
+        # the sync runs predate the head step's move after the others: their schedules travel beside them
+        schedule = trace_path.with_name(f"cuda_h200_{case}.schedule.txt")
+        old = ["--schedule", str(schedule)] if schedule.exists() else []
+        args = ap.parse_args([str(trace_path), "--policy", str(ROOT / "bench" / "policies" / policy), *WORKLOAD,
+                              *old])
         trace = load_run_trace(trace_path)
         setup = settle(trace, args)
         case_out = {}

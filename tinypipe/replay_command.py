@@ -12,10 +12,11 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tinypipe.compiler import WINDOW_ITERATIONS, compile_schedule
-from tinypipe.errors import InputError
+from tinypipe.errors import InputError, TinypipeError
 from tinypipe.hardware import Hardware, load_hardware
 from tinypipe.hfconfig import from_hf_config, load_model
 from tinypipe.model import ModelSpec
@@ -31,6 +32,7 @@ from tinypipe.replay import (
     opt_threads,
 )
 from tinypipe.replay_report import ReplayReport, critical_gaps, kind_rows, resource_rows
+from tinypipe.schedule import Schedule
 from tinypipe.timeline import Timeline
 from tinypipe.trace import ProfileTrace, trace_for
 from tinypipe.units import parse_bytes
@@ -47,6 +49,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-mem", help="GPU memory the run was planned for, e.g. 24GiB (the prediction's capacity)")
     p.add_argument("--iterations", type=int, help=f"iterations the run compiled (default: the trace's, else "
                    f"min({WINDOW_ITERATIONS}, steps) as `tinypipe run` does)")
+    p.add_argument("--schedule", help="the schedule's text form the run executed (`tinypipe inspect schedule "
+                   "--out`), for a run compiled by an older tinypipe (default: recompiled from the settings)")
     p.add_argument("--warmup", type=int, default=1, help="iterations left out of the steady state (default 1)")
     p.add_argument("--top", type=int, default=8, help="rows of the kind and gap tables (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
@@ -62,6 +66,7 @@ class Setup:
     profile: ProfileTrace
     iterations: int
     gpu_mem_bytes: int | None
+    schedule: Schedule | None = None  # what the run executed, when given (`--schedule`); else recompiled
 
 
 def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
@@ -125,7 +130,23 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
         profile = trace_for(model, hardware.gpus[0], policy.microbatch_size, seq_len, dtype)
     iterations = args.iterations or run.get("iterations") or min(WINDOW_ITERATIONS, trace.steps)
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else run.get("gpu_mem_bytes")
-    return Setup(model, hardware, policy, profile, int(iterations), gpu_mem)
+    schedule = _read_schedule(args.schedule, trace.gpus) if getattr(args, "schedule", None) else None
+    return Setup(model, hardware, policy, profile, int(iterations), gpu_mem, schedule)
+
+
+def _read_schedule(path: str, gpus: int) -> Schedule:
+    """The schedule in `path` (its text form); an InputError names the file and what is wrong."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InputError(f"--schedule {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        schedule = Schedule.loads(text, where=path)
+    except TinypipeError as e:
+        raise InputError(f"--schedule {path}: {e}") from None
+    if schedule.num_gpus != gpus:
+        raise InputError(f"--schedule {path}: a schedule for {schedule.num_gpus} GPU(s), but the run used {gpus}")
+    return schedule
 
 
 Simulate = Callable[..., Any]  # tinypipe.sim.simulate
@@ -134,7 +155,7 @@ Simulate = Callable[..., Any]  # tinypipe.sim.simulate
 def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1) -> ReplayReport:
     """Recompile, check the trace against the schedule, simulate with measured and with profiled times."""
     s = setup
-    schedule = compile_schedule(s.policy, s.model, s.hardware, s.profile, iterations=s.iterations)
+    schedule = s.schedule or compile_schedule(s.policy, s.model, s.hardware, s.profile, iterations=s.iterations)
     stride = trace.run.get("id_stride")
     if isinstance(stride, int) and stride != len(schedule.actions):
         raise TraceMismatch(f"{trace.where}: the run's schedule had {stride} actions, the recompiled one has "
