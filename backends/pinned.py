@@ -37,6 +37,13 @@ _REGISTER_PORTABLE = 1
 
 Request = tuple[Sequence[int], torch.dtype]
 
+# Bytes of slabs registered with CUDA by this process: now, and the most at once (`registered_bytes`).
+_registered = {"now": 0, "peak": 0}
+# Keys of `torch.cuda.host_memory_stats()` for the most bytes its pinned caching allocator held: the first
+# is torch 2.13's (blocks owned, active and cached, rounded up); the others spell it as the device
+# allocator's statistics do, in case a version names it so.
+_HOST_STATS_PEAK_KEYS = ("allocated_bytes.peak", "reserved_bytes.peak", "segment_bytes.peak")
+
 
 @dataclass(frozen=True)
 class Block:
@@ -84,6 +91,29 @@ def _host_bytes(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
 
 
+def registered_bytes() -> tuple[int, int]:
+    """(bytes now, most bytes at once) of the slabs this process registered with CUDA. PyTorch's own
+    pinned-memory statistics do not see them (`torch_pinned_peak_bytes`)."""
+    return _registered["now"], _registered["peak"]
+
+
+def torch_pinned_peak_bytes() -> int | None:
+    """The most bytes PyTorch's pinned caching host allocator held at once in this process (its
+    blocks, active and cached, rounded up), from `torch.cuda.host_memory_stats()`; None where this
+    torch has no such statistics. Memory pinned by `cudaHostRegister` (the slabs here) is not in it."""
+    stats_fn = getattr(torch.cuda, "host_memory_stats", None)
+    if stats_fn is None:
+        return None
+    try:
+        stats = stats_fn()
+    except (RuntimeError, AssertionError):  # a build without CUDA
+        return None
+    for key in _HOST_STATS_PEAK_KEYS:
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
 def _register(ptr: int, nbytes: int, what: str) -> None:
     cudart = torch.cuda.cudart()
     rc = int(cudart.cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
@@ -94,7 +124,8 @@ def _register(ptr: int, nbytes: int, what: str) -> None:
                             f"give this rank fewer layers")
 
 
-def _unregister(ptr: int) -> None:
+def _unregister(ptr: int, nbytes: int) -> None:
+    _registered["now"] -= nbytes
     rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     if rc != 0:  # pragma: no cover - needs CUDA; memory stays valid, only locked until the process ends
         import warnings
@@ -119,11 +150,13 @@ class PinnedSlab:
         self.what = what
         self._bytes = _host_bytes(self.nbytes)
         self._taken = 0
-        self._finalizer: weakref.finalize[[int], PinnedSlab] | None = None
+        self._finalizer: weakref.finalize[[int, int], PinnedSlab] | None = None
         if pin and self.nbytes and torch.cuda.is_available():
             ptr = self._bytes.data_ptr()
             _register(ptr, self.nbytes, what)
-            self._finalizer = weakref.finalize(self, _unregister, ptr)
+            _registered["now"] += self.nbytes
+            _registered["peak"] = max(_registered["peak"], _registered["now"])
+            self._finalizer = weakref.finalize(self, _unregister, ptr, self.nbytes)
             self._finalizer.atexit = False  # at exit the process's pages go anyway; CUDA may be torn down
 
     @property

@@ -35,6 +35,7 @@ from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker
 from .interpreter import ExecutionError, Interpreter, StepData, owned_layers, rank_actions
+from .pinned import registered_bytes, torch_pinned_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class RankResult:
     issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
     # host RSS at points of the rank's life: phase -> (resident now, peak so far), bytes
     rss_phases: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # most pinned host bytes held at once: the slabs this rank registered with CUDA, and PyTorch's pinned
+    # caching allocator (None where torch has no statistics for it); two peaks, so their sum is an upper bound
+    pinned_peak_bytes: dict[str, int | None] = field(default_factory=dict)
 
 
 def step_data(batches: Any, step: int) -> StepData:
@@ -250,7 +254,8 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
         peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)),
         alloc_retries=int(stats.get("num_alloc_retries", 0)),
-        masters=host.masters() if job.keep_masters else None, issued=log.issued)
+        masters=host.masters() if job.keep_masters else None, issued=log.issued,
+        pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()})
 
 
 def _rss() -> tuple[int, int]:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.pinned import ALIGN_BYTES, Block, PinnedSlab, plan  # noqa: E402
+from tinypipe.backends.pinned import ALIGN_BYTES, Block, PinnedSlab, plan, registered_bytes  # noqa: E402
 
 from tinypipe.errors import CapacityError  # noqa: E402
 
@@ -143,6 +143,20 @@ def test_registered_once_and_unregistered_on_close_or_collection(fake_cuda: _Fak
     PinnedSlab(REQUESTS, pin=False)
     PinnedSlab([], pin=True)
     assert fake_cuda.calls == []
+
+
+def test_registered_bytes_count_what_is_registered_now_and_at_most(fake_cuda: _FakeCudart) -> None:
+    """`registered_bytes` follows registration: two slabs held at once add up (now and peak); closing
+    one lowers now, not the peak; unpinned slabs never count."""
+    now0, peak0 = registered_bytes()
+    a = PinnedSlab(REQUESTS, pin=True)
+    b = PinnedSlab(REQUESTS, pin=True)
+    PinnedSlab(REQUESTS, pin=False)
+    assert registered_bytes() == (now0 + 2 * 28672, max(peak0, now0 + 2 * 28672))
+    a.close()
+    assert registered_bytes() == (now0 + 28672, max(peak0, now0 + 2 * 28672))
+    b.close()
+    assert registered_bytes()[0] == now0
 
 
 def test_failed_registration_names_the_bytes(fake_cuda: _FakeCudart) -> None:
