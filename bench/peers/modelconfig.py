@@ -1,0 +1,61 @@
+"""The model every system builds: a Hugging Face config.json with a shipped (or given) model's shapes and
+N decoder layers, written once per run of the runner.
+
+Llama-3.1-8B in full needs more host memory than the lent 1-GPU machine has (128 GiB) under the peers'
+offload layouts (RoundPipe ~22 B/param, FSDP2 and DeepSpeed >= 16 B/param: 130-175 GB), so the runner
+keeps its layer shapes (hidden 4096, 32 heads, 8 KV heads, intermediate 14336, vocabulary 128256) and
+takes fewer decoder layers: what each layer costs is the 8B's, only the count differs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tinypipe.errors import InputError
+from tinypipe.hfconfig import config_path, load_config, load_model
+
+# RoundPipe 0.1.1 has sequential presets for LlamaForCausalLM and Qwen3ForCausalLM (roundpipe/models);
+# tinypipe trains both families too.
+FAMILIES = ("llama", "qwen3")
+DEFAULT_MODEL = "llama-3.1-8b"
+DEFAULT_LAYERS = 12
+DROPPED = ("torch_dtype", "dtype")  # each system casts the weights itself
+
+
+def model_config(model: str, layers: int, seq_len: int) -> tuple[str, dict[str, Any]]:
+    """(name, Hugging Face config dict) of `model` (a shipped tinypipe name, a config.json or a directory
+    holding one) with `layers` decoder layers; InputError when it cannot be benchmarked here."""
+    if layers < 1:
+        raise InputError(f"--layers: must be >= 1, got {layers}")
+    _, name = config_path(model)
+    raw = load_config(model)
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        raise InputError(f"--model {model}: the peers are compared on {' or '.join(FAMILIES)} models "
+                         f"(RoundPipe's presets); this one is {family!r}")
+    if int(raw.get("max_position_embeddings", seq_len)) < seq_len:
+        raise InputError(f"--model {model}: handles at most {raw['max_position_embeddings']} positions, "
+                         f"--seq-len is {seq_len}")
+    config = {k: v for k, v in raw.items() if k not in DROPPED}
+    config["num_hidden_layers"] = layers
+    config["use_cache"] = False
+    return name, config
+
+
+def write_config(root: Path, name: str, config: dict[str, Any]) -> Path:
+    """Write `root/name/config.json` and return that directory.
+
+    The directory is named after the model so that tinypipe plans with its measured per-layer traces
+    of that model (`tinypipe.trace.find_trace` matches traces by model name; they are per layer kind,
+    so they hold for any layer count)."""
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def params_of(directory: Path) -> int:
+    """Parameters of the model in `directory` (tinypipe's ModelSpec; exact for these families)."""
+    return load_model(str(directory)).params
