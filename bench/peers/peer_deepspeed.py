@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(args.result, rank, system="deepspeed", mode="sync", world=world, steps=args.steps,
                    warmup_steps=args.warmup, versions=versions("torch", "transformers", "deepspeed"))
     t0 = time.perf_counter()
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
     rec.set(cap=cap_gpus(args.gpu_mem_gib, [local]))
     deepspeed = _import_deepspeed()
-    device = torch.device("cuda", local)
     deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
     model = build_model(args.config, dtype=torch.bfloat16, seed=work.seed, init_device=device)
     params, vocab = count_params(model), model.config.vocab_size

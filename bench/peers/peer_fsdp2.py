@@ -47,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(args.result, rank, system="fsdp2", mode="sync", world=world, steps=args.steps,
                    warmup_steps=args.warmup, versions=versions("torch", "transformers"))
     t0 = time.perf_counter()
-    if cuda:
-        rec.set(cap=cap_gpus(args.gpu_mem_gib, [local]))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        rec.set(cap=cap_gpus(args.gpu_mem_gib, [local]))
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     try:
         mesh = init_device_mesh(device.type, (world,))

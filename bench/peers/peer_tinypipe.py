@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -77,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             setup_s=time.perf_counter() - t0 - max(r.wall_s for r in ranks), device=_device(backend),
             peak_gpu_bytes=[r.peak_device_bytes for r in ranks],
             peak_gpu_reserved_bytes=[r.peak_reserved_bytes for r in ranks],
-            peak_host_rss_bytes=sum(r.peak_rss_bytes for r in ranks),
+            peak_host_rss_bytes=sum(r.peak_rss_bytes for r in ranks),  # the workers (the launcher's apart)
             pinned_host_bytes=sum(int(x.get("slabs") or 0) + int(x.get("torch_allocator") or 0) for x in pinned),
             pinned_note="per worker: its slabs registered with cudaHostRegister (peak) + PyTorch's pinned caching "
                         "allocator (peak" + (", not available in this torch)" if None in torch_pinned else ")")
                         + ", summed over workers: an upper bound",
-            host_state_bytes=sum(int(r.held["total_bytes"]) for r in ranks), world=plan.world, done=True)
+            host_state_bytes=sum(int(r.held["total_bytes"]) for r in ranks), world=plan.world,
+            launcher_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, done=True)
     return 0
 
 

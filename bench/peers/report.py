@@ -81,7 +81,7 @@ def row(cfg: Config, *, records: Sequence[dict[str, Any]], ranks: int, outcome: 
         "versions": first.get("versions", {}), "date": first.get("date"), "cap": first.get("cap"),
         "details": first.get("details", {}), "log": log,
     }
-    for extra in ("host_state_bytes",):
+    for extra in ("host_state_bytes", "launcher_peak_rss_bytes"):
         if extra in first:
             out[extra] = first[extra]
     return out
