@@ -181,7 +181,9 @@ def _one(cfg: Config, a: argparse.Namespace, work: Workload, paths: Paths, *, co
     log = paths.work / f"{cfg.key}.log"
     for old in paths.work.glob(f"{cfg.key}.rank*.json"):  # an earlier runner's, in a reused --workdir
         old.unlink()
-    outcome = execute(launch.argv, launch.env, timeout_s=min(a.timeout_s, left_s), log=log, cwd=ROOT)
+    # not the repository root: its tinypipe/ folder would shadow the installed package (whose
+    # tinypipe.backends the package-dir mapping provides), since `python -m` puts the cwd first on sys.path
+    outcome = execute(launch.argv, launch.env, timeout_s=min(a.timeout_s, left_s), log=log, cwd=paths.work)
     records = read_records(launch.result_prefix, launch.ranks)
     return row(cfg, records=records, ranks=launch.ranks, outcome=outcome, common=common, log=str(log))
 
