@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TERM_GRACE_S = 10.0  # after SIGTERM, this long to exit before SIGKILL
-TAIL_LINES = 25
+TAIL_LINES = 40
 TAIL_LINE_CHARS = 400
 
 

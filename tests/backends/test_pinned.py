@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.pinned import ALIGN_BYTES, Block, PinnedSlab, plan, registered_bytes  # noqa: E402
+from tinypipe.backends.pinned import (  # noqa: E402
+    ALIGN_BYTES,
+    Block,
+    PinnedSlab,
+    plan,
+    registered_bytes,
+    torch_pinned_peak_bytes,
+)
 
 from tinypipe.errors import CapacityError  # noqa: E402
 
@@ -195,3 +202,17 @@ def test_cuda_views_are_pinned_and_copy_asynchronously() -> None:
     a.close()
     assert not a.pinned and not x.is_pinned() and z.is_pinned()
     b.close()
+
+
+def test_torch_pinned_peak_reads_the_host_allocator_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator's `allocated_bytes.peak` where torch reports it, else the largest `*bytes*.peak`
+    (a spelling of another version); None without the statistics or without any byte peak."""
+    stats: dict[str, int] = {"allocated_bytes.peak": 5, "active_bytes.peak": 3}
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: stats, raising=False)
+    assert torch_pinned_peak_bytes() == 5
+    stats = {"segment_bytes.current": 9, "block_bytes.peak": 7, "active_bytes.peak": 3, "allocations.peak": 99}
+    assert torch_pinned_peak_bytes() == 7
+    stats = {"allocations.peak": 2}
+    assert torch_pinned_peak_bytes() is None
+    monkeypatch.delattr(torch.cuda, "host_memory_stats")
+    assert torch_pinned_peak_bytes() is None
