@@ -210,14 +210,16 @@ def reset_gpu_peaks(devices: Sequence[int], cuda: bool) -> dict[str, Any]:
 def host_memory() -> dict[str, Any]:
     """This process's peak resident set (ru_maxrss) and the most pinned bytes PyTorch's pinned caching
     allocator held (None where this torch keeps no such statistics)."""
-    from tinypipe.backends.pinned import torch_pinned_peak_bytes
-
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:  # the one reader of PyTorch's pinned statistics; a peer's record must not hang on it
+        from tinypipe.backends.pinned import torch_pinned_peak_bytes
+    except ImportError as exc:
+        return {"peak_host_rss_bytes": rss, "pinned_host_bytes": None, "pinned_note": f"not read: {exc}"}
     pinned = torch_pinned_peak_bytes()
     note = ("torch.cuda.host_memory_stats: PyTorch's pinned caching allocator only (memory pinned with "
             "cudaHostRegister or by a library's own cudaHostAlloc is not in it)" if pinned is not None else
             "not available (no torch.cuda.host_memory_stats in this torch, or no CUDA)")
-    return {"peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "pinned_host_bytes": pinned, "pinned_note": note}
+    return {"peak_host_rss_bytes": rss, "pinned_host_bytes": pinned, "pinned_note": note}
 
 
 def versions(*packages: str) -> dict[str, str | None]:

@@ -74,3 +74,22 @@ def test_fsdp2_on_the_cpu_through_the_runner(tmp_path: Path, capsys: pytest.Capt
     config = json.loads((work / "model" / "tiny-llama" / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and (work / "fsdp2-1gpu-uncapped.log").is_file()
     assert "| fsdp2 | sync | 1 | none | ok |" in capsys.readouterr().out
+
+
+def test_peers_do_not_start_in_the_repository_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m` puts the working directory first on sys.path, and the repository root's tinypipe/ lacks
+    the backends the installed package maps in: each peer starts in the runner's work directory."""
+    import peers.run
+    from peers.execute import Outcome
+
+    seen: list[Path | None] = []
+
+    def fake_execute(argv: list[str], env: dict[str, str], *, timeout_s: float, log: Path,
+                     cwd: Path | None = None) -> Outcome:
+        seen.append(cwd)
+        return Outcome(False, 1, 0.1, ["stand-in"])
+
+    monkeypatch.setattr(peers.run, "execute", fake_execute)
+    work = tmp_path / "w"
+    assert main([*TINY, "--runs", "fsdp2", "mobius", "--out", str(tmp_path / "p.json"), "--workdir", str(work)]) == 0
+    assert seen == [work, work] and not (work / "tinypipe").exists()
