@@ -335,6 +335,7 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
     import_before_groups(job.model, job.seed)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=job.timeout_s))
+    finished = False
     try:
         comm = DistComm(rank, world, backend=backend)
         group = DistGroup(rank, world, backend)
@@ -352,8 +353,14 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
         # while a peer still uses them (a rank once died with SIGABRT at exit without this).
         comm.close()
         group.barrier()
+        finished = True
     finally:
         if main:  # done: a late Ctrl-C must not kill the exiting process (Python restores SIG_DFL at exit)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        dist.destroy_process_group()
+        # Failing, keep the groups' connections open: torch's spawn wrapper writes this rank's error
+        # file after the exception leaves here, and the launcher names the rank whose file is oldest
+        # (`launch._first_failure`). Destroyed here, the peers' "connection closed" errors could be
+        # written first (seen once under load, 2026-12-01). The process exits right after anyway.
+        if finished:
+            dist.destroy_process_group()
 
