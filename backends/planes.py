@@ -28,6 +28,7 @@ planes, gradient and moments), never on a slice that starts mid-tensor at an una
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -42,11 +43,10 @@ DEFAULT_CHUNK_ELEMS = 1 << 22
 # Chunk starts are multiples of this many elements, so that each element takes the same code path in
 # torch's fused CPU AdamW (vector lanes vs scalar tail, 16-element thread split) as in the whole call.
 CHUNK_ALIGN_ELEMS = 64
-# How a chunk is joined and split. "shift": contiguous passes (bf16 widening, zero-extension, or;
-# narrowing, shift, narrowing), 3 each way. "strided": 2 strided copies each way. Whole-tensor
-# strided copies measured slow (DESIGN §1.2, over DRAM); on a cache-sized chunk the two are to be
-# compared on the host that runs them (bench/compact_optim.py, variants chunked-* and strided-*).
-MOVES = ("shift", "strided")
+# How a chunk is joined and split (`_MOVES`). "shift": contiguous passes (bf16 widening,
+# zero-extension, or; narrowing, shift, narrowing), 3 each way. "strided": 2 strided copies each way.
+# On the H200 host at 15 threads the chunked step took 2.1x a plain fused AdamW with "shift" and 3.1x
+# with "strided" (bench/results/compact_optim_h200.json, 2026-12-01), so "shift" is the default.
 BIT_MOVES = "shift"
 _PLANE_DTYPES = (torch.int16, torch.uint16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # gradients as they land on the host
@@ -108,8 +108,9 @@ def compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: torch.Tens
     `workspace_elems(chunk_elems)` elements, reused across calls (one per optimizer thread).
     `moves`: how a chunk is joined and split (`BIT_MOVES`); both are exact.
     """
-    if moves not in MOVES:
+    if moves not in _MOVES:
         raise ValueError(f"moves must be one of {', '.join(MOVES)}, got {moves!r}")
+    join_chunk, split_chunk = _MOVES[moves]
     n = _check_planes(hi, lo)
     g = _flat(grad_fp32, grad_fp32.dtype if grad_fp32.dtype in _GRAD_DTYPES else torch.float32, n, "grad_fp32")
     m = _flat(exp_avg, torch.float32, n, "exp_avg")
@@ -124,17 +125,11 @@ def compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: torch.Tens
         e = min(n, s + c)
         k = e - s
         x = master[:k]
-        if moves == "strided":
-            _join_strided(h[s:e], low[s:e], x)
-        else:
-            _join_into(h[s:e], low[s:e], x, tmp[:k])
+        join_chunk(h[s:e], low[s:e], x, tmp[:k])
         gc = g[s:e] if g.dtype == torch.float32 else wide[:k].copy_(g[s:e])
         torch._fused_adamw_([x], [gc], [m[s:e]], [v[s:e]], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        if moves == "strided":
-            _split_strided(x, h[s:e], low[s:e])
-        else:
-            _split_consuming(x.view(torch.int32), h[s:e], low[s:e])
+        split_chunk(x, h[s:e], low[s:e])
 
 
 def unfused_compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: torch.Tensor, exp_avg: torch.Tensor,
@@ -175,8 +170,9 @@ def _join_into(h: torch.Tensor, low: torch.Tensor, out: torch.Tensor, tmp: torch
     out.view(torch.int32).bitwise_or_(tmp)
 
 
-def _join_strided(h: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> None:
-    """fp32 `out` <- planes in two strided copies: each plane into its half of every 32-bit word."""
+def _join_strided(h: torch.Tensor, low: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
+    """fp32 `out` <- planes in two strided copies: each plane into its half of every 32-bit word
+    (`tmp` unused: the signature of `_join_into`)."""
     words = out.view(torch.int16).view(-1, 2)  # little-endian: [low half, high half]
     words[:, 0].copy_(low)
     words[:, 1].copy_(h)
@@ -194,6 +190,18 @@ def _split_consuming(x32: torch.Tensor, h: torch.Tensor, low: torch.Tensor) -> N
     low.copy_(x32)
     x32.bitwise_right_shift_(16)
     h.copy_(x32)
+
+
+def _split_shift(x: torch.Tensor, h: torch.Tensor, low: torch.Tensor) -> None:
+    """Planes <- fp32 `x` by narrowing and shifting its bits (x is overwritten)."""
+    _split_consuming(x.view(torch.int32), h, low)
+
+
+# moves -> (join a chunk into its fp32 scratch, split the scratch back into the planes)
+_MOVES: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+                        Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]]] = {
+    "shift": (_join_into, _split_shift), "strided": (_join_strided, _split_strided)}
+MOVES = tuple(_MOVES)
 
 
 def _workspace(scratch: torch.Tensor | None, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -130,7 +130,7 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
         profile = trace_for(model, hardware.gpus[0], policy.microbatch_size, seq_len, dtype)
     iterations = args.iterations or run.get("iterations") or min(WINDOW_ITERATIONS, trace.steps)
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else run.get("gpu_mem_bytes")
-    schedule = _read_schedule(args.schedule, trace.gpus) if getattr(args, "schedule", None) else None
+    schedule = _read_schedule(args.schedule, trace.gpus) if args.schedule else None
     return Setup(model, hardware, policy, profile, int(iterations), gpu_mem, schedule)
 
 

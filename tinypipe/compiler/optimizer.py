@@ -49,10 +49,9 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     deferred: list[tuple[Op, Op]] = []  # (anchor, OPT_STEP) placed after the anchor's own step
     opt: dict[tuple[int, int], Op] = {}
     for (lay, it), go in grad_out.items():
-        o = Op(OPT_STEP, ON_HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
+        o = opt[lay, it] = Op(OPT_STEP, ON_HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
         anchor = go
         if plan.optimizer == "sync" and lay == head and head > 0 and not tied:
-            opt[lay, it] = o
             deferred.append((last_grad_out[go.gpu, it], o))
             continue
         if tied and lay == 0:
@@ -64,7 +63,6 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
                 o.deps.append(ld)
                 if pos[ld] > pos[anchor]:
                     anchor = ld
-        opt[lay, it] = o
         after.setdefault(anchor, []).append(o)
     for (lay, it), go in grad_out.items():  # the gradient slot/buffer of L is free again
         if it >= 1:
