@@ -5,17 +5,27 @@ resource and all its dependencies): the lane's process has finished the previous
 for the dependencies (the deadlock report lists the predecessors still running). Each kind is timed
 by its cost class in `tinypipe.kinds.KINDS`, as docs/schedule-contract.md says: compute (FWD / BWD)
 takes the trace's times (BWD with recompute when the schedule recomputes), a free kind (EVICT) no
-time, the optimizer (OPT_STEP, on `host.optim`) the host layout's rate
-(`hostmem.optimizer_s_per_param`), and copies (uploads, downloads and the SEND / RECV halves) are
-fluid flows over the hardware route (sim/network.py); a cost class it has no rule for is an error.
+time, the optimizer (OPT_STEP, on `host.optim`) `hostmem.optimizer_step_s` (the trace's step of the
+layer's kind measured in a run's conditions, else the host layout's rate), and copies (uploads,
+downloads and the SEND / RECV halves) are fluid flows over the hardware route (sim/network.py); a
+cost class it has no rule for is an error.
 A SEND and its RECV (paired by `tinypipe.order.pair_halves`) rendezvous: the copy starts when both
 halves are ready and both end when it ends; each half's record starts when its own stream reached it
 (as a CUDA event recorded before it would).
 Memory effects go through the ledgers (sim/memory.py).
 
+Lanes: one process per lane of `tinypipe.order.run_lanes`, which is one per resource except the host
+optimizer: as in the backend, every rank runs its own layers' OPT_STEPs on a lane of its own, so
+two ranks' steps overlap. What that does and does not model: each step takes the time measured for
+one rank (`tinypipe profile` at the rank's thread count, beside its own device work), so the ranks'
+division of the host's cores is in the measurement when the profile was taken at the run's per-rank
+thread count; the host memory bandwidth that two ranks' steps share while both run is not (each
+lane runs at its own measured speed whatever the others do; bench/host_optim_rates.py measures
+ranks stepping at once).
+
 Replay (`tinypipe replay`) swaps in measured times: `durations` gives actions a fixed duration instead
 of their cost (a SEND / RECV half: its time after both halves are ready), and `lanes` gives the
-per-resource lists to run instead of the schedule's (e.g. one `host.optim` list per rank's thread).
+lists to run instead of `run_lanes`' (e.g. under the CPU backend, one lane per rank's thread).
 """
 
 from __future__ import annotations
@@ -28,10 +38,10 @@ import simpy
 
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_s_per_param
+from tinypipe.hostmem import optimizer_step_s
 from tinypipe.kinds import Cost, Direction, Kind
 from tinypipe.model import ModelSpec
-from tinypipe.order import pair_halves, predecessors
+from tinypipe.order import pair_halves, predecessors, run_lanes
 from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.timeline import Record, Timeline
 from tinypipe.trace import ProfileTrace
@@ -71,7 +81,7 @@ class Engine:
         self.memory = memory
         self.network = Network(self.env, link_capacities(hardware))
         self.partner = pair_halves(schedule.actions)
-        self._lanes = lanes
+        self.lanes: Mapping[str, Sequence[int]] = run_lanes(schedule) if lanes is None else lanes
         n = len(schedule.actions)
         self.start_s = [0.0] * n
         self.end_s = [-1.0] * n  # -1: not finished
@@ -87,7 +97,7 @@ class Engine:
                 self._fixed[aid] = float(d)
             else:  # any other action simply takes its measured time
                 self._mode[aid], self._cost[aid] = _TIMED, float(d)
-        for ids in (schedule.by_resource() if lanes is None else lanes).values():
+        for ids in self.lanes.values():
             if ids:
                 self.env.process(self._run(ids))
 
@@ -159,7 +169,7 @@ class Engine:
 
     def _deadlock_message(self, stuck: list[int]) -> str:
         acts = self.schedule.actions
-        before = predecessors(acts, lanes=self._lanes)
+        before = predecessors(acts, lanes=self.lanes)
         lines = []
         for ids in self.schedule.by_resource().values():
             first = next((i for i in ids if self.end_s[i] < 0), None)
@@ -205,10 +215,10 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
             routes[(src, dst)] = (r.latency_s, links)
         return routes[(src, dst)]
 
-    opt_s_per_param = optimizer_s_per_param(hardware.host, schedule.host_memory)
     gpu_node = [g.name for g in hardware.gpus]
     gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
     profiles = {}
+    opt_s: dict[int, float] = {}  # layer -> its OPT_STEP's seconds
     mode: list[int] = []
     cost: list[Any] = []
     n = len(schedule.actions)
@@ -225,7 +235,9 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
             layer = model.layers[a.layer]
             mode.append(_TIMED)
             if c is Cost.OPTIMIZER:
-                cost.append(layer.params * opt_s_per_param)
+                if a.layer not in opt_s:
+                    opt_s[a.layer] = optimizer_step_s(layer, schedule.host_memory, hardware.host, trace)
+                cost.append(opt_s[a.layer])
                 continue
             if a.layer not in profiles:
                 try:
@@ -276,7 +288,7 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
     one per GPU) or `host_mem_bytes` replace them (e.g. a 24 GiB limit on an 80 GiB card).
     `on_capacity="raise"` raises CapacityError at the first allocation that does not fit;
     `"record"` lets the run finish and returns `fits=False` with the first violation.
-    `durations` (action id -> s) and `lanes` (resource -> ids in order) are replay's: see the module docstring.
+    `durations` (action id -> s) and `lanes` (lane -> ids in order) are replay's: see the module docstring.
     """
     if on_capacity not in ("raise", "record"):
         raise InputError(f"on_capacity must be 'raise' or 'record', got {on_capacity!r}")
@@ -299,7 +311,7 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
     engine = Engine(schedule, model, hardware, trace, memory, durations=durations, lanes=lanes)
     timeline = engine.run()
     wall_s = time.perf_counter() - wall0
-    return build_result(schedule, timeline, partner=engine.partner, params=model.params,
+    return build_result(schedule, timeline, partner=engine.partner, lanes=engine.lanes, params=model.params,
                         capacity_bytes=capacity, peak_bytes=memory.peaks(),
                         link_bytes=dict(engine.network.bytes_moved), violation=memory.violation,
                         events=engine.events, wall_s=wall_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +34,10 @@ class CriticalPath:
         return max(self.by_resource, key=lambda r: self.by_resource[r], default="")
 
 
-def critical_path(schedule: Schedule, timeline: Timeline, partner: dict[int, int]) -> CriticalPath:
-    """Walk back from the last action to end through the predecessor that finished last."""
+def critical_path(schedule: Schedule, timeline: Timeline, partner: dict[int, int],
+                  lanes: Mapping[str, Sequence[int]] | None = None) -> CriticalPath:
+    """Walk back from the last action to end through the predecessor that finished last (on its lane:
+    `lanes` as the simulation ran them, else the resources' lists)."""
     acts = schedule.actions
     if not acts:
         return CriticalPath((), {}, {})
@@ -42,7 +45,7 @@ def critical_path(schedule: Schedule, timeline: Timeline, partner: dict[int, int
     for r in timeline.records:
         end[r.id] = r.end_s
     t0 = timeline.start_s
-    preds = predecessors(acts, partner=partner)
+    preds = predecessors(acts, partner=partner, lanes=lanes)
     cur = max(range(len(acts)), key=lambda i: (end[i], i))
     path: list[int] = []
     by_res: dict[str, float] = {}
@@ -83,8 +86,9 @@ class SimResult:
     params: int  # model parameters, for bytes per parameter
     peak_bytes: dict[str, int]  # per device: g0, ..., host
     capacity_bytes: dict[str, int]
-    # per resource: time in actions / makespan; a SEND / RECV half counts from when its stream
-    # reached it, so the wait for its other half counts too (the stream is blocked meanwhile)
+    # per resource: time in actions / makespan, per lane where it has several (`host.optim`: one per
+    # rank); a SEND / RECV half counts from when its stream reached it, so the wait for its other half
+    # counts too (the stream is blocked meanwhile)
     busy_fraction: dict[str, float]
     link_bytes: dict[str, int]  # per directed edge `u->v`, and `host.dma` for all host<->GPU copies
     critical_path: CriticalPath
@@ -134,7 +138,20 @@ class SimResult:
         return out
 
 
-def build_result(schedule: Schedule, timeline: Timeline, *, partner: dict[int, int], params: int,
+def lanes_per_resource(schedule: Schedule, lanes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """How many lanes ran each resource's actions: lanes holding one resource's actions only count (a lane
+    that merges several, replay's CPU thread, counts for none of them)."""
+    out: dict[str, int] = {}
+    for ids in lanes.values():
+        held = {schedule.actions[i].resource for i in ids}
+        if len(held) == 1:
+            r = held.pop()
+            out[r] = out.get(r, 0) + 1
+    return out
+
+
+def build_result(schedule: Schedule, timeline: Timeline, *, partner: dict[int, int],
+                 lanes: Mapping[str, Sequence[int]], params: int,
                  capacity_bytes: dict[str, int], peak_bytes: dict[str, int], link_bytes: dict[str, float],
                  violation: str | None, events: int, wall_s: float) -> SimResult:
     times = timeline.iteration_times_s()
@@ -142,6 +159,7 @@ def build_result(schedule: Schedule, timeline: Timeline, *, partner: dict[int, i
     span = timeline.makespan_s
     busy = timeline.busy_s()
     used = [r for r in schedule.resources if schedule.by_resource().get(r)]
+    n_lanes = lanes_per_resource(schedule, lanes)
     return SimResult(
         iteration_s=it,
         tokens_per_s=schedule.tokens_per_iteration / it if it > 0 else 0.0,
@@ -151,9 +169,9 @@ def build_result(schedule: Schedule, timeline: Timeline, *, partner: dict[int, i
         params=params,
         peak_bytes=dict(peak_bytes),
         capacity_bytes=dict(capacity_bytes),
-        busy_fraction={r: (busy.get(r, 0.0) / span if span > 0 else 0.0) for r in used},
+        busy_fraction={r: (busy.get(r, 0.0) / span / max(1, n_lanes.get(r, 1)) if span > 0 else 0.0) for r in used},
         link_bytes={k: int(round(v)) for k, v in sorted(link_bytes.items())},
-        critical_path=critical_path(schedule, timeline, partner),
+        critical_path=critical_path(schedule, timeline, partner, lanes),
         fits=violation is None,
         violation=violation,
         events=events,

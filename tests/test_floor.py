@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tinypipe.compiler import compile_schedule
@@ -11,15 +13,16 @@ from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import optimizer_time_factor
 from tinypipe.policy import PRESETS
 from tinypipe.schedule import Kind
-from tinypipe.trace import trace_for
+from tinypipe.trace import OptimizerProfile, trace_for
 
 
 @pytest.mark.parametrize(("hw_name", "recompute"), [("h200x1", True), ("h200x2", False)])
 def test_floor_terms_are_the_work_of_one_iteration(hw_name: str, recompute: bool) -> None:
     """Compute: every microbatch through every layer at the trace's times (forward, then the
     backward the policy runs: with recompute, every layer but the head), on the busiest GPU; the host
-    optimizer: every parameter at the layout's rate; uploads: the LOAD and FETCH bytes of the busiest
-    GPU over its PCIe rate. The floor is the largest."""
+    optimizer: the parameters of the busiest rank's layers at the layout's rate (each rank has its own
+    optimizer thread); uploads: the LOAD and FETCH bytes of the busiest GPU over its PCIe rate. The
+    floor is the largest."""
     spec, hw = load_model("llama-3.1-8b"), load_hardware(hw_name)
     policy = PRESETS["tinypipe"].replace(microbatches=8, microbatch_size=4, recompute=recompute)
     trace = trace_for(spec, hw.gpus[0], 4, 2048, "bf16")
@@ -34,9 +37,30 @@ def test_floor_terms_are_the_work_of_one_iteration(hw_name: str, recompute: bool
     if gpus == 1:
         assert f.compute_s == pytest.approx(total)
     factor = optimizer_time_factor(policy.host_memory)
-    assert f.optimizer_s == pytest.approx(spec.params * factor / hw.host.adam_params_per_s)
+    per_rank = [sum(spec.layers[x].params for p, g in enumerate(sched.pack_gpu) if g == rank
+                    for x in sched.pack_layers[p]) for rank in range(gpus)]
+    assert sum(per_rank) == spec.params and (gpus == 1 or max(per_rank) < spec.params)
+    assert f.optimizer_s == pytest.approx(max(per_rank) * factor / hw.host.adam_params_per_s)
     up = [sum(a.nbytes for a in sched.actions if a.kind in (Kind.LOAD, Kind.FETCH_ACT) and a.resource == f"g{g}.h2d")
           for g in range(gpus)]
     assert f.h2d_s == pytest.approx(max(up) / 3 / 55e9)
     assert f.iteration_s == max(f.compute_s, f.h2d_s, f.d2h_s, f.host_dma_s, f.optimizer_s)
     assert f.bound_by == "compute"
+
+
+def test_floor_takes_the_traces_measured_optimizer_steps() -> None:
+    """With a trace that carries each kind's measured step (`tinypipe profile`), the optimizer term is those
+    steps, once per layer (the embedding 0.3 s, 32 blocks at 0.14 s, the head 0.31 s: 5.09 s), not the
+    host's rate; the compute term is untouched."""
+    spec, hw = load_model("llama-3.1-8b"), load_hardware("h200x1")
+    trace = trace_for(spec, hw.gpus[0], 4, 2048, "bf16")
+    policy = PRESETS["tinypipe"].replace(microbatches=8, microbatch_size=4)
+    step_s = {"embed": 0.3, "block": 0.14, "head": 0.31}
+    params = {x.kind.value: x.params for x in spec.layers}
+    kinds = {k: replace(p, optimizer=OptimizerProfile(params=params[k], threads=15, in_run_s={"compact": step_s[k]}))
+             for k, p in trace.kinds.items()}
+    measured = replace(trace, kinds=kinds)
+    sched = compile_schedule(policy, spec, hw, trace, iterations=3)
+    f, before = schedule_floor(sched, spec, hw, measured), schedule_floor(sched, spec, hw, trace)
+    assert f.optimizer_s == pytest.approx(0.3 + 32 * 0.14 + 0.31) and before.optimizer_s != pytest.approx(f.optimizer_s)
+    assert f.compute_s == before.compute_s

@@ -1,7 +1,8 @@
 """The floor of a schedule: the busiest resource's own work per iteration, with no waiting at all.
 
 Issue 9 judges a real run against max(compute at the measured per-layer times, PCIe bytes over the
-measured link rates, host optimizer time). Each term is work that one resource must do alone, so no
+measured link rates, host optimizer time). Each term is work that one resource must do alone (the host
+optimizer: each rank's thread, `tinypipe.order.run_lanes`), so no
 execution of the schedule can be faster; achieved / floor says how much of the rest (waits,
 bubbles, dispatch) a run leaves on the table. Computed from the schedule, the model, the trace and
 the hardware description only: the same numbers the simulator starts from, none of its contention.
@@ -12,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_s_per_param
+from tinypipe.hostmem import optimizer_step_s
 from tinypipe.kinds import Cost, Direction
 from tinypipe.model import ModelSpec
+from tinypipe.order import layer_owner
 from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.trace import KindProfile, ProfileTrace
 
@@ -27,7 +29,7 @@ class Floor:
     h2d_s: float  # the busiest GPU's uploads over its link's rate
     d2h_s: float  # the busiest GPU's downloads over its link's rate
     host_dma_s: float  # all host <-> GPU bytes over the host's DMA cap
-    optimizer_s: float  # every OPT_STEP at the host's AdamW rate and the layout's factor
+    optimizer_s: float  # the busiest rank's OPT_STEPs (hostmem.optimizer_step_s)
 
     @property
     def iteration_s(self) -> float:
@@ -52,14 +54,17 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
     compute = [0.0] * gpus
     up = [0.0] * gpus
     down = [0.0] * gpus
-    optimizer = 0.0
-    opt_s_per_param = optimizer_s_per_param(hardware.host, schedule.host_memory)
+    optimizer = [0.0] * gpus  # per rank: its optimizer thread's steps
+    owner = layer_owner(schedule)
+    opt_s: dict[int, float] = {}
     profiles: dict[int, KindProfile] = {}
     for a in schedule.actions:
         info = a.kind.info  # the same costs as the simulator's (sim/engine.py), without contention
         g = resource_gpu(a.resource)
         if info.cost is Cost.OPTIMIZER:
-            optimizer += model.layers[a.layer].params * opt_s_per_param
+            if a.layer not in opt_s:
+                opt_s[a.layer] = optimizer_step_s(model.layers[a.layer], schedule.host_memory, hardware.host, trace)
+            optimizer[owner.get(a.layer, 0)] += opt_s[a.layer]
         elif info.cost is Cost.COMPUTE:
             assert g is not None
             p = profiles.get(a.layer)
@@ -76,4 +81,4 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
                  h2d_s=max(b / r for b, r in zip(up, rate)) / n,
                  d2h_s=max(b / r for b, r in zip(down, rate)) / n,
                  host_dma_s=(sum(up) + sum(down)) / (hardware.host.dma_gbps * 1e9) / n,
-                 optimizer_s=optimizer / n)
+                 optimizer_s=max(optimizer) / n)

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinypipe.hardware import Host
-from tinypipe.model import DTYPE_BYTES, ModelSpec
+from tinypipe.model import DTYPE_BYTES, LayerSpec, ModelSpec
 from tinypipe.policy.modes import HostLayout, OptimizerMode
+from tinypipe.trace import ProfileTrace
 
 # CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
 # by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7 (bench/compact_optim.py
@@ -97,8 +98,24 @@ def optimizer_time_factor(layout: HostLayout) -> float:
 def optimizer_s_per_param(host: Host, layout: HostLayout) -> float:
     """Seconds of host optimizer per parameter under `layout`: the measured rate of that layout's step
     when the hardware has one (`tinypipe profile`), else the fused AdamW rate slowed by the layout's
-    factor. The one place the simulator, the cost model, the search bound and the floor take it from."""
+    factor. What `optimizer_step_s` falls back to."""
     measured = host.compact_params_per_s if layout == "compact" else host.replicated_params_per_s
     if measured is not None:
         return 1.0 / measured
     return optimizer_time_factor(layout) / host.adam_params_per_s
+
+
+def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None) -> float:
+    """Seconds of one host optimizer step (OPT_STEP) of `layer` under `layout`. The one place the
+    simulator, the cost model, the search bound and the floor take it from.
+
+    When `trace` has the step of the layer's kind measured in a run's conditions (`tinypipe profile`:
+    `OptimizerProfile.in_run_s`, that layer's own tensors, beside the device's work, at a rank's thread
+    count), that time, in proportion to the parameters if the layer differs from the measured one.
+    Else (an analytic trace, or one profiled before these measurements) the layer's parameters at
+    the host's rate for the layout (`optimizer_s_per_param`), as before. On the H200 host the rate,
+    measured in bulk with nothing else running, was 1.13-1.6x too fast for a run's steps (README,
+    "Predicting a run")."""
+    kind = trace.kinds.get(layer.kind.value) if trace is not None else None
+    measured = kind.optimizer.step_s(layout, layer.params) if kind is not None and kind.optimizer else None
+    return measured if measured is not None else layer.params * optimizer_s_per_param(host, layout)

@@ -7,6 +7,10 @@ finished. A SEND and its RECV are the two halves of one copy: it starts once *bo
 and both end when it ends. So the halves do not wait for each other's end (that would deadlock); what
 a half's copy waits for is its own predecessors and its other half's (`predecessors(..., partner=)`).
 
+Lanes (`run_lanes`): the queues a run executes a schedule's actions on. Each resource is one, except
+`host.optim`: every rank has an optimizer thread of its own (backends/hostwork.py), which runs the
+OPT_STEPs of the layers the rank owns in list order, so the steps of different ranks overlap.
+
 Pairs: between two GPUs, the k-th SEND (SEND_F or SEND_B) from the sender to the receiver matches the
 k-th RECV on the receiver from the sender, in list order, whatever they carry (NCCL / gloo match
 point-to-point messages in issue order). That the halves agree (layer, microbatch, bytes, direction)
@@ -19,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from tinypipe.errors import ScheduleError
-from tinypipe.schedule import Action, resource_gpu
+from tinypipe.schedule import HOST_OPTIM, Action, Schedule, resource_gpu
 
 
 class UnpairedError(ScheduleError):
@@ -115,3 +119,27 @@ def predecessors(actions: Sequence[Action], *, partner: Mapping[int, int] | None
             for x, y in zip(ids, ids[1:]):
                 prev[actions[y].id] = actions[x].id
     return Predecessors({a.id: a for a in actions}, prev, partner or {})
+
+
+def layer_owner(schedule: Schedule) -> dict[int, int]:
+    """The GPU (rank) that owns each layer: the one its pack runs on, whose host state and optimizer thread
+    hold the layer."""
+    return {layer: g for p, g in enumerate(schedule.pack_gpu) for layer in schedule.pack_layers[p]}
+
+
+def optimizer_lane(rank: int) -> str:
+    """The name of rank `rank`'s optimizer lane (`host.optim.g0`)."""
+    return f"{HOST_OPTIM}.g{rank}"
+
+
+def run_lanes(schedule: Schedule) -> dict[str, tuple[int, ...]]:
+    """Lane -> action ids in order (see the module docstring): every resource's list, with `host.optim`
+    split into one lane per rank that owns a layer (`optimizer_lane`). An OPT_STEP of a layer that no
+    pack holds stays on `host.optim` (the validator reports such a schedule)."""
+    owner = layer_owner(schedule)
+    out: dict[str, list[int]] = {}
+    for res, ids in schedule.by_resource().items():
+        for i in ids:
+            g = owner.get(schedule.actions[i].layer) if res == HOST_OPTIM else None
+            out.setdefault(res if g is None else optimizer_lane(g), []).append(i)
+    return {k: tuple(v) for k, v in out.items()}

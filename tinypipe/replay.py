@@ -24,7 +24,8 @@ Decisions, each checked on the committed 2x H200 traces (bench/results/cuda_h200
 - The host optimizer. The schedule has one `host.optim` list; a run has one optimizer thread per
   rank (backends/hostwork.py), and the ranks' steps overlap (147 of 204 consecutive OPT_STEPs in
   the 2-GPU async trace). Replay gives each rank's OPT_STEPs a lane of their own, in schedule
-  order; on one lane the 2-GPU replays came out 63% (sync) and 43% (async) long.
+  order (`tinypipe.order.run_lanes`, which the simulator now uses for every schedule); on one lane
+  the 2-GPU replays came out 63% (sync) and 43% (async) long.
 - Old traces. Runs before SEND_F / SEND_B / RECV_F / RECV_B record a transfer as SEND or RECV
   (`kinds.LEGACY_KINDS`); such a record matches the schedule's half of either direction, and the
   replayed window names it by the schedule's kind.
@@ -44,7 +45,8 @@ from typing import Any
 from tinypipe.errors import InputError
 from tinypipe.jsonio import load_json
 from tinypipe.kinds import recorded_as
-from tinypipe.schedule import HOST_OPTIM, Schedule, resource_gpu
+from tinypipe.order import run_lanes
+from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.timeline import FORMAT as TIMELINE_FORMAT
 from tinypipe.timeline import Record, Timeline
 
@@ -189,26 +191,18 @@ def effective_durations(window: Sequence[Record], partner: Mapping[int, int]) ->
     return out
 
 
-def layer_gpu(schedule: Schedule) -> dict[int, int]:
-    """The GPU (rank) that owns each layer: the one its pack runs on."""
-    return {layer: g for p, g in enumerate(schedule.pack_gpu) for layer in schedule.pack_layers[p]}
-
-
 def lanes(schedule: Schedule, window: Sequence[Record], source: str) -> dict[str, tuple[int, ...]]:
     """The per-lane action lists that the run really had (see the module docstring): one optimizer lane
-    per rank; under the CPU backend one lane per rank for its compute, h2d and d2h, in measured order."""
-    owner = layer_gpu(schedule)
+    per rank (`tinypipe.order.run_lanes`, as the simulator runs any schedule); under the CPU backend one
+    lane per rank for its compute, h2d and d2h, in measured order."""
     out: dict[str, list[int]] = defaultdict(list)
-    for res, ids in schedule.by_resource().items():
+    for name, ids in run_lanes(schedule).items():
+        g = resource_gpu(name)
         for i in ids:
-            a = schedule.actions[i]
-            g = resource_gpu(res)
-            if res == HOST_OPTIM:
-                out[f"{HOST_OPTIM}.g{owner[a.layer]}"].append(i)
-            elif source == "cpu" and g is not None and res.split(".", 1)[1] in CPU_THREAD_STREAMS:
+            if source == "cpu" and g is not None and name.split(".", 1)[1] in CPU_THREAD_STREAMS:
                 out[f"g{g}.thread"].append(i)
             else:
-                out[res].append(i)
+                out[name].append(i)
     for name, lane in out.items():
         if name.endswith(".thread"):
             lane.sort(key=lambda i: (window[i].start_s, i))

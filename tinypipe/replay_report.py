@@ -58,7 +58,7 @@ class ResourceRow:
     """One resource, seconds per steady iteration; idle = threads x iteration - busy."""
 
     resource: str
-    threads: int  # lanes the run had for it (host.optim: one per rank); the simulator has one
+    threads: int  # lanes the run and the simulator had for it (host.optim: one per rank)
     busy_measured_s: float
     busy_predicted_s: float
     idle_measured_s: float
@@ -209,7 +209,7 @@ def resource_rows(schedule: Schedule, measured: Timeline, predicted: Timeline, w
     for res in sorted(bm.keys() | bp.keys(), key=resource_sort_key):
         threads = optim_threads if res == HOST_OPTIM else 1
         rows.append(ResourceRow(res, threads, bm.get(res, 0.0), bp.get(res, 0.0), threads * im - bm.get(res, 0.0),
-                                ip - bp.get(res, 0.0)))
+                                threads * ip - bp.get(res, 0.0)))
     return tuple(rows)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 from tinypipe.errors import InputError
 from tinypipe.gpumem import least_peak_bytes
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import host_bytes, optimizer_s_per_param
+from tinypipe.hostmem import host_bytes, optimizer_step_s
 from tinypipe.model import ModelSpec
 from tinypipe.plan import base_plan
 from tinypipe.policy import Policy
@@ -198,7 +198,8 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
 
     max of: all compute spread perfectly over the GPUs; every non-resident layer uploaded twice
     (forward and backward) through the slower of the summed host links and the host DMA cap; the
-    CPU optimizer over every parameter (once per iteration even when asynchronous). It cannot fit
+    CPU optimizer's step of every layer (once per iteration even when asynchronous) spread perfectly
+    over the ranks' optimizer threads (one per GPU), and no shorter than the longest step. It cannot fit
     when the host layout exceeds host memory, or when a layer's backward alone holds more than a GPU
     (`gpumem.least_peak_bytes`, the GPU-memory formula's floor under any packing).
     """
@@ -213,7 +214,8 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
-    optim = model.params * optimizer_s_per_param(hw.host, p.host_memory)
+    steps = [optimizer_step_s(x, p.host_memory, hw.host, trace) for x in model.layers]
+    optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
     why = ""
     hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
     if hb > w.host_limit:

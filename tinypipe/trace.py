@@ -20,13 +20,18 @@ microbatch of T = microbatch_size x seq_len tokens:
 
 The compute and memory terms add rather than overlap: the memory term stands for the norms, RoPE,
 activations and residual adds, which run as separate bandwidth-bound kernels between the GEMMs.
+
+A measured trace may also carry, per kind, the host optimizer step of one layer of that kind
+(`OptimizerProfile`, `tinypipe profile`; format FORMAT). Traces written before it (no `format`) load
+as they are, without it, and the simulator then costs an OPT_STEP at the host's rate
+(`tinypipe.hostmem.optimizer_step_s` decides).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,7 @@ from tinypipe.model import (
     head_workspace_bytes,
     head_workspace_fixed_bytes,
 )
+from tinypipe.policy.modes import HOST_LAYOUTS
 
 # Fraction of the GPU's achieved large-GEMM rate (`GPU.matmul_flops`) that a layer's mix of
 # smaller GEMMs and causal flash attention reaches. Calibrated once against the measured H200
@@ -56,6 +62,44 @@ MEM_FRACTION = 0.8
 WORKSPACE_FRACTION = 0.5
 
 KIND_NAMES = tuple(k.value for k in LayerKind)
+# What `to_json` writes. Read: this, or none (the traces before per-kind optimizer steps; they read the same).
+FORMAT = "tinypipe-trace-v2"
+
+
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """One host optimizer step (OPT_STEP) of a layer of one kind, measured by `tinypipe profile`
+    (backends/profile/optim.py): `HostState.step` on the rank's optimizer thread at `threads` torch
+    threads, median seconds per host layout, with nothing else running (`alone_s`) and while the
+    main thread keeps the device busy as in a run (`in_run_s`, what the simulator charges)."""
+
+    params: int  # parameters of the measured layer (its own: a tied LM head's norm only)
+    threads: int
+    alone_s: Mapping[str, float] = field(default_factory=dict)  # host layout -> s
+    in_run_s: Mapping[str, float] = field(default_factory=dict)
+
+    def step_s(self, layout: str, params: int) -> float | None:
+        """The in-run step of a layer of `params` parameters under `layout`, scaled from the measured
+        layer's in proportion (the same layer: exactly the measurement); None if `layout` was not measured."""
+        t = self.in_run_s.get(layout)
+        return None if t is None else t * params / self.params
+
+    def to_json(self) -> dict[str, Any]:
+        return {"params": self.params, "threads": self.threads, "alone_s": dict(self.alone_s),
+                "in_run_s": dict(self.in_run_s)}
+
+    @classmethod
+    def from_json(cls, f: Fields) -> OptimizerProfile:
+        def seconds(key: str) -> dict[str, float]:
+            times = f.obj_(key, {})
+            for layout in times.obj:
+                if layout not in HOST_LAYOUTS:
+                    raise InputError(f"{times.where}: unknown host layout {layout!r}; expected "
+                                     f"{', '.join(HOST_LAYOUTS)}")
+            return {layout: times.float(layout, positive=True) for layout in times.obj}
+
+        return cls(params=f.int("params", minimum=1), threads=f.int("threads", minimum=1),
+                   alone_s=seconds("alone_s"), in_run_s=seconds("in_run_s"))
 
 
 @dataclass(frozen=True)
@@ -74,6 +118,7 @@ class KindProfile:
     saved_act_bytes_recompute: int  # kept with recompute (the layer input)
     workspace_bytes: int  # transient peak while the layer computes, on top of saved_act_bytes
     workspace_fixed_bytes: int = 0  # the part of workspace_bytes that stays the same at any token count
+    optimizer: OptimizerProfile | None = None  # one layer's host optimizer step, when measured
 
     def backward_s(self, recomputed: bool) -> float:
         """The backward's time: with its forward re-run first (`schedule.recomputes`), or from kept activations."""
@@ -85,7 +130,8 @@ class KindProfile:
         Such a workspace (the head's) is the larger of a phase that holds the fixed part and one that
         grows with the tokens (`tinypipe.model.head_workspace_bytes`); which phase it was is not
         recorded, so both readings are scaled -- the whole linearly, or only the part above the fixed
-        one -- and the larger kept, which is never below either phase.
+        one -- and the larger kept, which is never below either phase. The optimizer step does not
+        depend on the tokens and is kept.
         """
         ws, fixed = self.workspace_bytes, self.workspace_fixed_bytes
         return KindProfile(fwd_s=self.fwd_s * factor, bwd_s=self.bwd_s * factor,
@@ -93,10 +139,14 @@ class KindProfile:
                            saved_act_bytes=round(self.saved_act_bytes * factor),
                            saved_act_bytes_recompute=round(self.saved_act_bytes_recompute * factor),
                            workspace_bytes=max(round(ws * factor), fixed + round((ws - fixed) * factor)),
-                           workspace_fixed_bytes=fixed)
+                           workspace_fixed_bytes=fixed, optimizer=self.optimizer)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["optimizer"]
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.to_json()
+        return out
 
     @classmethod
     def from_json(cls, f: Fields) -> KindProfile:
@@ -105,7 +155,8 @@ class KindProfile:
                    saved_act_bytes=f.int("saved_act_bytes", minimum=0),
                    saved_act_bytes_recompute=f.int("saved_act_bytes_recompute", minimum=0),
                    workspace_bytes=f.int("workspace_bytes", minimum=0),
-                   workspace_fixed_bytes=f.int("workspace_fixed_bytes", 0, minimum=0))
+                   workspace_fixed_bytes=f.int("workspace_fixed_bytes", 0, minimum=0),
+                   optimizer=OptimizerProfile.from_json(f.obj_("optimizer")) if f.has("optimizer") else None)
 
 
 @dataclass(frozen=True)
@@ -145,7 +196,7 @@ class ProfileTrace:
                               f"{self.microbatch_size} to {microbatch_size}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"gpu_model": self.gpu_model, "model": self.model, "dtype": self.dtype,
+        return {"format": FORMAT, "gpu_model": self.gpu_model, "model": self.model, "dtype": self.dtype,
                 "microbatch_size": self.microbatch_size, "seq_len": self.seq_len, "analytic": self.analytic,
                 "compiled": self.compiled, "source": self.source,
                 "kinds": {k: p.to_json() for k, p in self.kinds.items()}}
@@ -153,6 +204,10 @@ class ProfileTrace:
     @classmethod
     def from_json(cls, obj: Any, where: str = "trace") -> ProfileTrace:
         f = Fields(obj, where)
+        fmt = f.str("format", FORMAT)
+        if fmt != FORMAT:
+            raise InputError(f"{f.where}: format {fmt!r} is not one this tinypipe reads ({FORMAT}, or none: the "
+                             "traces before it)")
         kinds_f = f.obj_("kinds")
         for key in kinds_f.obj:
             if key not in KIND_NAMES:

@@ -1,0 +1,114 @@
+"""OPT_STEP time: a trace's per-kind step measured in a run's conditions, else the host's rate
+(`hostmem.optimizer_step_s`); the trace format that carries it, and what traces from before it predict."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tinypipe.cli import main as cli_main
+from tinypipe.errors import InputError
+from tinypipe.hardware import load_hardware
+from tinypipe.hfconfig import load_model
+from tinypipe.hostmem import optimizer_s_per_param, optimizer_step_s
+from tinypipe.policy import PRESETS
+from tinypipe.search import SearchTarget, lower_bound
+from tinypipe.trace import FORMAT, OptimizerProfile, ProfileTrace, load_trace, trace_for
+
+ROOT = Path(__file__).resolve().parent.parent
+OLD_PROFILE = ROOT / "bench" / "results" / "profile_h200"  # taken before per-kind optimizer steps existed
+SPEC = load_model("llama-3.1-8b")
+HW = load_hardware("h200x1")
+EMBED, BLOCK, HEAD = SPEC.layers[0], SPEC.layers[1], SPEC.layers[-1]
+
+
+def measured(trace: ProfileTrace, **in_run: dict[str, float]) -> ProfileTrace:
+    """`trace` with the given kinds' in-run steps (kind -> layout -> s), each for that kind's layer."""
+    params = {x.kind.value: x.params for x in SPEC.layers}
+    kinds = {k: replace(p, optimizer=OptimizerProfile(params=params[k], threads=15, alone_s=dict(in_run[k]),
+                                                      in_run_s=dict(in_run[k])))
+             if k in in_run else p for k, p in trace.kinds.items()}
+    return replace(trace, kinds=kinds)
+
+
+def test_step_time_is_the_measured_one_else_the_host_rate() -> None:
+    """Measured kind and layout: its in-run seconds (scaled by parameters for another layer of the kind:
+    twice the parameters, twice the time); a layout or kind not measured, or no trace at all: the
+    layer's parameters at the host's rate for the layout."""
+    trace = measured(trace_for(SPEC, HW.gpus[0], 4, 2048), block={"compact": 0.125})
+    assert optimizer_step_s(BLOCK, "compact", HW.host, trace) == 0.125
+    assert optimizer_step_s(replace(BLOCK, params=2 * BLOCK.params), "compact", HW.host, trace) == 0.25
+    rate = {lay: optimizer_s_per_param(HW.host, lay) for lay in ("compact", "replicated")}
+    assert optimizer_step_s(BLOCK, "replicated", HW.host, trace) == BLOCK.params * rate["replicated"]
+    assert optimizer_step_s(EMBED, "compact", HW.host, trace) == EMBED.params * rate["compact"]
+    assert optimizer_step_s(BLOCK, "compact", HW.host) == BLOCK.params * rate["compact"]
+    assert 0.125 != pytest.approx(BLOCK.params * rate["compact"])  # the measurement is not the rate here
+
+
+def test_old_traces_load_without_steps_and_predict_as_before(capsys: pytest.CaptureFixture[str]) -> None:
+    """The H200 profile of 2026-12-01 (no `format`, no per-kind steps) loads, and `simulate` predicts the
+    Llama-3.1-8B one-GPU runs from it exactly as it did before the per-kind steps and per-rank lanes
+    (bench/results/fidelity.jsonl, rows 1 and 2: 8.4735 s sync, 8.1501 s async)."""
+    for f in sorted(OLD_PROFILE.glob("h200-*.json")):
+        assert "format" not in json.loads(f.read_text())
+        assert all(p.optimizer is None for p in load_trace(str(f)).kinds.values())
+    for policy, want in (("h200x1-24g-sync-compact", 8.473508317760881), ("h200x1-24g-async", 8.150071156100793)):
+        assert cli_main(["simulate", "--model", "llama-3.1-8b", "--hardware", str(OLD_PROFILE / "hardware-h200x1.json"),
+                         "--profile", str(OLD_PROFILE), "--policy", str(ROOT / "bench" / "policies" / f"{policy}.json"),
+                         "--gpu-mem", "24GiB", "--seq-len", "2048", "--batch-tokens", "65536", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["results"][0]["iteration_s"] == pytest.approx(want, rel=1e-12)
+
+
+def test_trace_json_round_trip_keeps_the_steps(tmp_path: Path) -> None:
+    """A trace with steps writes `format` and its steps, and reads back equal; scaling it to another
+    microbatch size keeps the steps (they do not depend on the tokens)."""
+    t = measured(trace_for(SPEC, HW.gpus[0], 4, 2048), embed={"compact": 0.3, "replicated": 0.2},
+                 block={"compact": 0.14})
+    obj = t.to_json()
+    assert obj["format"] == FORMAT and obj["kinds"]["block"]["optimizer"] == {
+        "params": BLOCK.params, "threads": 15, "alone_s": {"compact": 0.14}, "in_run_s": {"compact": 0.14}}
+    assert "optimizer" not in obj["kinds"]["head"]
+    (tmp_path / "t.json").write_text(json.dumps(obj))
+    assert load_trace(str(tmp_path / "t.json")) == t
+    assert t.scaled_to(2).kinds["embed"].optimizer == t.kinds["embed"].optimizer
+
+
+def _set(path: tuple[str, ...], value: Any) -> Any:
+    def mutate(obj: dict[str, Any]) -> None:
+        for key in path[:-1]:
+            obj = obj[key]
+        obj[path[-1]] = value
+    return mutate
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (_set(("format",), "tinypipe-trace-v9"), "format 'tinypipe-trace-v9' is not one this tinypipe reads"),
+    (_set(("kinds", "block", "optimizer", "in_run_s", "compressed"), 0.1), "unknown host layout 'compressed'"),
+    (_set(("kinds", "block", "optimizer", "in_run_s", "compact"), 0.0), "in_run_s.compact: must be > 0"),
+    (_set(("kinds", "block", "optimizer", "params"), 0), "optimizer.params: must be >= 1"),
+    (_set(("kinds", "block", "optimizer"), [1]), "optimizer: expected a JSON object"),
+])
+def test_bad_steps_are_one_line_errors(tmp_path: Path, mutate: Any, message: str) -> None:
+    """A trace whose format or steps are wrong is an InputError naming the file and the field."""
+    obj = measured(trace_for(SPEC, HW.gpus[0], 4, 2048), block={"compact": 0.14}).to_json()
+    mutate(obj)
+    (tmp_path / "t.json").write_text(json.dumps(obj))
+    with pytest.raises(InputError, match="t.json") as e:
+        load_trace(str(tmp_path / "t.json"))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_search_bound_spreads_the_steps_over_the_ranks() -> None:
+    """The search's bound on the optimizer: every layer's measured step once, spread over the GPUs (one
+    optimizer thread per rank), and never below the longest step: on two GPUs with the steps set so
+    the optimizer dominates, (2 + 32 x 1 + 2) / 2 = 18 s."""
+    hw = load_hardware("h200x2")
+    trace = measured(trace_for(SPEC, hw.gpus[0], 1, 2048), embed={"compact": 2.0}, block={"compact": 1.0},
+                     head={"compact": 2.0})
+    target = SearchTarget(SPEC, hw, 2048, 8, profiles=(replace(trace, analytic=False, model=SPEC.name),))
+    bound, _ = lower_bound(target, PRESETS["tinypipe"].replace(microbatch_size=1, microbatches=8))
+    assert bound == pytest.approx(18.0)
