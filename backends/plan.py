@@ -36,7 +36,7 @@ from tinypipe.trace import ProfileTrace, load_profiles, trace_for, unmatched_not
 from tinypipe.units import MIB, parse_bytes
 
 from .hoststate import AdamWConfig
-from .settings import DEFAULTS
+from .settings import DEFAULTS, rank_threads
 from .worker import Job
 
 MAX_CPU_WORKERS_PER_CORE = 4  # more CPU workers than this per core is a mistake, not a test
@@ -231,7 +231,7 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
               staleness=1 if policy.optimizer == "async" else 0, backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
-              threads=threads if args.backend == "cpu" else max(1, threads - 1),  # cuda: one core issues
+              threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),
               compile_blocks=compile_blocks)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,

@@ -40,6 +40,13 @@ PLANNED = ("policy", "microbatch_size")  # None stays None: make_run_plan choose
 SEED_LIMIT = 2**63
 
 
+def rank_threads(backend: str, ranks: int, cores: int) -> int:
+    """torch intra-op threads each of `ranks` ranks of `tinypipe run` gets on `cores` cores: an even share,
+    less the core that issues GPU work on CUDA. `tinypipe profile` times the host optimizer at this count."""
+    share = max(1, cores // max(1, ranks))
+    return share if backend == "cpu" else max(1, share - 1)
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 

@@ -3,7 +3,9 @@
 Files written into `--out DIR` (made if missing; files of the same names are replaced):
 - one trace per microbatch size, `<gpu>-<model>-mb<N>-seq<S>[-<dtype>].json` (the dtype suffix
   unless bf16), the `ProfileTrace` form `tinypipe.trace.load_trace` reads; `simulate`, `search`
-  and `run` take it with `--profile DIR`;
+  and `run` take it with `--profile DIR`. Unless `--no-optimizer`, each kind carries its host
+  optimizer step (optim.py: measured once, beside the largest microbatch's device work, the same
+  in every trace);
 - `rates.json`: the `HostRates` (copy rates, fixed cost, optimizer rates; fields documented inside);
 - `hardware.json`: a full hardware description (`--hardware FILE` accepts it), the base preset
   with the measured rates (`HostRates.hardware`). The base is `--hardware`, else on CUDA the
@@ -30,8 +32,10 @@ from tinypipe.outputs import check_dir
 from tinypipe.progress import Progress
 from tinypipe.trace import ProfileTrace
 
-from ..settings import SEED_LIMIT
-from .layers import LayerBench, profile_trace
+from ..settings import SEED_LIMIT, rank_threads
+from .devloop import DeviceLoop
+from .layers import KindMeasurement, LayerBench, profile_trace
+from .optim import describe, measure_optimizer
 from .rates import HostRates, measure_rates
 
 RATES_FILE, HARDWARE_FILE = "rates.json", "hardware.json"
@@ -130,16 +134,25 @@ def profile_main(args: argparse.Namespace) -> int:
     try:
         say(f"building {spec.name} (embedding, one block, head) on {device}")
         bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed, compile_blocks=compile_blocks)
-        traces = []
-        for size in sorted(set(args.microbatch_size)):
-            measured = []
+        sizes = sorted(set(args.microbatch_size))
+        measured: dict[int, list[KindMeasurement]] = {}
+        for size in sizes:
+            measured[size] = []
             for kind in KINDS:
                 say(f"timing the {kind} at {size} x {args.seq_len} tokens ({args.warmup} + {args.repeat} runs)")
-                measured.append(bench.measure(kind, microbatch_size=size, seq_len=args.seq_len, repeat=args.repeat,
-                                              warmup=args.warmup, seed=args.seed))
-            traces.append(profile_trace(measured, bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
-                                        seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on,
-                                        when=when, compiled=compile_blocks))
+                measured[size].append(bench.measure(kind, microbatch_size=size, seq_len=args.seq_len,
+                                                    repeat=args.repeat, warmup=args.warmup, seed=args.seed))
+        optimizer, opt_note = None, ""
+        if not args.no_optimizer:  # once, beside the largest microbatch's device work, for every trace
+            opt_threads = args.threads or rank_threads(device.type, 1, os.cpu_count() or 1)
+            loop = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
+            optimizer, steps = measure_optimizer(bench, loop, threads=opt_threads, max_steps=min(args.repeat, 5),
+                                                 say=say)
+            opt_note = describe(opt_threads, steps, loop)
+        traces = [profile_trace(measured[size], bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
+                                seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on, when=when,
+                                compiled=compile_blocks, optimizer=optimizer, optimizer_source=opt_note)
+                  for size in sizes]
         del bench
         rates = None
         if not args.no_rates:
@@ -187,6 +200,15 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
                               rows, align="rlrrrrr"))
     if traces and "NOT measured" in traces[0].source:
         lines.append("workspace: not measured on a CPU (no allocator peak); analytic, and the traces say so")
+    opt = {k: p.optimizer for k, p in traces[0].kinds.items() if p.optimizer is not None} if traces else {}
+    if opt:
+        threads = next(iter(opt.values())).threads
+        rows = [[k, f"{o.params:,}", lay, o.alone_s[lay] * 1e3, o.in_run_s[lay] * 1e3, o.params / o.in_run_s[lay] / 1e9]
+                for k, o in opt.items() for lay in o.in_run_s]
+        lines += ["", f"host optimizer step per layer kind ({threads} thread(s); in the run: beside the device's work, "
+                      "what the simulator charges)",
+                  table.render(["kind", "params", "layout", "alone ms", "in run ms", "in run G params/s"], rows,
+                               align="lrlrrr")]
     if rates is not None:
         f = rates.factors()
         lines += ["", f"copies ({rates.device}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, both at "

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
@@ -39,7 +39,7 @@ import torch
 
 from tinypipe.model import LayerKind, ModelSpec, head_workspace_bytes, head_workspace_fixed_bytes
 from tinypipe.schedule import Action, Kind, Schedule, gpu_resource
-from tinypipe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
+from tinypipe.trace import WORKSPACE_FRACTION, KindProfile, OptimizerProfile, ProfileTrace
 
 from ..compiled import LayerCaller
 from ..hf import build_model
@@ -67,9 +67,10 @@ class KindMeasurement:
     workspace_bytes: int | None  # None where the device has no allocator peak to read (CPU)
 
 
-def kind_profile(m: KindMeasurement, spec: ModelSpec) -> KindProfile:
-    """The trace's entry for one measured kind; on a CPU the workspace is tinypipe.trace's analytic one
-    (WORKSPACE_FRACTION x the measured saved bytes; the head's chunked-loss formula)."""
+def kind_profile(m: KindMeasurement, spec: ModelSpec, optimizer: OptimizerProfile | None = None) -> KindProfile:
+    """The trace's entry for one measured kind (and its host optimizer step, when measured: optim.py); on a
+    CPU the workspace is tinypipe.trace's analytic one (WORKSPACE_FRACTION x the measured saved bytes; the
+    head's chunked-loss formula)."""
     head = m.kind == LayerKind.HEAD.value
     fixed = head_workspace_fixed_bytes(spec, m.tokens) if head else 0
     if m.workspace_bytes is None:
@@ -78,13 +79,15 @@ def kind_profile(m: KindMeasurement, spec: ModelSpec) -> KindProfile:
         ws, fixed = m.workspace_bytes, min(fixed, m.workspace_bytes)
     return KindProfile(fwd_s=m.fwd_s, bwd_s=m.bwd_s, recompute_bwd_s=m.recompute_bwd_s,
                        saved_act_bytes=m.saved_bytes, saved_act_bytes_recompute=m.input_bytes,
-                       workspace_bytes=ws, workspace_fixed_bytes=fixed)
+                       workspace_bytes=ws, workspace_fixed_bytes=fixed, optimizer=optimizer)
 
 
 def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model: str, dtype: str,
                   microbatch_size: int, seq_len: int, repeat: int, warmup: int, on: str, when: str,
-                  compiled: bool = False) -> ProfileTrace:
-    """The ProfileTrace of one microbatch size, with a `source` saying what was measured, how, when, on what."""
+                  compiled: bool = False, optimizer: Mapping[str, OptimizerProfile] | None = None,
+                  optimizer_source: str = "") -> ProfileTrace:
+    """The ProfileTrace of one microbatch size, with a `source` saying what was measured, how, when, on what;
+    `optimizer`: the host optimizer step per kind (optim.py), described by `optimizer_source`."""
     by_kind = {m.kind: m for m in measured}
     cuda = all(m.workspace_bytes is not None for m in measured)
     ms = "; ".join(f"{m.kind} (layer {m.layer}): fwd {m.fwd_s * 1e3:.4g}, no-grad fwd {m.fwd_nograd_s * 1e3:.4g}, "
@@ -105,9 +108,11 @@ def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model
               f"BWD from kept activations; recompute_bwd_s: BWD that re-runs the forward from the saved input (head: "
               f"fwd + bwd, no schedule recomputes it); saved_act_bytes: distinct storages autograd saved in the "
               f"forward (saved_tensors_hooks), parameters excluded; saved_act_bytes_recompute: the layer input (0 for "
-              f"the embedding); {workspace}. Measured: {ms}")
+              f"the embedding); {workspace}. Measured: {ms}"
+              + (f". Host optimizer: {optimizer_source}" if optimizer else ""))
     return ProfileTrace(gpu_model=gpu_model, dtype=dtype, microbatch_size=microbatch_size, seq_len=seq_len,
-                        kinds={k: kind_profile(by_kind[k], spec) for k in (x.value for x in LayerKind)},
+                        kinds={k: kind_profile(by_kind[k], spec, (optimizer or {}).get(k))
+                               for k in (x.value for x in LayerKind)},
                         analytic=False, source=source, model=spec.name, compiled=compiled)
 
 
@@ -163,8 +168,10 @@ class LayerBench:
         last = len(probe.spec.layers) - 1
         self.layers = {LayerKind.EMBED.value: 0, LayerKind.BLOCK.value: 1, LayerKind.HEAD.value: last}
         stack = build_model(model, seed=seed, only=set(self.layers.values()))
-        self.spec, self.device, self.last = stack.spec, device, last
-        host = make_host_state(stack.state(), layout="replicated", compute_dtype=DTYPES[dtype], optim=AdamWConfig())
+        self.spec, self.device, self.last, self.tied = stack.spec, device, last, stack.tied
+        # the layers' masters, which the optimizer's profile (optim.py) also reads
+        self.host = host = make_host_state(stack.state(), layout="replicated", compute_dtype=DTYPES[dtype],
+                                           optim=AdamWConfig())
         for i in stack.owned():
             strip_parameters(stack.layers[i])  # type: ignore[arg-type]
         caller = LayerCaller(compile_blocks=compile_blocks)  # one, so both interpreters share its graphs

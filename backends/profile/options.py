@@ -18,8 +18,9 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=10, help="measured runs per time, the median kept (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured runs first (default 2)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: all cores; `run --backend cpu` gives each of its N workers "
-                        "cores/N)")
+                   help="torch intra-op threads (default: all cores, and for the optimizer step of each layer kind "
+                        "those one rank of `run` gets: all cores on cpu, one less on cuda; `run` gives each of its N "
+                        "ranks cores/N, one less on cuda)")
     p.add_argument("--hardware", default=None, metavar="NAME|FILE",
                    help="base preset for hardware.json (the measured rates put into it) and, on CUDA, the GPU model "
                         "name the traces carry (default on CUDA: the shipped preset of this GPU model)")
@@ -27,6 +28,10 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile the decoder block, as `run --compile` runs it; the traces say so and a run "
                         "takes only traces that match it (default: on for cuda, off for cpu, as `run`)")
     p.add_argument("--no-rates", action="store_true", help="measure the layers only (no rates.json, hardware.json)")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="skip the host optimizer step of each layer kind (alone and beside the device's work, at the "
+                        "thread count of one rank of `run`, or --threads); without it the simulator costs the "
+                        "optimizer at the host's rate")
     p.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the JSON files (made if missing)")
     p.add_argument("--json", action="store_true", help="print what was written and measured as JSON")

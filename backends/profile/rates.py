@@ -15,8 +15,10 @@ through the run's own code (`HostState.step`, what an OPT_STEP runs), gradients 
   compute-dtype upload copy);
 - compact_params_per_s: the compact layout's step (`planes.compact_adamw_step`, chunked join /
   AdamW / split over the 16-bit planes).
-The simulator charges `tinypipe.hostmem.optimizer_time_factor(layout)` / adam_params_per_s per
-parameter; `factors()` gives the measured factors to compare with those constants.
+Where a trace has no per-kind step (optim.py measures those, on each kind's own tensors and beside
+the device's work), the simulator charges these layout rates (`tinypipe.hostmem.optimizer_s_per_param`;
+`optimizer_time_factor(layout)` / adam_params_per_s without them); `factors()` gives the measured
+factors to compare with those constants.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from tinypipe.backends.profile.command import trace_file  # noqa: E402
 from tinypipe.backends.profile.layers import STEP, LayerBench  # noqa: E402
 from tinypipe.backends.profile.rates import measure_rates  # noqa: E402
 from tinypipe.backends.run import add_run_arguments  # noqa: E402
+from tinypipe.backends.settings import rank_threads  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 from tinypipe.sim.evaluate import SimEvaluator  # noqa: E402
 
@@ -33,7 +35,7 @@ from tinypipe.hfconfig import load_model  # noqa: E402
 from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes  # noqa: E402
 from tinypipe.policy import load_policy  # noqa: E402
 from tinypipe.schedule import Kind  # noqa: E402
-from tinypipe.trace import load_profiles, load_trace  # noqa: E402
+from tinypipe.trace import FORMAT, load_profiles, load_trace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,6 +80,50 @@ def test_profile_writes_traces_that_load_and_say_what_they_are(profiled: tuple[P
         assert "median of 3 after 1 warm-up runs, time.perf_counter" in t.source
         assert "workspace_bytes NOT measured" in t.source
     assert "wrote " + str(out / "rates.json") in printed and "not measured on a CPU" in printed
+
+
+def test_profile_times_each_kinds_optimizer_step(profiled: tuple[Path, Path, str]) -> None:
+    """Every kind of every trace carries its host optimizer step (trace format v2): the kind's own
+    parameters, the thread count asked for, both host layouts alone and in the run, each > 0; measured
+    once, the same in every trace; the report shows them, and the source says how they were taken."""
+    out, _, printed = profiled
+    traces = [load_trace(str(out / f"cpu-tiny-llama-mb{s}-seq{SEQ}-fp32.json")) for s in SIZES]
+    assert all(json.loads((out / f"cpu-tiny-llama-mb{s}-seq{SEQ}-fp32.json").read_text())["format"] == FORMAT
+               for s in SIZES)
+    params = {x.kind.value: x.params for x in SPEC.layers}
+    for t in traces:
+        for kind, p in t.kinds.items():
+            o = p.optimizer
+            assert o is not None and (o.params, o.threads) == (params[kind], 1), kind
+            assert set(o.alone_s) == set(o.in_run_s) == {"replicated", "compact"}
+            assert min(*o.alone_s.values(), *o.in_run_s.values()) > 0
+            assert o == traces[0].kinds[kind].optimizer
+        assert "Host optimizer: one OPT_STEP of each kind's layer" in t.source and "issued by the executor" in t.source
+    assert "host optimizer step per layer kind (1 thread(s)" in printed
+
+
+def test_simulate_charges_the_profiled_steps(profiled: tuple[Path, Path, str]) -> None:
+    """A schedule simulated with the profiled trace runs every OPT_STEP for its kind's measured in-run step
+    under the policy's layout, whatever the host's rate says."""
+    out, base, _ = profiled
+    hw = load_hardware(str(base))
+    trace = load_trace(str(out / f"cpu-tiny-llama-mb2-seq{SEQ}-fp32.json"))
+    for layout in ("compact", "replicated"):
+        policy = load_policy("tinypipe").replace(microbatch_size=2, microbatches=2, host_memory=layout)
+        sched = compile_schedule(policy, SPEC, hw, trace)
+        steps = [r for r in simulate(sched, SPEC, hw, trace).timeline.records if r.kind == "OPT_STEP"]
+        assert len(steps) == len(SPEC.layers) * sched.iterations
+        for r in steps:
+            o = trace.kinds[SPEC.layers[r.layer].kind.value].optimizer
+            assert o is not None and r.end_s - r.start_s == pytest.approx(o.in_run_s[layout])
+
+
+def test_profile_without_the_optimizer(tmp_path: Path) -> None:
+    """`--no-optimizer` leaves the steps out (the simulator then takes the host's rate)."""
+    assert cli_main(["profile", "--model", "tiny-llama", "--seq-len", str(SEQ), "--threads", "1", "--repeat", "1",
+                     "--warmup", "0", "--no-rates", "--no-optimizer", "--out", str(tmp_path)]) == 0
+    t = load_trace(str(tmp_path / f"cpu-tiny-llama-mb1-seq{SEQ}-fp32.json"))
+    assert all(p.optimizer is None for p in t.kinds.values()) and "Host optimizer" not in t.source
 
 
 def test_profile_times_and_sizes_are_sane(profiled: tuple[Path, Path, str]) -> None:
@@ -259,3 +305,8 @@ def test_profile_on_cuda_measures_the_workspace(tmp_path: Path, capsys: pytest.C
     rates = json.loads((tmp_path / "rates.json").read_text())
     assert rates["h2d_gbps"] > 1 and rates["copy_latency_s"] < 1e-3
     assert load_hardware(str(tmp_path / "hardware.json")).provenance == "measured"
+    threads = rank_threads("cuda", 1, os.cpu_count() or 1)  # one rank's, as `run --backend cuda --gpus 1`
+    for p in t.kinds.values():
+        o = p.optimizer
+        assert o is not None and o.threads == threads and set(o.in_run_s) == {"replicated", "compact"}
+        assert min(*o.alone_s.values(), *o.in_run_s.values()) > 0

@@ -1,0 +1,164 @@
+"""One host optimizer step (OPT_STEP) of each layer kind, timed alone and beside the device's work.
+
+Each kind's result is a `tinypipe.trace.OptimizerProfile`, which its trace carries.
+
+The simulator used to cost every OPT_STEP at one rate per host layout, measured on one large tensor
+with nothing else running. On the H200 host that rate (compact: 1.75 G params/s) was too fast twice
+over: inside a run the same step ran at 1.55 G params/s (beside GPU dispatch, copies and the
+executor's polling loop), and Qwen3-1.7B's smaller tensors stepped at 1.1-1.4 G params/s. So per
+layer kind (embedding, block, head: their real tensors) and per host layout:
+
+- the host state is the run's own (`hostlayouts.make_host_state`: the layer's fp32 masters, the
+  layout's pinned slab on CUDA, one gradient slot), and the step is `HostState.step`, what an
+  OPT_STEP runs, on a `HostWorker` thread as in a run, at `threads` torch intra-op threads (the
+  count a rank of `tinypipe run` gets). Before each step the worker delivers the gradients as
+  GRAD_OUT does (`receive_grads`, in the compute dtype; a tied embedding gets both shares, and its
+  step adds the second, as in a run); the delivery is not timed, as a run's OPT_STEP record does not
+  hold it. One untimed warm-up step allocates the AdamW moments and says how long a step takes;
+  then `steps_for` picks how many to time (fewer for big layers: OPT_BUDGET_S of steps, at least
+  MIN_STEPS, at most the profile's repeat), and the median is kept.
+- alone_s: the steps with the main thread waiting (nothing else running);
+- in_run_s: the same number of steps while the main thread keeps the device busy through the
+  executor (`devloop.DeviceLoop`); the first step starts once the loop has started. This is what the
+  simulator charges (`tinypipe.hostmem.optimizer_step_s`).
+
+Not measured: the asynchronous optimizer's snapshot of the upload form (compact: a copy of the high
+plane before the step), and other ranks stepping at the same time (a run of N GPUs has N optimizer
+threads sharing the host's memory bandwidth; profile with `--threads` at the per-rank count of that
+run to have each rank's share of the cores).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from tinypipe.model import LayerKind
+from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
+from tinypipe.trace import OptimizerProfile
+
+from ..hostlayouts import make_host_state
+from ..hoststate import AdamWConfig, HostState
+from ..hostwork import HostWorker
+from .devloop import DeviceLoop
+from .layers import LayerBench
+
+OPT_BUDGET_S = 1.0  # seconds of timed steps per kind, layout and condition (alone / in the run)
+MIN_STEPS = 3  # a median of at least this many, whatever their length (unless the profile's repeat is lower)
+
+
+def steps_for(warm_s: float, max_steps: int) -> int:
+    """How many steps to time after a warm-up step of `warm_s`: OPT_BUDGET_S of them, at least MIN_STEPS,
+    at most `max_steps` (and never more than `max_steps`, even below MIN_STEPS)."""
+    fit = int(OPT_BUDGET_S / warm_s) if warm_s > 0 else max_steps
+    return max(1, min(max_steps, max(MIN_STEPS, fit)))
+
+
+@dataclass(frozen=True)
+class KindSteps:
+    """The timed steps of one layer kind under one layout, seconds each."""
+
+    params: int
+    warm_s: float
+    alone_s: tuple[float, ...]
+    in_run_s: tuple[float, ...]
+
+
+class _Stepper:
+    """One layer's host state under one layout, and its gradients, stepped on a `HostWorker`."""
+
+    def __init__(self, masters: dict[str, torch.Tensor], *, layer: int, layout: HostLayout, dtype: torch.dtype,
+                 pin: bool, tied: str | None) -> None:
+        self.layer = layer
+        self.state: HostState = make_host_state({layer: masters}, layout=layout, compute_dtype=dtype,
+                                                optim=AdamWConfig(), pin=pin, grad_ring_slots=1,
+                                                shared_grad=layer if tied is not None else None)
+        # AdamW's time does not depend on the values (elementwise, no branches): a constant gradient costs
+        # what a real one does, and filling 525M of them takes milliseconds where drawing them takes seconds
+        self.grads = {n: torch.full(t.shape, 1e-3, dtype=dtype) for n, t in masters.items()}
+        # a tied embedding's step adds the head's share of the matrix (its second GRAD_OUT share)
+        self.second = {tied: self.grads[tied].clone()} if tied is not None else None
+        self.worker = HostWorker(name="profile-optim")
+
+    def deliver(self) -> None:
+        """What GRAD_OUT does before each OPT_STEP (both shares for a tied embedding)."""
+        self.state.receive_grads(self.layer, self.grads)
+        if self.second is not None:
+            self.state.receive_grads(self.layer, self.second)
+
+    def submit(self, before: Callable[[], object] = lambda: None) -> Future[tuple[float, float]]:
+        """Queue one step, after `before()` and the delivery; the future holds its (start, end)."""
+        def gated() -> None:
+            before()
+            self.deliver()
+
+        return self.worker.submit(gated, lambda: self.state.step(self.layer))
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _seconds(fut: Future[tuple[float, float]]) -> float:
+    t0, t1 = fut.result()
+    return t1 - t0
+
+
+def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoop, *, max_steps: int) -> KindSteps:
+    """Time `kind`'s OPT_STEP under `layout`: a warm-up, then alone, then beside `loop` (module docstring).
+    The caller sets the torch thread count (the rank's)."""
+    layer = bench.layers[kind]
+    tied = bench.tied[1] if bench.tied is not None and kind == LayerKind.EMBED.value else None
+    s = _Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype,
+                 pin=bench.device.type == "cuda", tied=tied)
+    go = threading.Event()
+    try:
+        warm = _seconds(s.submit())
+        n = steps_for(warm, max_steps)
+        alone = tuple(_seconds(s.submit()) for _ in range(n))
+        futs = [s.submit(go.wait)] + [s.submit() for _ in range(n - 1)]
+        loop.run_until(futs[-1].done, started=go.set)
+        in_run = tuple(_seconds(f) for f in futs)
+    finally:
+        go.set()  # a loop that failed before starting must not leave the worker waiting
+        s.close()
+    return KindSteps(params=s.state.params, warm_s=warm, alone_s=alone, in_run_s=in_run)
+
+
+def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_steps: int,
+                      say: Callable[[str], None] = lambda text: None
+                      ) -> tuple[dict[str, OptimizerProfile], dict[str, dict[str, KindSteps]]]:
+    """Per layer kind, its `OptimizerProfile` (medians per layout), and every timed step (kind -> layout ->
+    KindSteps), at `threads` torch intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    steps: dict[str, dict[str, KindSteps]] = {}
+    try:
+        loop.window()  # warm-up: the loop's streams, its first allocations, a compiled block's graphs
+        for kind in (k.value for k in LayerKind):
+            steps[kind] = {}
+            for layout in HOST_LAYOUTS:
+                say(f"timing the {kind}'s host optimizer step ({layout}, {threads} thread(s)) alone and beside "
+                    f"the device's work")
+                steps[kind][layout] = time_steps(bench, kind, layout, loop, max_steps=max_steps)
+    finally:
+        torch.set_num_threads(before)
+    out = {kind: OptimizerProfile(params=next(iter(by.values())).params, threads=threads,
+                                  alone_s={lay: statistics.median(k.alone_s) for lay, k in by.items()},
+                                  in_run_s={lay: statistics.median(k.in_run_s) for lay, k in by.items()})
+           for kind, by in steps.items()}
+    return out, steps
+
+
+def describe(threads: int, steps: dict[str, dict[str, KindSteps]], loop: DeviceLoop) -> str:
+    """What the traces' `source` says about the optimizer's profile: how it was measured, and the step counts."""
+    counts = "; ".join(f"{kind} {', '.join(f'{lay} {len(k.alone_s)}' for lay, k in by.items())}"
+                       for kind, by in steps.items())
+    return (f"one OPT_STEP of each kind's layer (`HostState.step` under each host layout, its own tensors, the "
+            f"gradients delivered first and not timed) on a host-worker thread at {threads} torch thread(s), median "
+            f"of N after one warm-up step (N: {counts}); alone_s with nothing else running, in_run_s (what the "
+            f"simulator charges) while the main thread ran {loop.describe}")

@@ -1,0 +1,98 @@
+"""`tinypipe profile`'s host optimizer steps (backends/profile/optim.py, devloop.py): the device loop the in-run
+steps are timed beside, how many steps are timed, and the steps of each kind through the run's host state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tinypipe.backends.profile.devloop import DeviceLoop, cycle_actions  # noqa: E402
+from tinypipe.backends.profile.layers import LayerBench  # noqa: E402
+from tinypipe.backends.profile.optim import MIN_STEPS, OPT_BUDGET_S, steps_for, time_steps  # noqa: E402
+
+from tinypipe.policy.modes import HOST_LAYOUTS  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SEQ = 16
+CPU = torch.device("cpu")
+
+
+def test_cycle_actions_are_one_layers_swap_loop() -> None:
+    """One window, literal: per cycle LOAD (after the previous cycle's EVICT: one set of the layer's weights
+    at a time), the FWDs, the BWDs in reverse, GRAD_OUT after the last BWD, EVICT; the microbatches are
+    numbered on across cycles, so a window's inputs never collide."""
+    got = [f"{a.id} {a} <- {list(a.deps)}" for a in cycle_actions(1, microbatches=2, cycles=2)]
+    assert got == ["0 g0.h2d LOAD L1 <- []", "1 g0.compute FWD L1 m0 <- [0]", "2 g0.compute FWD L1 m1 <- [0]",
+                   "3 g0.compute BWD L1 m1 <- []", "4 g0.compute BWD L1 m0 <- []", "5 g0.d2h GRAD_OUT L1 <- [4]",
+                   "6 g0.compute EVICT L1 <- []", "7 g0.h2d LOAD L1 <- [6]", "8 g0.compute FWD L1 m2 <- [7]",
+                   "9 g0.compute FWD L1 m3 <- [7]", "10 g0.compute BWD L1 m3 <- []", "11 g0.compute BWD L1 m2 <- []",
+                   "12 g0.d2h GRAD_OUT L1 <- [11]", "13 g0.compute EVICT L1 <- []"]
+
+
+def test_steps_for_gives_fewer_steps_to_big_layers() -> None:
+    """OPT_BUDGET_S of steps after a warm-up of `warm_s`, at least MIN_STEPS, at most the cap (which wins)."""
+    assert (OPT_BUDGET_S, MIN_STEPS) == (1.0, 3)
+    assert [steps_for(w, 5) for w in (0.01, 0.25, 0.4, 2.0, 0.0)] == [5, 4, 3, 3, 5]
+    assert [steps_for(0.01, cap) for cap in (1, 2)] == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def bench() -> LayerBench:
+    return LayerBench("tiny-llama", device=CPU, dtype="fp32")
+
+
+def test_device_loop_runs_the_block_through_the_executor(bench: LayerBench) -> None:
+    """Each window runs the block's actions and hands on what they made: nothing is left behind in the
+    interpreter (inputs, outputs, gradients), the weights are evicted, and the loop stops when told."""
+    loop = DeviceLoop(bench, microbatch_size=2, seq_len=SEQ)
+    calls = []
+
+    def done() -> bool:
+        calls.append(1)
+        return len(calls) == 3
+
+    assert loop.run_until(done) == 3
+    assert loop.it.leftovers() == [] and loop.it.weights == {} and loop.it.grads == {}
+    assert loop.it.host.version(loop.layer) == 0  # the loop never steps its own host state
+
+
+class Watched:
+    """A DeviceLoop that notes whether the timed steps had finished when it was started."""
+
+    def __init__(self, loop: DeviceLoop) -> None:
+        self.loop = loop
+        self.done_before_start: list[bool] = []
+        self.windows: list[int] = []
+
+    def run_until(self, done: Callable[[], bool], *, started: Callable[[], None] = lambda: None) -> int:
+        self.done_before_start.append(done())
+        n = self.loop.run_until(done, started=started)
+        self.windows.append(n)
+        return n
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_in_run_steps_wait_for_the_loop(bench: LayerBench, layout: str) -> None:
+    """The in-run steps start only once the loop has started (the last one had not finished before it),
+    as many as the alone ones, each > 0; the parameters are the kind's own."""
+    watched = Watched(DeviceLoop(bench, microbatch_size=1, seq_len=SEQ))
+    got = time_steps(bench, "block", layout, watched, max_steps=3)  # type: ignore[arg-type]
+    assert watched.done_before_start == [False] and watched.windows[0] >= 1
+    assert len(got.alone_s) == len(got.in_run_s) == 3 and min(got.alone_s + got.in_run_s) > 0
+    assert got.params == bench.spec.layers[1].params
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_a_tied_embedding_steps_with_both_shares(tied_config: str, layout: str) -> None:
+    """A tied model's embedding is stepped as in a run, with its own gradient and the head's share of the
+    matrix (`HostState.step` refuses a tied layer with one share); the head owns only its norm."""
+    tied = LayerBench(tied_config, device=CPU, dtype="fp32")
+    loop = DeviceLoop(tied, microbatch_size=1, seq_len=SEQ)
+    embed = time_steps(tied, "embed", layout, loop, max_steps=1)
+    head = time_steps(tied, "head", layout, loop, max_steps=1)
+    assert embed.params == tied.spec.layers[0].params and head.params == tied.spec.layers[-1].params
+    assert head.params == tied.spec.hidden_size  # the norm
