@@ -21,9 +21,12 @@ once more (profile and run), since other work on a shared machine moves it eithe
 Memory: the CPU backend counts the tensors its interpreter holds (weights, gradients, layer inputs
 and their gradients), sampled after each action; the prediction's ledger also holds autograd's saved
 tensors of kept graphs (`a.L*`), those a recomputing backward re-creates, a layer's transient
-workspace (`ws`), and an action's inputs until it ends. So measured <= predicted <= measured + the
-largest workspace + every kept graph's saved bytes + the largest re-created ones + the two inputs one
-action frees (measured: equality on rank 0, 0.14 MiB to spare on rank 1).
+workspace (`ws`), an action's inputs until it ends, and a RECV's buffer from when it is posted (the
+backend counts it once the data has arrived). So measured <= predicted <= measured + the largest
+workspace + every kept graph's saved bytes + the largest re-created ones + the two inputs one action
+frees + one posted receive. Since the profile carries the host optimizer's steps (slow here: ~5 ms a
+block beside the CPU loop on one core), the holistic packer puts each layer in a pack of its own, and
+the simulated peak of rank 0 holds a posted RECV_B's buffer (64 KiB) during a recomputing backward.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def _profile_and_run(root: Path) -> tuple[float, float, float, list[str]]:
         kept = sum(k.saved_act_bytes for x, k in zip(layers, kinds) if not sched.recomputes(x)) * sched.microbatches
         recreated = max((k.saved_act_bytes for x, k in zip(layers, kinds) if sched.recomputes(x)), default=0)
         unseen = (max(k.workspace_bytes for k in kinds) + kept + recreated
-                  + 2 * max(k.saved_act_bytes_recompute for k in kinds))
+                  + 3 * max(k.saved_act_bytes_recompute for k in kinds))  # two inputs an action frees, a posted RECV
         pred = plan.prediction.peak_bytes[dev]
         lines.append(f"peak memory {dev}: measured {r.peak_device_bytes:,} B, predicted {pred:,} B "
                      f"(difference {pred - r.peak_device_bytes:,} B; the CPU measurement cannot see {unseen:,} B)")
