@@ -8,8 +8,8 @@ over: inside a run the same step ran at 1.55 G params/s (beside GPU dispatch, co
 executor's polling loop), and Qwen3-1.7B's smaller tensors stepped at 1.1-1.4 G params/s. So per
 layer kind (embedding, block, head: their real tensors) and per host layout:
 
-- the host state is the run's own (`hostlayouts.make_host_state`: the layer's fp32 masters, the
-  layout's pinned slab on CUDA, one gradient slot), and the step is `HostState.step`, what an
+- the host state is the run's own (`hostlayouts.make_host_state`: the layer's fp32 masters in the
+  layout's slab, one gradient slot), and the step is `HostState.step`, what an
   OPT_STEP runs, on a `HostWorker` thread as in a run, at `threads` torch intra-op threads (the
   count a rank of `tinypipe run` gets). Before each step the worker delivers the gradients as
   GRAD_OUT does (`receive_grads`, in the compute dtype; a tied embedding gets both shares, and its
@@ -21,6 +21,10 @@ layer kind (embedding, block, head: their real tensors) and per host layout:
 - in_run_s: the same number of steps while the main thread keeps the device busy through the
   executor (`devloop.DeviceLoop`); the first step starts once the loop has started. This is what the
   simulator charges (`tinypipe.hostmem.optimizer_step_s`).
+
+The slab is not page-locked: a run's is (`cudaHostRegister` on the same private mapping), which
+changes what the copy engines may do with it, not what the CPU does, and registering the 3 GB of
+an 8B model's embedding takes about a second.
 
 Not measured: the asynchronous optimizer's snapshot of the upload form (compact: a copy of the high
 plane before the step), and other ranks stepping at the same time (a run of N GPUs has N optimizer
@@ -73,10 +77,10 @@ class _Stepper:
     """One layer's host state under one layout, and its gradients, stepped on a `HostWorker`."""
 
     def __init__(self, masters: dict[str, torch.Tensor], *, layer: int, layout: HostLayout, dtype: torch.dtype,
-                 pin: bool, tied: str | None) -> None:
+                 tied: str | None) -> None:
         self.layer = layer
         self.state: HostState = make_host_state({layer: masters}, layout=layout, compute_dtype=dtype,
-                                                optim=AdamWConfig(), pin=pin, grad_ring_slots=1,
+                                                optim=AdamWConfig(), grad_ring_slots=1,
                                                 shared_grad=layer if tied is not None else None)
         # AdamW's time does not depend on the values (elementwise, no branches): a constant gradient costs
         # what a real one does, and filling 525M of them takes milliseconds where drawing them takes seconds
@@ -113,8 +117,7 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
     The caller sets the torch thread count (the rank's)."""
     layer = bench.layers[kind]
     tied = bench.tied[1] if bench.tied is not None and kind == LayerKind.EMBED.value else None
-    s = _Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype,
-                 pin=bench.device.type == "cuda", tied=tied)
+    s = _Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied)
     go = threading.Event()
     try:
         warm = _seconds(s.submit())
