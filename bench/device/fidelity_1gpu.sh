@@ -1,0 +1,56 @@
+# On a lent H200 machine (1 GPU), from the repository root (carry .whl):
+#   DEADLINE_S=560 [PROFILES=DIR] bash bench/device/fidelity_1gpu.sh RUN...
+# Issue 10's fidelity campaign: profile once, then run every configuration planned from that profile.
+# 1. Unless PROFILES names the folders of an earlier call (committed under bench/results/), `tinypipe
+#    profile` with each kind's host optimizer step: Qwen3-1.7B at 2 and 4 x 2048 eager with the copy and
+#    optimizer rates ($OUT/pq, hardware.json), at 4 x 2048 compiled ($OUT/pq-compiled), Llama-3.1-8B at
+#    4 x 2048 eager ($OUT/pl) and compiled ($OUT/pl-compiled); then the profiler's GPU test.
+# 2. Each RUN = MODEL:CASE:MB:MODE[:POLICY] runs bench/cuda_bench.py's CASE (65,536 tokens per step,
+#    --gpu-mem 24GiB) on MODEL (qwen3-1.7b or llama-3.1-8b) at MB sequences per microbatch, MODE
+#    compile or eager, with POLICY (a file under bench/policies/) instead of the case's policy when
+#    given; planned with the profile of step 1 that matches (pq / pq-compiled / pl / pl-compiled) and
+#    pq's hardware.json, appended to $OUT/cuda_h200.jsonl with its trace. A run that would pass
+#    DEADLINE_S is skipped.
+. bench/device/setup.sh
+ROOT=$(pwd)
+START=$(date +%s)
+cd /tmp
+nproc; free -g | head -2
+left() { echo $(( ${DEADLINE_S:-560} - ($(date +%s) - START) )); }
+prof() {  # out dir, then profile options
+  o=$1; shift
+  t0=$(date +%s)
+  timeout 240 tinypipe profile --backend cuda --seq-len 2048 --hardware h200x1 --out "$OUT/$o" "$@" >>"$OUT/log.txt" 2>&1
+  echo "profile $o: exit $? in $(( $(date +%s) - t0 )) s"
+  sed -n '/^host optimizer step/,/^$/p' "$OUT/log.txt" | tail -6
+}
+if [ -n "$PROFILES" ]; then
+  P="$ROOT/$PROFILES"
+else
+  P="$OUT"
+  prof pq --model qwen3-1.7b --microbatch-size 2 4 --no-compile
+  prof pq-compiled --model qwen3-1.7b --microbatch-size 4 --no-rates --compile
+  prof pl --model llama-3.1-8b --microbatch-size 4 --no-rates --no-compile
+  prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --no-rates --compile
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/backends/test_profile.py" \
+    "$ROOT/tests/backends/test_profile_optim.py" -k cuda 2>&1 | tail -2 | tee -a "$OUT/log.txt"
+fi
+for spec in "$@"; do
+  IFS=: read -r model case mb mode policy <<<"$spec"
+  short=${model%%-*}; p=p${short:0:1}; flag=(--no-compile)
+  [ "$short" = llama ] && p=pl
+  [ "$short" = qwen3 ] && p=pq
+  if [ "$mode" = compile ]; then p=$p-compiled; flag=(--compile); fi
+  label="-fid-$short-mb$mb-$mode"
+  pol=()
+  if [ -n "$policy" ]; then pol=(--policy "$ROOT/bench/policies/$policy"); label="$label-${policy%.json}"; fi
+  need=$([ "$short" = llama ] && echo 230 || echo 90)
+  if [ "$(left)" -lt "$need" ]; then echo "$spec: skipped, $(left) s left"; continue; fi
+  timeout -k 10 $(( $(left) - 5 )) python3 "$ROOT/bench/cuda_bench.py" --model "$model" --cases "$case" \
+    --label="$label" --steps 6 --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
+    --extra --microbatch-size "$mb" --profile "$P/$p" --hardware "$P/pq/hardware.json" "${flag[@]}" "${pol[@]}" \
+    >>"$OUT/log.txt" 2>&1
+  echo "$spec: exit $? at $(( $(date +%s) - START )) s"
+  grep -v "^training \[" "$OUT/log.txt" | tail -1
+done
+echo "done in $(( $(date +%s) - START )) s"
