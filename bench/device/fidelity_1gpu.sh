@@ -11,11 +11,15 @@
 #    given; planned with the profile of step 1 that matches (pq / pq-compiled / pl / pl-compiled) and
 #    pq's hardware.json, appended to $OUT/cuda_h200.jsonl with its trace. A run that would pass
 #    DEADLINE_S is skipped.
+# What comes back (at most 8 files): log.txt, cuda_h200.jsonl, and results.tgz with the profile folders
+# and the runs' traces.
 . bench/device/setup.sh
 ROOT=$(pwd)
 START=$(date +%s)
 cd /tmp
 nproc; free -g | head -2
+pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
+trap pack EXIT
 left() { echo $(( ${DEADLINE_S:-560} - ($(date +%s) - START) )); }
 prof() {  # out dir, then profile options
   o=$1; shift
