@@ -236,7 +236,8 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
             mode.append(_TIMED)
             if c is Cost.OPTIMIZER:
                 if a.layer not in opt_s:
-                    opt_s[a.layer] = optimizer_step_s(layer, schedule.host_memory, hardware.host, trace)
+                    opt_s[a.layer] = optimizer_step_s(layer, schedule.host_memory, hardware.host, trace,
+                                                     optimizer=schedule.optimizer)
                 cost.append(opt_s[a.layer])
                 continue
             if a.layer not in profiles:

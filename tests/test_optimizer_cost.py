@@ -112,3 +112,35 @@ def test_search_bound_spreads_the_steps_over_the_ranks() -> None:
     target = SearchTarget(SPEC, hw, 2048, 8, profiles=(replace(trace, analytic=False, model=SPEC.name),))
     bound, _ = lower_bound(target, PRESETS["tinypipe"].replace(microbatch_size=1, microbatches=8))
     assert bound == pytest.approx(18.0)
+
+
+def test_the_async_step_is_its_own_measurement_where_there_is_one() -> None:
+    """The async optimizer's step (it keeps the previous version first) costs `async_in_run_s` where the
+    trace measured it, else the sync step; the sync step never takes the async time. The field survives
+    the JSON round trip and is left out when empty (traces before it read the same)."""
+    base = trace_for(SPEC, HW.gpus[0], 4, 2048)
+    opt = OptimizerProfile(params=BLOCK.params, threads=15, alone_s={"compact": 0.1}, in_run_s={"compact": 0.125},
+                           async_in_run_s={"compact": 0.175})
+    trace = replace(base, kinds={**base.kinds, "block": replace(base.kinds["block"], optimizer=opt)})
+    assert optimizer_step_s(BLOCK, "compact", HW.host, trace) == 0.125
+    assert optimizer_step_s(BLOCK, "compact", HW.host, trace, optimizer="async") == 0.175
+    older = replace(opt, async_in_run_s={})
+    assert older.step_s("compact", BLOCK.params, asynchronous=True) == 0.125
+    assert "async_in_run_s" not in older.to_json()
+    again = ProfileTrace.from_json(json.loads(json.dumps(trace.to_json())))
+    assert again.kinds["block"].optimizer == opt
+
+
+def test_the_schedule_says_its_optimizer_mode() -> None:
+    """The compiled schedule carries the policy's optimizer mode through its text form; a schedule text
+    written before the field reads as sync."""
+    from tinypipe.compiler import compile_schedule
+    from tinypipe.schedule import Schedule
+
+    trace = trace_for(SPEC, HW.gpus[0], 1, 2048)
+    for mode in ("sync", "async"):
+        s = compile_schedule(PRESETS["tinypipe"].replace(optimizer=mode), SPEC, HW, trace, iterations=2)
+        assert s.optimizer == mode and Schedule.loads(s.dumps()).optimizer == mode
+    text = compile_schedule(PRESETS["tinypipe"], SPEC, HW, trace, iterations=2).dumps()
+    assert " optimizer=sync " in text
+    assert Schedule.loads(text.replace(" optimizer=sync", "")).optimizer == "sync"

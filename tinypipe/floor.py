@@ -63,7 +63,8 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
         g = resource_gpu(a.resource)
         if info.cost is Cost.OPTIMIZER:
             if a.layer not in opt_s:
-                opt_s[a.layer] = optimizer_step_s(model.layers[a.layer], schedule.host_memory, hardware.host, trace)
+                opt_s[a.layer] = optimizer_step_s(model.layers[a.layer], schedule.host_memory, hardware.host, trace,
+                                                 optimizer=schedule.optimizer)
             optimizer[owner.get(a.layer, 0)] += opt_s[a.layer]
         elif info.cost is Cost.COMPUTE:
             assert g is not None

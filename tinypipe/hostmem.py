@@ -105,9 +105,10 @@ def optimizer_s_per_param(host: Host, layout: HostLayout) -> float:
     return optimizer_time_factor(layout) / host.adam_params_per_s
 
 
-def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None) -> float:
-    """Seconds of one host optimizer step (OPT_STEP) of `layer` under `layout`. The one place the
-    simulator, the cost model, the search bound and the floor take it from.
+def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None, *,
+                     optimizer: OptimizerMode = "sync") -> float:
+    """Seconds of one host optimizer step (OPT_STEP) of `layer` under `layout` and `optimizer` mode. The
+    one place the simulator, the cost model, the search bound and the floor take it from.
 
     When `trace` has the step of the layer's kind measured in a run's conditions (`tinypipe profile`:
     `OptimizerProfile.in_run_s`, that layer's own tensors, beside the device's work, at a rank's thread
@@ -115,7 +116,11 @@ def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: Pr
     Else (an analytic trace, or one profiled before these measurements) the layer's parameters at
     the host's rate for the layout (`optimizer_s_per_param`), as before. On the H200 host the rate,
     measured in bulk with nothing else running, was 1.13-1.6x too fast for a run's steps (README,
-    "Predicting a run")."""
+    "Predicting a run"). An asynchronous step first keeps the version the next iteration's uploads still
+    read (compact: a copy of the high plane; replicated: the upload copy refreshed first); a trace that
+    measured that step (`OptimizerProfile.async_in_run_s`) gives its time, else the sync one: on the H200
+    the kept copy made a Qwen3-1.7B block's step 1.43x slower (2026-12-01)."""
     kind = trace.kinds.get(layer.kind.value) if trace is not None else None
-    measured = kind.optimizer.step_s(layout, layer.params) if kind is not None and kind.optimizer else None
+    measured = (kind.optimizer.step_s(layout, layer.params, asynchronous=optimizer == "async")
+                if kind is not None and kind.optimizer else None)
     return measured if measured is not None else layer.params * optimizer_s_per_param(host, layout)

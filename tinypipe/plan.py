@@ -173,7 +173,8 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         saved_bytes=tuple(saved), layer_workspace_bytes=tuple(ws),
         host_grad_bytes=tuple(x.gpu_params * DTYPE_BYTES[dt] for x in model.layers),
         master_bytes=tuple(x.params * 4 for x in model.layers),
-        opt_s=tuple(optimizer_step_s(layer, policy.host_memory, hardware.host, trace) for layer in model.layers),
+        opt_s=tuple(optimizer_step_s(layer, policy.host_memory, hardware.host, trace, optimizer=policy.optimizer)
+                    for layer in model.layers),
         num_gpus=g, h2d_gbps=hardware.host_to_gpu_gbps(),
         p2p_gbps=min((r.bottleneck_gbps for r in pairs), default=float("inf")),
         p2p_through_host=any(r.through_host for r in pairs),

@@ -43,7 +43,7 @@ from tinypipe.kinds import HOST_OPTIM as HOST_OPTIM
 from tinypipe.kinds import KIND_STREAM as KIND_STREAM
 from tinypipe.kinds import LEGACY_KINDS
 from tinypipe.kinds import Kind as Kind
-from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout, parse_mode
+from tinypipe.policy.modes import HOST_LAYOUTS, OPTIMIZER_MODES, HostLayout, OptimizerMode, parse_mode
 
 
 def recomputes(recompute: bool, layer: int, num_layers: int) -> bool:
@@ -206,6 +206,7 @@ class Schedule:
     pack_layers: tuple[tuple[int, ...], ...]  # layers of each pack, in order
     pack_gpu: tuple[int, ...]  # GPU of each pack
     host_memory: HostLayout = "replicated"  # host layout: sets the CPU optimizer's cost (hostmem)
+    optimizer: OptimizerMode = "sync"  # async: each OPT_STEP keeps the previous version first (hostmem)
     compute_dtype: str = "bf16"
     static_bytes: tuple[tuple[str, int], ...] = ()  # (device, bytes)
     meta: tuple[tuple[str, str], ...] = ()  # free-form provenance: model, hardware, policy name
@@ -257,7 +258,8 @@ class Schedule:
             "# tinypipe schedule v1",
             f"# gpus={self.num_gpus} layers={self.num_layers} iterations={self.iterations} "
             f"microbatches={self.microbatches} tokens_per_microbatch={self.tokens_per_microbatch} "
-            f"recompute={int(self.recompute)} host_memory={self.host_memory} compute_dtype={self.compute_dtype}",
+            f"recompute={int(self.recompute)} host_memory={self.host_memory} optimizer={self.optimizer} "
+            f"compute_dtype={self.compute_dtype}",
             "# packs=" + ";".join(",".join(map(str, p)) for p in self.pack_layers),
             "# pack_gpu=" + ",".join(map(str, self.pack_gpu)),
             "# static=" + ",".join(f"{d}={b}" for d, b in self.static_bytes),
@@ -293,6 +295,8 @@ class Schedule:
                 tokens_per_microbatch=int(hdr["tokens_per_microbatch"]), recompute=hdr["recompute"] == "1",
                 pack_layers=packs, pack_gpu=tuple(int(x) for x in hdr["pack_gpu"].split(",") if x),
                 host_memory=parse_mode(hdr["host_memory"], HOST_LAYOUTS, f"{where}: host_memory"),
+                # schedules written before the field were all run as sync or replayed as such
+                optimizer=parse_mode(hdr.get("optimizer", "sync"), OPTIMIZER_MODES, f"{where}: optimizer"),
                 compute_dtype=hdr["compute_dtype"],
                 static_bytes=static, meta=tuple(meta),
             )

@@ -203,12 +203,13 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
     opt = {k: p.optimizer for k, p in traces[0].kinds.items() if p.optimizer is not None} if traces else {}
     if opt:
         threads = next(iter(opt.values())).threads
-        rows = [[k, f"{o.params:,}", lay, o.alone_s[lay] * 1e3, o.in_run_s[lay] * 1e3, o.params / o.in_run_s[lay] / 1e9]
+        rows = [[k, f"{o.params:,}", lay, o.alone_s[lay] * 1e3, o.in_run_s[lay] * 1e3,
+                 o.async_in_run_s[lay] * 1e3 if lay in o.async_in_run_s else "-", o.params / o.in_run_s[lay] / 1e9]
                 for k, o in opt.items() for lay in o.in_run_s]
         lines += ["", f"host optimizer step per layer kind ({threads} thread(s); in the run: beside the device's work, "
-                      "what the simulator charges)",
-                  table.render(["kind", "params", "layout", "alone ms", "in run ms", "in run G params/s"], rows,
-                               align="lrlrrr")]
+                      "what the simulator charges; async: the step that keeps the previous version)",
+                  table.render(["kind", "params", "layout", "alone ms", "in run ms", "async in run ms",
+                                "in run G params/s"], rows, align="lrlrrrr")]
     if rates is not None:
         f = rates.factors()
         lines += ["", f"copies ({rates.device}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, both at "

@@ -21,13 +21,15 @@ layer kind (embedding, block, head: their real tensors) and per host layout:
 - in_run_s: the same number of steps while the main thread keeps the device busy through the
   executor (`devloop.DeviceLoop`); the first step starts once the loop has started. This is what the
   simulator charges (`tinypipe.hostmem.optimizer_step_s`).
+- async_in_run_s: as in_run_s, the asynchronous optimizer's step: a host state with the layout's
+  previous-version room (compact: the snapshot regions), each step keeping the previous version as
+  an async run's do (`HostState.step(keep_previous=True)`), after one untimed warm-up step of its own.
 
 The slab is not page-locked: a run's is (`cudaHostRegister` on the same private mapping), which
 changes what the copy engines may do with it, not what the CPU does, and registering the 3 GB of
 an 8B model's embedding takes about a second.
 
-Not measured: the asynchronous optimizer's snapshot of the upload form (compact: a copy of the high
-plane before the step), and other ranks stepping at the same time (a run of N GPUs has N optimizer
+Not measured: other ranks stepping at the same time (a run of N GPUs has N optimizer
 threads sharing the host's memory bandwidth; profile with `--threads` at the per-rank count of that
 run to have each rank's share of the cores).
 """
@@ -71,17 +73,20 @@ class KindSteps:
     warm_s: float
     alone_s: tuple[float, ...]
     in_run_s: tuple[float, ...]
+    async_in_run_s: tuple[float, ...]
 
 
 class _Stepper:
     """One layer's host state under one layout, and its gradients, stepped on a `HostWorker`."""
 
     def __init__(self, masters: dict[str, torch.Tensor], *, layer: int, layout: HostLayout, dtype: torch.dtype,
-                 tied: str | None) -> None:
+                 tied: str | None, keep_previous: bool = False) -> None:
         self.layer = layer
+        self.keep_previous = keep_previous  # the asynchronous optimizer's step
         self.state: HostState = make_host_state({layer: masters}, layout=layout, compute_dtype=dtype,
                                                 optim=AdamWConfig(), grad_ring_slots=1,
-                                                shared_grad=layer if tied is not None else None)
+                                                shared_grad=layer if tied is not None else None,
+                                                snapshots=keep_previous)
         # AdamW's time does not depend on the values (elementwise, no branches): a constant gradient costs
         # what a real one does, and filling 525M of them takes milliseconds where drawing them takes seconds
         self.grads = {n: torch.full(t.shape, 1e-3, dtype=dtype) for n, t in masters.items()}
@@ -101,7 +106,7 @@ class _Stepper:
             before()
             self.deliver()
 
-        return self.worker.submit(gated, lambda: self.state.step(self.layer))
+        return self.worker.submit(gated, lambda: self.state.step(self.layer, keep_previous=self.keep_previous))
 
     def close(self) -> None:
         self.worker.close()
@@ -117,19 +122,32 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
     The caller sets the torch thread count (the rank's)."""
     layer = bench.layers[kind]
     tied = bench.tied[1] if bench.tied is not None and kind == LayerKind.EMBED.value else None
+
+    def in_run(s: _Stepper, n: int) -> tuple[float, ...]:
+        go = threading.Event()
+        try:
+            futs = [s.submit(go.wait)] + [s.submit() for _ in range(n - 1)]
+            loop.run_until(futs[-1].done, started=go.set)
+        finally:
+            go.set()  # a loop that failed before starting must not leave the worker waiting
+        return tuple(_seconds(f) for f in futs)
+
     s = _Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied)
-    go = threading.Event()
     try:
         warm = _seconds(s.submit())
         n = steps_for(warm, max_steps)
         alone = tuple(_seconds(s.submit()) for _ in range(n))
-        futs = [s.submit(go.wait)] + [s.submit() for _ in range(n - 1)]
-        loop.run_until(futs[-1].done, started=go.set)
-        in_run = tuple(_seconds(f) for f in futs)
+        synced = in_run(s, n)
     finally:
-        go.set()  # a loop that failed before starting must not leave the worker waiting
         s.close()
-    return KindSteps(params=s.state.params, warm_s=warm, alone_s=alone, in_run_s=in_run)
+    a = _Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied,
+                 keep_previous=True)
+    try:
+        _seconds(a.submit())  # its own warm-up: the moments, and the first touch of the kept copy
+        kept = in_run(a, n)
+    finally:
+        a.close()
+    return KindSteps(params=s.state.params, warm_s=warm, alone_s=alone, in_run_s=synced, async_in_run_s=kept)
 
 
 def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_steps: int,
@@ -152,7 +170,8 @@ def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_
         torch.set_num_threads(before)
     out = {kind: OptimizerProfile(params=next(iter(by.values())).params, threads=threads,
                                   alone_s={lay: statistics.median(k.alone_s) for lay, k in by.items()},
-                                  in_run_s={lay: statistics.median(k.in_run_s) for lay, k in by.items()})
+                                  in_run_s={lay: statistics.median(k.in_run_s) for lay, k in by.items()},
+                                  async_in_run_s={lay: statistics.median(k.async_in_run_s) for lay, k in by.items()})
            for kind, by in steps.items()}
     return out, steps
 

@@ -77,12 +77,13 @@ class Watched:
 
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
 def test_in_run_steps_wait_for_the_loop(bench: LayerBench, layout: str) -> None:
-    """The in-run steps start only once the loop has started (the last one had not finished before it),
-    as many as the alone ones, each > 0; the parameters are the kind's own."""
+    """The in-run steps (sync, then async) start only once the loop has started (the last one had not
+    finished before it), as many as the alone ones, each > 0; the parameters are the kind's own."""
     watched = Watched(DeviceLoop(bench, microbatch_size=1, seq_len=SEQ))
     got = time_steps(bench, "block", layout, watched, max_steps=3)  # type: ignore[arg-type]
-    assert watched.done_before_start == [False] and watched.windows[0] >= 1
-    assert len(got.alone_s) == len(got.in_run_s) == 3 and min(got.alone_s + got.in_run_s) > 0
+    assert watched.done_before_start == [False, False] and min(watched.windows) >= 1
+    assert len(got.alone_s) == len(got.in_run_s) == len(got.async_in_run_s) == 3
+    assert min(got.alone_s + got.in_run_s + got.async_in_run_s) > 0
     assert got.params == bench.spec.layers[1].params
 
 
