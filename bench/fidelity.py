@@ -1,16 +1,17 @@
-"""Fidelity on H200 (issue 10): the simulator's prediction from a profile beside each measured run.
+"""Fidelity on H200 (issue 10): every configuration predicted from one profile, beside its measured run.
 
-    python bench/fidelity.py [--profile bench/results/profile_h200] [--out bench/results/fidelity.jsonl]
+    python bench/fidelity.py [--profile bench/results/profile_h200_fid] [--out bench/results/fidelity.jsonl]
 
-Measured: the real runs recorded in bench/results/cuda_h200.jsonl by `bench/cuda_bench.py`.
-Predicted, never with numbers from the run being predicted:
-- LLAMA_RUNS (eager, 2026-11-30 and 12-01): `tinypipe simulate` of the same model, policy, tokens
-  per step and GPU cap, with the traces and host rates `tinypipe profile` measured on another lent
-  H200 machine (`--profile`, bench/results/profile_h200/).
-- RECORD_RUNS: the prediction each run's own plan made from the `--profile` it was given
-  (bench/results/profile_h200_compile/, taken on the machine of the first seven, minutes before).
-Iteration time: the mean after the warm-up iterations the run's record names.
-One JSON object per configuration, replacing `--out`; a table on stdout.
+Measured: the runs of bench/device/fidelity_1gpu.sh, the records of bench/results/cuda_h200.jsonl whose
+case has `-fid-` (the latest of each case): iteration time is the mean of the iterations after the
+record's warm-up ones, peak GPU memory the allocator's peak (max_memory_allocated).
+Predicted: `tinypipe simulate` of the record's model, its policy (the JSON the run resolved, microbatch
+size inside), 65,536 tokens per step, seq 2048 and its GPU cap, with the profile folder of its model and
+block mode under --profile (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) and the
+hardware.json of that folder, else of pq/. Nothing of the run being predicted goes into its prediction:
+one profile per model, taken once, predicts every configuration of that model (profile_h200_fid/README.md
+says where and when each was taken).
+One JSON object per configuration, replacing --out; a table on stdout.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,106 +29,89 @@ from tinypipe.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-POLICIES = ROOT / "bench" / "policies"
-DEVICE = "NVIDIA H200 (lent machines)"
-
-# (config name, model, GPUs, policy, microbatch size or None, the measured record)
-LLAMA_RUNS = (("llama-3.1-8b 1 GPU compact sync", "1gpu-sync-compact", "h200x1-24g-sync-compact.json"),
-              ("llama-3.1-8b 1 GPU compact async", "1gpu-async", "h200x1-24g-async.json"),
-              ("llama-3.1-8b 2 GPUs compact sync", "2gpu-sync-compact", "h200x2-24g-sync-compact.json"),
-              ("llama-3.1-8b 2 GPUs compact async", "2gpu-async", "h200x2-24g-async.json"))
+DEVICE = "NVIDIA H200 (lent machines, 1 GPU)"
+FOLDER = {"qwen3-1.7b": "pq", "llama-3.1-8b": "pl"}
 
 
-# Runs whose record carries the prediction made at run time from `--profile` (bench/cuda_bench.py):
-# (config, case in cuda_h200.jsonl, where the profile was taken). Qwen3-1.7B, and Llama-3.1-8B with
-# compiled blocks: bench/device/compile_qwen3.sh and llama_compile.sh, 2026-12-01, profiles in
-# bench/results/profile_h200_compile/ (taken on the machine of the first seven, minutes before).
-SAME = "the run's machine, minutes before"
-OTHER = "another lent machine (bench/results/profile_h200_compile)"
-RECORD_RUNS = (
-    ("qwen3-1.7b 1 GPU tinypipe preset (compact sync), 4 x 2048", "1gpu-preset-qwen3-mb4", SAME),
-    ("qwen3-1.7b 1 GPU tinypipe preset (compact sync), 2 x 2048", "1gpu-preset-qwen3-mb2", SAME),
-    ("qwen3-1.7b 1 GPU preset, async optimizer, 4 x 2048", "1gpu-preset-async-qwen3-mb4", SAME),
-    ("qwen3-1.7b 1 GPU preset, async optimizer, 2 x 2048", "1gpu-preset-async-qwen3-mb2", SAME),
-    ("qwen3-1.7b 1 GPU mobius preset, 4 x 2048", "1gpu-mobius-qwen3-mb4", SAME),
-    ("qwen3-1.7b 1 GPU preset (sync), compiled blocks, 4 x 2048", "1gpu-preset-qwen3-mb4-compiled", SAME),
-    ("qwen3-1.7b 1 GPU preset, async, compiled blocks, 4 x 2048", "1gpu-preset-async-qwen3-mb4-compiled", SAME),
-    ("llama-3.1-8b 1 GPU compact sync, compiled blocks", "1gpu-sync-compact-compiled", OTHER),
-    ("qwen3-1.7b 1 GPU preset (sync), compiled, carried steps, 4 x 2048", "1gpu-preset-qwen3-mb4-compiled-carry",
-     OTHER),
-    ("qwen3-1.7b 1 GPU preset, async, compiled, carried steps, 4 x 2048", "1gpu-preset-async-qwen3-mb4-compiled-carry",
-     OTHER),
-    ("qwen3-1.7b 1 GPU preset, async, carried steps, 2 x 2048", "1gpu-preset-async-qwen3-mb2-carry", OTHER),
-)
-
-
-def _bench_records() -> dict[str, dict[str, Any]]:
-    """The latest successful record of each bench case."""
+def fidelity_records(path: Path) -> list[dict[str, Any]]:
+    """The latest successful record of each `-fid-` case, in the order first seen."""
     out: dict[str, dict[str, Any]] = {}
-    for line in (RESULTS / "cuda_h200.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines():
         rec = json.loads(line)
-        if rec.get("tokens_per_s"):
+        if "-fid-" in rec.get("case", "") and rec.get("tokens_per_s"):
             out[rec["case"]] = rec
-    return out
+    return list(out.values())
 
 
-def _predict(model: str, gpus: int, policy: str, microbatch_size: int | None, profile: Path) -> dict[str, Any]:
-    hw = profile / f"hardware-h200x{gpus}.json"
-    cmd = [sys.executable, "-m", "tinypipe.cli", "simulate", "--model", model, "--hardware", str(hw),
-           "--profile", str(profile), "--policy", policy, "--gpu-mem", "24GiB", "--seq-len", "2048",
-           "--batch-tokens", "65536", "--json"]
-    if microbatch_size is not None:
-        cmd += ["--microbatch-size", str(microbatch_size)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+def profile_folder(rec: dict[str, Any], profile: Path) -> Path:
+    compiled = "--compile" in rec.get("run_options", [])
+    return profile / (FOLDER[rec["model"]] + ("-compiled" if compiled else ""))
+
+
+def predict(rec: dict[str, Any], profile: Path) -> dict[str, Any]:
+    folder = profile_folder(rec, profile)
+    hw = folder / "hardware.json"
+    if not hw.exists():
+        hw = profile / "pq" / "hardware.json"
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(rec["policy"], f)
+    cmd = [sys.executable, "-m", "tinypipe.cli", "simulate", "--model", rec["model"], "--hardware", str(hw),
+           "--profile", str(folder), "--policy", f.name, "--gpu-mem", f"{rec['gpu_mem_cap_gib']:g}GiB",
+           "--seq-len", "2048", "--batch-tokens", str(rec["tokens_per_step"]), "--json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    finally:
+        Path(f.name).unlink()
     r = json.loads(out.stdout)["results"][0]
-    r["command"] = "tinypipe " + " ".join(cmd[3:])
+    rel = [str(Path(x).relative_to(ROOT)) if x.startswith(str(ROOT)) else x for x in cmd[3:]]
+    r["command"] = "tinypipe " + " ".join(rel).replace(f.name, "<the record's policy JSON>")
     return dict(r)
 
 
-def rows(profile: Path) -> list[dict[str, Any]]:
-    recs = _bench_records()
+def describe(rec: dict[str, Any]) -> str:
+    p = rec["policy"]
+    mode = "compiled" if "--compile" in rec.get("run_options", []) else "eager"
+    return (f"{rec['model']} 1 GPU {p['name']} ({p['host_memory']}, {p['optimizer']}), {p['microbatch_size']} x 2048, "
+            f"{mode}")
+
+
+def rows(profile: Path, records: Path) -> list[dict[str, Any]]:
     out = []
-    for name, case, policy in LLAMA_RUNS:
-        rec = recs[case]
-        pred = _predict("llama-3.1-8b", rec["gpus"], str(POLICIES / policy), None, profile)
-        out.append({"config": name, "measured_iteration_s": rec["iteration_s"],
-                    "warmup_iterations": rec.get("warmup_iterations", 1),
-                    "predicted_iteration_s": pred["iteration_s"], "measured_peak_gpu_bytes": rec["peak_gpu_bytes"],
-                    "predicted_peak_gpu_bytes": pred["peak_gpu_bytes"], "measured_on": rec["date"],
-                    "profiled_on": "another lent machine (bench/results/profile_h200)",
-                    "predict_command": pred["command"], "device": DEVICE, "date": rec["date"]})
-    for name, case, where in RECORD_RUNS:
-        rec = recs[case]
-        out.append({"config": name, "measured_iteration_s": rec["iteration_s"],
-                    "warmup_iterations": rec.get("warmup_iterations", 1),
-                    "predicted_iteration_s": rec["predicted_iteration_s"],
+    for rec in fidelity_records(records):
+        pred = predict(rec, profile)
+        out.append({"config": describe(rec), "case": rec["case"], "measured_iteration_s": rec["iteration_s"],
+                    "warmup_iterations": rec["warmup_iterations"], "predicted_iteration_s": pred["iteration_s"],
                     "measured_peak_gpu_bytes": rec["peak_gpu_bytes"],
-                    "predicted_peak_gpu_bytes": rec["predicted_peak_gpu_bytes"], "measured_on": rec["date"],
-                    "profiled_on": where, "predict_command": "the run's own plan: tinypipe run " + " ".join(
-                        rec.get("run_options", [])), "device": DEVICE, "date": rec["date"]})
-    for r in out:
-        r["iteration_error"] = r["predicted_iteration_s"] / r["measured_iteration_s"] - 1
-        r["peak_gpu_error"] = r["predicted_peak_gpu_bytes"] / r["measured_peak_gpu_bytes"] - 1
+                    "predicted_peak_gpu_bytes": pred["peak_gpu_bytes"],
+                    "iteration_error": pred["iteration_s"] / rec["iteration_s"] - 1,
+                    "peak_gpu_error": pred["peak_gpu_bytes"] / rec["peak_gpu_bytes"] - 1,
+                    "predict_command": pred["command"], "device": DEVICE, "date": rec["date"]})
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default=str(RESULTS / "profile_h200"))
+    ap.add_argument("--profile", default=str(RESULTS / "profile_h200_fid"))
+    ap.add_argument("--records", default=str(RESULTS / "cuda_h200.jsonl"))
     ap.add_argument("--out", default=str(RESULTS / "fidelity.jsonl"))
     a = ap.parse_args()
-    rs = rows(Path(a.profile))
+    rs = rows(Path(a.profile), Path(a.records))
+    if not rs:
+        print(f"error: {a.records}: no `-fid-` records", file=sys.stderr)
+        return 2
     Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in rs))
-    print(f"{'config':70s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s} {'GPU GiB':>8s} "
+    w = max(len(r["config"]) for r in rs)
+    print(f"{'config':{w}s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s} {'GPU GiB':>8s} "
           f"{'pred GiB':>8s} {'error':>7s}")
     for r in rs:
-        print(f"{r['config']:70s} {r['measured_iteration_s']:10.3f} {r['predicted_iteration_s']:11.3f} "
+        print(f"{r['config']:{w}s} {r['measured_iteration_s']:10.3f} {r['predicted_iteration_s']:11.3f} "
               f"{100 * r['iteration_error']:+6.1f}% {r['measured_peak_gpu_bytes'] / GIB:8.2f} "
               f"{r['predicted_peak_gpu_bytes'] / GIB:8.2f} {100 * r['peak_gpu_error']:+6.1f}%")
     errs = [abs(r["iteration_error"]) for r in rs]
     mem = [abs(r["peak_gpu_error"]) for r in rs]
     print(f"{len(rs)} configurations: iteration |error| median {100 * statistics.median(errs):.1f}%, worst "
-          f"{100 * max(errs):.1f}%; peak GPU |error| worst {100 * max(mem):.1f}%")
+          f"{100 * max(errs):.1f}%; peak GPU |error| median {100 * statistics.median(mem):.1f}%, worst "
+          f"{100 * max(mem):.1f}%")
     print(f"wrote {a.out}")
     return 0
 

@@ -1,13 +1,16 @@
 # On a lent H200 machine (1 GPU), from the repository root (carry .whl):
-#   DEADLINE_S=560 [PROFILES=DIR] bash bench/device/fidelity_1gpu.sh RUN...
+#   DEADLINE_S=560 [PROFILES=DIR] [MODELS="qwen3 llama"] [RANK=N] bash bench/device/fidelity_1gpu.sh RUN...
 # Issue 10's fidelity campaign: profile once, then run every configuration planned from that profile.
 # 1. Unless PROFILES names the folders of an earlier call (committed under bench/results/), `tinypipe
 #    profile` with each kind's host optimizer step: Qwen3-1.7B at 2 and 4 x 2048 eager with the copy and
 #    optimizer rates ($OUT/pq, hardware.json), at 4 x 2048 compiled ($OUT/pq-compiled), Llama-3.1-8B at
-#    4 x 2048 eager ($OUT/pl) and compiled ($OUT/pl-compiled); then the profiler's GPU test.
+#    4 x 2048 eager ($OUT/pl) and compiled ($OUT/pl-compiled) (MODELS: which of the two); then the
+#    profiler's GPU test. With RANK=N, bench/search_rank.py pick: the first N distinct candidates of
+#    `tinypipe search --gpu-mem 24GiB` for Qwen3-1.7B on this profile (compiled, pq's hardware.json),
+#    as $OUT/rank/rank-K.json, which a RUN names as its POLICY.
 # 2. Each RUN = MODEL:CASE:MB:MODE[:POLICY] runs bench/cuda_bench.py's CASE (65,536 tokens per step,
 #    --gpu-mem 24GiB) on MODEL (qwen3-1.7b or llama-3.1-8b) at MB sequences per microbatch, MODE
-#    compile or eager, with POLICY (a file under bench/policies/) instead of the case's policy when
+#    compile or eager, with POLICY (a file in $OUT/rank/, else under bench/policies/) instead of the case's policy when
 #    given; planned with the profile of step 1 that matches (pq / pq-compiled / pl / pl-compiled) and
 #    pq's hardware.json, appended to $OUT/cuda_h200.jsonl with its trace. A run that would pass
 #    DEADLINE_S is skipped.
@@ -18,7 +21,7 @@ ROOT=$(pwd)
 START=$(date +%s)
 cd /tmp
 nproc; free -g | head -2
-pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
+pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* rank *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
 trap pack EXIT
 left() { echo $(( ${DEADLINE_S:-560} - ($(date +%s) - START) )); }
 prof() {  # out dir, then profile options
@@ -32,12 +35,20 @@ if [ -n "$PROFILES" ]; then
   P="$ROOT/$PROFILES"
 else
   P="$OUT"
-  prof pq --model qwen3-1.7b --microbatch-size 2 4 --no-compile
-  prof pq-compiled --model qwen3-1.7b --microbatch-size 4 --no-rates --compile
-  prof pl --model llama-3.1-8b --microbatch-size 4 --no-rates --no-compile
-  prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --no-rates --compile
+  case " ${MODELS:-qwen3 llama} " in *" qwen3 "*)
+    prof pq --model qwen3-1.7b --microbatch-size 2 4 --no-compile
+    prof pq-compiled --model qwen3-1.7b --microbatch-size 4 --no-rates --compile;;
+  esac
+  case " ${MODELS:-qwen3 llama} " in *" llama "*)
+    prof pl --model llama-3.1-8b --microbatch-size 4 --no-rates --no-compile
+    prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --no-rates --compile;;
+  esac
   timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/backends/test_profile.py" \
     "$ROOT/tests/backends/test_profile_optim.py" -k cuda 2>&1 | tail -2 | tee -a "$OUT/log.txt"
+fi
+if [ -n "$RANK" ]; then
+  python3 "$ROOT/bench/search_rank.py" pick --model qwen3-1.7b --hardware "$P/pq/hardware.json" \
+    --profile "$P/pq-compiled" --n "$RANK" --out "$OUT/rank" 2>&1 | tee -a "$OUT/log.txt"
 fi
 for spec in "$@"; do
   IFS=: read -r model case mb mode policy <<<"$spec"
@@ -47,7 +58,10 @@ for spec in "$@"; do
   if [ "$mode" = compile ]; then p=$p-compiled; flag=(--compile); fi
   label="-fid-$short-mb$mb-$mode"
   pol=()
-  if [ -n "$policy" ]; then pol=(--policy "$ROOT/bench/policies/$policy"); label="$label-${policy%.json}"; fi
+  if [ -n "$policy" ]; then
+    f="$ROOT/bench/policies/$policy"; [ -f "$OUT/rank/$policy" ] && f="$OUT/rank/$policy"
+    pol=(--policy "$f"); label="$label-${policy%.json}"
+  fi
   need=$([ "$short" = llama ] && echo 230 || echo 90)
   if [ "$(left)" -lt "$need" ]; then echo "$spec: skipped, $(left) s left"; continue; fi
   timeout -k 10 $(( $(left) - 5 )) python3 "$ROOT/bench/cuda_bench.py" --model "$model" --cases "$case" \

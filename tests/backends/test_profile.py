@@ -298,7 +298,7 @@ def test_profile_on_cuda_measures_the_workspace(tmp_path: Path, capsys: pytest.C
     assert cli_main(["profile", "--model", "tiny-llama", "--backend", "cuda", "--seq-len", "64",
                      "--microbatch-size", "1", "4", "--out", str(tmp_path), "--hardware", "h200x1"]) == 0
     capsys.readouterr()
-    t = load_trace(str(tmp_path / "h200-tiny-llama-mb4-seq64.json"))
+    t = load_trace(str(tmp_path / "h200-tiny-llama-mb4-seq64-compiled.json"))  # cuda compiles by default
     assert t.dtype == "bf16" and "CUDA events" in t.source and "NOT measured" not in t.source
     assert all(p.fwd_s > 0 and p.workspace_bytes >= 0 for p in t.kinds.values())
     assert t.kinds["head"].workspace_fixed_bytes <= t.kinds["head"].workspace_bytes
