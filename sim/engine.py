@@ -22,7 +22,9 @@ start-time rule is enough: the actions take milliseconds and the steps tens of m
 actions see a step begin or end part-way. Running steps are counted (one counter, raised while an
 OPT_STEP with a non-zero time runs); an OPT_STEP starting or ending at the very instant a FWD / BWD
 starts counts as SimPy orders the two processes' events at that instant. Any rank's step counts,
-whichever GPU the action is on.
+whichever GPU the action is on, though the profile measured only a rank's own step beside its own
+loop (in a run another rank's optimizer thread is in another process: it shares the cores and the
+memory bandwidth, not the GIL); not measured, so not told apart.
 
 Lanes: one process per lane of `tinypipe.order.run_lanes`, which is one per resource except the host
 optimizer: as in the backend, every rank runs its own layers' OPT_STEPs on a lane of its own, so
