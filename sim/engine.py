@@ -4,7 +4,8 @@ An action starts when its predecessors have finished (`tinypipe.order`: the prev
 resource and all its dependencies): the lane's process has finished the previous one, and it waits
 for the dependencies (the deadlock report lists the predecessors still running). Each kind is timed
 by its cost class in `tinypipe.kinds.KINDS`, as docs/schedule-contract.md says: compute (FWD / BWD)
-takes the trace's times (BWD with recompute when the schedule recomputes), a free kind (EVICT) no
+takes the trace's times (`KindProfile.compute_s`: BWD with recompute when the schedule recomputes;
+a recomputed layer whose kind has loop times, `tinypipe.looptimes`, takes those), a free kind (EVICT) no
 time, the optimizer (OPT_STEP, on `host.optim`) `hostmem.optimizer_step_s` (the trace's step of the
 layer's kind measured in a run's conditions, else the host layout's rate), and copies (uploads,
 downloads and the SEND / RECV halves) are fluid flows over the hardware route (sim/network.py); a
@@ -13,6 +14,17 @@ A SEND and its RECV (paired by `tinypipe.order.pair_halves`) rendezvous: the cop
 halves are ready and both end when it ends; each half's record starts when its own stream reached it
 (as a CUDA event recorded before it would).
 Memory effects go through the ledgers (sim/memory.py).
+
+Loop times, beside the optimizer or alone: a FWD / BWD with loop times costs the
+`*_beside_optimizer_s` one when an OPT_STEP is running on any host optimizer lane at the instant it
+starts, else the alone one; the choice is made at the start and holds for the whole action. A
+start-time rule is enough: the actions take milliseconds and the steps tens of milliseconds, so few
+actions see a step begin or end part-way. Running steps are counted (one counter, raised while an
+OPT_STEP with a non-zero time runs); an OPT_STEP starting or ending at the very instant a FWD / BWD
+starts counts as SimPy orders the two processes' events at that instant. Any rank's step counts,
+whichever GPU the action is on, though the profile measured only a rank's own step beside its own
+loop (in a run another rank's optimizer thread is in another process: it shares the cores and the
+memory bandwidth, not the GIL); not measured, so not told apart.
 
 Lanes: one process per lane of `tinypipe.order.run_lanes`, which is one per resource except the host
 optimizer: as in the backend, every rank runs its own layers' OPT_STEPs on a lane of its own, so
@@ -51,7 +63,9 @@ from .network import Network
 from .result import SimResult, build_result
 
 HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
-_TIMED, _COPY, _PAIR = 0, 1, 2
+# how an action runs: a fixed time; a copy; a SEND / RECV half; an OPT_STEP (a fixed time, counted as
+# running); a FWD / BWD with loop times (alone, beside the optimizer: picked at its start)
+_TIMED, _COPY, _PAIR, _OPT, _LOOP = 0, 1, 2, 3, 4
 
 Copy = tuple[float, float, tuple[str, ...]]  # bytes, latency_s, capacities crossed
 
@@ -88,6 +102,7 @@ class Engine:
         self._waiters: dict[int, simpy.Event] = {}  # action id -> event fired when it ends
         self._rendezvous: dict[int, simpy.Event] = {}  # half that arrived first -> its wake-up event
         self._mode, self._cost = _costs(schedule, model, hardware, trace, self.partner)
+        self._steps_running = 0  # OPT_STEPs running now, on any optimizer lane (module docstring)
         self._fixed: dict[int, float] = {}  # SEND / RECV half -> measured duration after the rendezvous (replay)
         for aid, d in (durations or {}).items():
             if not 0 <= aid < n or not d >= 0:
@@ -95,8 +110,9 @@ class Engine:
                                  "and a duration >= 0")
             if self._mode[aid] == _PAIR:
                 self._fixed[aid] = float(d)
-            else:  # any other action simply takes its measured time
-                self._mode[aid], self._cost[aid] = _TIMED, float(d)
+            else:  # any other action simply takes its measured time (an OPT_STEP still counts as running)
+                self._mode[aid] = _OPT if self._mode[aid] == _OPT else _TIMED
+                self._cost[aid] = float(d)
         for ids in self.lanes.values():
             if ids:
                 self.env.process(self._run(ids))
@@ -142,6 +158,14 @@ class Engine:
                 dur = cost[aid]
                 if dur > 0:
                     yield env.timeout(dur)
+            elif m == _OPT:
+                dur = cost[aid]
+                if dur > 0:
+                    self._steps_running += 1
+                    yield env.timeout(dur)
+                    self._steps_running -= 1
+            elif m == _LOOP:  # (alone, beside the optimizer), picked at the start
+                yield env.timeout(cost[aid][1 if self._steps_running else 0])
             elif m == _COPY:
                 nbytes, lat, links = cost[aid]
                 yield net.copy(nbytes, lat, links)
@@ -233,11 +257,11 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
             if not 0 <= a.layer < len(model.layers):
                 raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
             layer = model.layers[a.layer]
-            mode.append(_TIMED)
             if c is Cost.OPTIMIZER:
                 if a.layer not in opt_s:
                     opt_s[a.layer] = optimizer_step_s(layer, schedule.host_memory, hardware.host, trace,
                                                      optimizer=schedule.optimizer)
+                mode.append(_OPT)
                 cost.append(opt_s[a.layer])
                 continue
             if a.layer not in profiles:
@@ -249,8 +273,10 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
             p = profiles[a.layer]
             if k.info.direction is Direction.NONE:
                 raise ScheduleError(f"`{a}` (action {a.id}): compute kind {k.value} is neither forward nor backward")
-            forward = k.info.direction is Direction.FORWARD
-            cost.append(p.fwd_s if forward else p.backward_s(schedule.recomputes(a.layer)))
+            forward, redo = k.info.direction is Direction.FORWARD, schedule.recomputes(a.layer)
+            alone, beside = p.compute_s(forward, redo), p.compute_s(forward, redo, beside_optimizer=True)
+            mode.append(_TIMED if alone == beside else _LOOP)
+            cost.append(alone if alone == beside else (alone, beside))
         elif c is Cost.FREE:
             mode.append(_TIMED)
             cost.append(0.0)

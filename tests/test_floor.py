@@ -11,6 +11,7 @@ from tinypipe.floor import schedule_floor
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import optimizer_time_factor
+from tinypipe.looptimes import LoopTimes
 from tinypipe.policy import PRESETS
 from tinypipe.schedule import Kind
 from tinypipe.trace import OptimizerProfile, trace_for
@@ -64,3 +65,18 @@ def test_floor_takes_the_traces_measured_optimizer_steps() -> None:
     f, before = schedule_floor(sched, spec, hw, measured), schedule_floor(sched, spec, hw, trace)
     assert f.optimizer_s == pytest.approx(0.3 + 32 * 0.14 + 0.31) and before.optimizer_s != pytest.approx(f.optimizer_s)
     assert f.compute_s == before.compute_s
+
+
+def test_floor_takes_the_lesser_loop_time_of_a_recomputed_block() -> None:
+    """A recomputed block with loop times counts the lesser of alone and beside the optimizer (the floor
+    stays below any simulated run, which charges one of the two): on one GPU, 8 microbatches x (32 blocks x
+    (1.4 + 9 ms) + the embedding's and the head's isolated times)."""
+    spec, hw = load_model("llama-3.1-8b"), load_hardware("h200x1")
+    trace = trace_for(spec, hw.gpus[0], 4, 2048, "bf16")
+    loop = LoopTimes(fwd_s=1.5e-3, recompute_bwd_s=9e-3, fwd_beside_optimizer_s=1.4e-3,
+                     recompute_bwd_beside_optimizer_s=10e-3)
+    looped = replace(trace, kinds={**trace.kinds, "block": replace(trace.kinds["block"], loop=loop)})
+    sched = compile_schedule(PRESETS["tinypipe"].replace(microbatches=8, microbatch_size=4), spec, hw, looped)
+    e, h = trace.kinds["embed"], trace.kinds["head"]
+    want = 8 * (32 * (1.4e-3 + 9e-3) + e.fwd_s + e.recompute_bwd_s + h.fwd_s + h.bwd_s)
+    assert schedule_floor(sched, spec, hw, looped).compute_s == pytest.approx(want)

@@ -22,6 +22,7 @@ from tinypipe.errors import CapacityError, InputError, ScheduleError, TinypipeEr
 from tinypipe.hardware import GPU, Hardware, Host, Link
 from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import COMPACT_OPTIM_FACTOR
+from tinypipe.looptimes import LoopTimes
 from tinypipe.model import LayerKind, LayerSpec, ModelSpec
 from tinypipe.order import layer_owner
 from tinypipe.policy import PRESETS
@@ -397,6 +398,62 @@ def test_opt_step_takes_the_traces_measured_step_per_kind() -> None:
     assert log(r) == ["0.000 1690.000 host.optim OPT0", "1690.000 11690.000 host.optim OPT1"]
     r = simulate(b.schedule(host_memory="replicated"), tiny_model(), tiny_hardware(), measured)
     assert log(r) == ["0.000 1310.000 host.optim OPT0", "1310.000 3930.000 host.optim OPT1"]
+
+
+def looped_trace() -> ProfileTrace:
+    """tiny_trace with the block's loop times: FWD 1.5 ms alone, 2.5 ms beside the optimizer; BWD 4 / 7 ms
+    (isolated: FWD 2 ms, recomputing BWD 6 ms, BWD from kept activations 4 ms)."""
+    t = tiny_trace()
+    loop = LoopTimes(fwd_s=1.5 * MS, recompute_bwd_s=4 * MS, fwd_beside_optimizer_s=2.5 * MS,
+                     recompute_bwd_beside_optimizer_s=7 * MS)
+    return replace(t, kinds={**t.kinds, "block": replace(t.kinds["block"], loop=loop)})
+
+
+def _beside_schedule(recompute: bool) -> Schedule:
+    b = Builder()
+    b("OPT_STEP", "host.optim", layer=0)  # rank 0's lane: 0-1310 us
+    b("FWD", "g0.compute", layer=0, microbatch=0)  # the embedding: no loop times
+    b("FWD", "g0.compute", layer=1, microbatch=0)
+    b("BWD", "g0.compute", layer=1, microbatch=0)
+    b("FWD", "g0.compute", layer=1, microbatch=1)
+    b("BWD", "g0.compute", layer=1, microbatch=1)
+    f2 = b("FWD", "g1.compute", layer=2, microbatch=0)
+    b2 = b("BWD", "g1.compute", layer=2, microbatch=0, deps=(f2,))
+    b("OPT_STEP", "host.optim", layer=2, deps=(b2,))  # rank 1's lane: 3000-4310 us
+    return b.schedule(recompute=recompute)
+
+
+def test_a_recomputed_block_takes_its_loop_time_beside_a_running_step_or_alone() -> None:
+    """Start-time rule: F1.0 starts at 1000 us while rank 0's OPT0 runs (to 1310): 2.5 ms beside; B1.0
+    starts at 3500 while rank 1's OPT2 runs (3000-4310; any lane counts): 7 ms beside, to 10500, though the
+    step ends long before; F1.1 and B1.1 start with no step running: 1.5 and 4 ms alone. The embedding and
+    the head (no loop times) keep the trace's isolated times."""
+    r = simulate(_beside_schedule(True), tiny_model(), tiny_hardware(), looped_trace())
+    assert log(r) == [
+        "0.000 1310.000 host.optim OPT0",
+        "0.000 1000.000 g0.compute F0.0",
+        "0.000 1000.000 g1.compute F2.0",
+        "1000.000 3500.000 g0.compute F1.0",
+        "1000.000 3000.000 g1.compute B2.0",
+        "3000.000 4310.000 host.optim OPT2",
+        "3500.000 10500.000 g0.compute B1.0",
+        "10500.000 12000.000 g0.compute F1.1",
+        "12000.000 16000.000 g0.compute B1.1",
+    ]
+
+
+def test_a_block_not_recomputed_or_replayed_keeps_its_times() -> None:
+    """Without recompute the loop times do not apply (F1 2 ms, B1 from kept activations 4 ms, step or
+    not); with replay's durations every action takes its measured time, a looped one too."""
+    r = simulate(_beside_schedule(False), tiny_model(), tiny_hardware(), looped_trace())
+    assert [x for x in log(r) if "g0.compute" in x] == [
+        "0.000 1000.000 g0.compute F0.0", "1000.000 3000.000 g0.compute F1.0", "3000.000 7000.000 g0.compute B1.0",
+        "7000.000 9000.000 g0.compute F1.1", "9000.000 13000.000 g0.compute B1.1"]
+    r = simulate(_beside_schedule(True), tiny_model(), tiny_hardware(), looped_trace(),
+                 durations={2: 1e-3, 3: 1e-3, 4: 1e-3, 5: 1e-3})
+    assert [x for x in log(r) if "g0.compute" in x] == [
+        "0.000 1000.000 g0.compute F0.0", "1000.000 2000.000 g0.compute F1.0", "2000.000 3000.000 g0.compute B1.0",
+        "3000.000 4000.000 g0.compute F1.1", "4000.000 5000.000 g0.compute B1.1"]
 
 
 # ---- properties over hand-built pipeline schedules -------------------------------------------------

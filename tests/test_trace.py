@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,12 @@ from hypothesis import strategies as st
 from tinypipe.errors import InputError
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
+from tinypipe.looptimes import LoopTimes
 from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes
+from tinypipe.plan import base_plan
+from tinypipe.policy import PRESETS
 from tinypipe.trace import (
+    FORMAT,
     KindProfile,
     ProfileTrace,
     analytic_trace,
@@ -262,6 +267,80 @@ def test_json_round_trip(tmp_path: Path) -> None:
     c = load_trace("h200-llama-3.1-8b-mb4-seq2048-compiled")
     p.write_text(json.dumps(c.to_json()))
     assert load_trace(str(p)) == c and c.compiled
+
+
+LOOP = LoopTimes(fwd_s=1.5e-3, recompute_bwd_s=6e-3, fwd_beside_optimizer_s=1.6e-3,
+                 recompute_bwd_beside_optimizer_s=6.5e-3)
+
+
+def with_loop(t: ProfileTrace, loop: LoopTimes = LOOP) -> ProfileTrace:
+    return replace(t, kinds={**t.kinds, "block": replace(t.kinds["block"], loop=loop)})
+
+
+def test_json_round_trip_with_and_without_loop(tmp_path: Path) -> None:
+    """A block's `loop` is written only when present, under the same format, and reads back equal; a trace
+    without it (every shipped one) writes no `loop` key and reads back without it."""
+    t = load_trace("h200-llama-3.1-8b-mb2-seq2048")
+    assert all(k.loop is None for k in t.kinds.values()) and "loop" not in json.dumps(t.to_json())
+    looped = with_loop(t)
+    obj = looped.to_json()
+    assert obj["format"] == FORMAT and obj["kinds"]["block"]["loop"] == {
+        "fwd_s": 1.5e-3, "recompute_bwd_s": 6e-3, "fwd_beside_optimizer_s": 1.6e-3,
+        "recompute_bwd_beside_optimizer_s": 6.5e-3}
+    assert "loop" not in obj["kinds"]["embed"] and "loop" not in obj["kinds"]["head"]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(obj))
+    assert load_trace(str(p)) == looped
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (0.0, r"kinds\.block\.loop\.fwd_beside_optimizer_s: must be > 0, got 0.0"),
+    ("1", r"kinds\.block\.loop\.fwd_beside_optimizer_s: expected a number"),
+    (None, r"kinds\.block\.loop\.fwd_beside_optimizer_s: missing required field"),
+])
+def test_bad_loop_fields(tmp_path: Path, value: Any, message: str) -> None:
+    """Every loop time is a positive number, named with its place in the file when it is not."""
+    obj = with_loop(load_trace("h200-llama-3.1-8b-mb2-seq2048")).to_json()
+    obj["kinds"]["block"]["loop"]["fwd_beside_optimizer_s"] = value
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(obj))
+    with pytest.raises(InputError, match=message):
+        load_trace(str(p))
+
+
+def test_compute_s_is_the_one_rule() -> None:
+    """A recomputed layer with loop times costs them (beside the optimizer or alone); a layer not recomputed,
+    or one without loop times, the isolated ones (fwd_s; recompute_bwd_s or bwd_s). least_compute_s takes
+    the lesser of alone and beside; scaling scales the loop with the rest."""
+    iso = KindProfile(fwd_s=2e-3, bwd_s=4e-3, recompute_bwd_s=6e-3, saved_act_bytes=1, saved_act_bytes_recompute=1,
+                      workspace_bytes=1)
+    kp = replace(iso, loop=replace(LOOP, fwd_beside_optimizer_s=1.4e-3))
+    got = [(f, r, b, kp.compute_s(f, r, beside_optimizer=b), iso.compute_s(f, r, beside_optimizer=b))
+           for f in (True, False) for r in (True, False) for b in (False, True)]
+    assert got == [(True, True, False, 1.5e-3, 2e-3), (True, True, True, 1.4e-3, 2e-3),
+                   (True, False, False, 2e-3, 2e-3), (True, False, True, 2e-3, 2e-3),
+                   (False, True, False, 6e-3, 6e-3), (False, True, True, 6.5e-3, 6e-3),
+                   (False, False, False, 4e-3, 4e-3), (False, False, True, 4e-3, 4e-3)]
+    assert (kp.least_compute_s(True, True), kp.least_compute_s(False, True)) == (1.4e-3, 6e-3)
+    assert kp.scaled(2).loop == LoopTimes(3e-3, 12e-3, 2.8e-3, 13e-3)
+
+
+def test_base_plan_takes_the_loops_alone_times_for_recomputed_blocks() -> None:
+    """The analytic side (`base_plan`, what the cost model and search read) uses `compute_s` alone: a
+    recomputing policy's blocks get the loop's times, the head and a non-recomputing policy the isolated
+    ones."""
+    model = LLAMA8B
+    hw = load_hardware("h200x2")
+    t = load_trace("h200-llama-3.1-8b-mb2-seq2048")
+    looped = with_loop(t)
+    policy = PRESETS["tinypipe"].replace(microbatch_size=2)
+    plan = base_plan(policy, model, hw, looped)
+    block, head = 1, len(model.layers) - 1
+    assert (plan.fwd_s[block], plan.bwd_s[block]) == (1.5e-3, 6e-3)
+    assert (plan.fwd_s[head], plan.bwd_s[head]) == (t.kinds["head"].fwd_s, t.kinds["head"].bwd_s)
+    assert base_plan(policy, model, hw, t).fwd_s[block] == t.kinds["block"].fwd_s
+    keep = base_plan(policy.replace(recompute=False), model, hw, looped)
+    assert (keep.fwd_s[block], keep.bwd_s[block]) == (t.kinds["block"].fwd_s, t.kinds["block"].bwd_s)
 
 
 def test_unknown_trace_lists_shipped() -> None:

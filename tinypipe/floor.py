@@ -25,7 +25,7 @@ from tinypipe.trace import KindProfile, ProfileTrace
 class Floor:
     """Seconds of work per iteration of each resource kind (the busiest instance of each)."""
 
-    compute_s: float  # the busiest GPU's FWD + BWD at the trace's times
+    compute_s: float  # the busiest GPU's FWD + BWD at the trace's times (a loop's: the lesser, alone or beside)
     h2d_s: float  # the busiest GPU's uploads over its link's rate
     d2h_s: float  # the busiest GPU's downloads over its link's rate
     host_dma_s: float  # all host <-> GPU bytes over the host's DMA cap
@@ -72,7 +72,7 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
             if p is None:
                 p = profiles[a.layer] = trace.layer(model.layers[a.layer])
             forward = info.direction is Direction.FORWARD
-            compute[g] += p.fwd_s if forward else p.backward_s(schedule.recomputes(a.layer))
+            compute[g] += p.least_compute_s(forward, schedule.recomputes(a.layer))
         elif info.cost is Cost.UPLOAD and g is not None:
             up[g] += a.nbytes
         elif info.cost is Cost.DOWNLOAD and g is not None:

@@ -146,8 +146,10 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         except KeyError:
             raise InputError(f"trace for {trace.gpu_model}: no profile for layer kind "
                              f"{layer.kind.value!r} (layer {layer.index} of {model.name})") from None
-        fwd.append(kp.fwd_s)
-        bwd.append(kp.backward_s(recomputes(policy.recompute, layer.index, len(model.layers))))
+        # the trace's rule (`KindProfile.compute_s`, as the simulator's): a recomputed block's loop times, alone
+        redo = recomputes(policy.recompute, layer.index, len(model.layers))
+        fwd.append(kp.compute_s(True, redo))
+        bwd.append(kp.compute_s(False, redo))
         # the layer's input (x.L, and its gradient dx.L) as the trace has it: measured in the compute dtype
         # by `tinypipe profile` (an fp32 CPU run's inputs are twice the bf16 size); the analytic and shipped
         # traces give the previous layer's boundary bytes, which the model spec counts in bf16

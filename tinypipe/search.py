@@ -209,7 +209,8 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     compute = 0.0
     for layer in model.layers:
         kp = trace.layer(layer)
-        compute += kp.fwd_s + kp.backward_s(recomputes(p.recompute, layer.index, len(model.layers)))
+        redo = recomputes(p.recompute, layer.index, len(model.layers))
+        compute += kp.least_compute_s(True, redo) + kp.least_compute_s(False, redo)
     compute *= p.microbatches / len(hw.gpus)
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9

@@ -24,7 +24,9 @@ activations and residual adds, which run as separate bandwidth-bound kernels bet
 A measured trace may also carry, per kind, the host optimizer step of one layer of that kind
 (`OptimizerProfile`, `tinypipe profile`; format FORMAT). Traces written before it (no `format`) load
 as they are, without it, and the simulator then costs an OPT_STEP at the host's rate
-(`tinypipe.hostmem.optimizer_step_s` decides).
+(`tinypipe.hostmem.optimizer_step_s` decides). The block's kind may also carry `loop`
+(`tinypipe.looptimes.LoopTimes`: its recomputing FWD / BWD timed inside the executor's loop), optional
+in the same format; `KindProfile.compute_s` is the one rule for what a FWD or BWD costs.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import tinypipe.traces as shipped
 from tinypipe.errors import InputError
 from tinypipe.hardware import GPU
 from tinypipe.jsonio import Fields, load_json
+from tinypipe.looptimes import LoopTimes
 from tinypipe.model import (
     DTYPE_BYTES,
     LayerKind,
@@ -128,10 +131,23 @@ class KindProfile:
     workspace_bytes: int  # transient peak while the layer computes, on top of saved_act_bytes
     workspace_fixed_bytes: int = 0  # the part of workspace_bytes that stays the same at any token count
     optimizer: OptimizerProfile | None = None  # one layer's host optimizer step, when measured
+    loop: LoopTimes | None = None  # the block's recomputing FWD / BWD inside the executor's loop, when measured
 
     def backward_s(self, recomputed: bool) -> float:
         """The backward's time: with its forward re-run first (`schedule.recomputes`), or from kept activations."""
         return self.recompute_bwd_s if recomputed else self.bwd_s
+
+    def compute_s(self, forward: bool, recomputed: bool, *, beside_optimizer: bool = False) -> float:
+        """What a FWD (`forward`) or BWD of a layer of this kind costs: in a schedule that recomputes the
+        layer (`schedule.recomputes`) and with `loop` measured, the loop's time (beside a running host
+        optimizer step or alone); else the isolated one (`fwd_s`; `backward_s`)."""
+        if recomputed and self.loop is not None:
+            return self.loop.compute_s(forward, beside_optimizer)
+        return self.fwd_s if forward else self.backward_s(recomputed)
+
+    def least_compute_s(self, forward: bool, recomputed: bool) -> float:
+        """The least of `compute_s` alone and beside the optimizer (lower bounds: floor, search)."""
+        return min(self.compute_s(forward, recomputed), self.compute_s(forward, recomputed, beside_optimizer=True))
 
     def scaled(self, factor: float) -> KindProfile:
         """Every time and size times `factor` (linear in tokens), but a workspace with a fixed part.
@@ -140,7 +156,7 @@ class KindProfile:
         grows with the tokens (`tinypipe.model.head_workspace_bytes`); which phase it was is not
         recorded, so both readings are scaled -- the whole linearly, or only the part above the fixed
         one -- and the larger kept, which is never below either phase. The optimizer step does not
-        depend on the tokens and is kept.
+        depend on the tokens and is kept; the loop's times scale like the others.
         """
         ws, fixed = self.workspace_bytes, self.workspace_fixed_bytes
         return KindProfile(fwd_s=self.fwd_s * factor, bwd_s=self.bwd_s * factor,
@@ -148,13 +164,16 @@ class KindProfile:
                            saved_act_bytes=round(self.saved_act_bytes * factor),
                            saved_act_bytes_recompute=round(self.saved_act_bytes_recompute * factor),
                            workspace_bytes=max(round(ws * factor), fixed + round((ws - fixed) * factor)),
-                           workspace_fixed_bytes=fixed, optimizer=self.optimizer)
+                           workspace_fixed_bytes=fixed, optimizer=self.optimizer,
+                           loop=None if self.loop is None else self.loop.scaled(factor))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        del out["optimizer"]
+        del out["optimizer"], out["loop"]
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer.to_json()
+        if self.loop is not None:
+            out["loop"] = self.loop.to_json()
         return out
 
     @classmethod
@@ -165,7 +184,8 @@ class KindProfile:
                    saved_act_bytes_recompute=f.int("saved_act_bytes_recompute", minimum=0),
                    workspace_bytes=f.int("workspace_bytes", minimum=0),
                    workspace_fixed_bytes=f.int("workspace_fixed_bytes", 0, minimum=0),
-                   optimizer=OptimizerProfile.from_json(f.obj_("optimizer")) if f.has("optimizer") else None)
+                   optimizer=OptimizerProfile.from_json(f.obj_("optimizer")) if f.has("optimizer") else None,
+                   loop=LoopTimes.from_json(f.obj_("loop")) if f.has("loop") else None)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Files written into `--out DIR` (made if missing; files of the same names are rep
   unless bf16), the `ProfileTrace` form `tinypipe.trace.load_trace` reads; `simulate`, `search`
   and `run` take it with `--profile DIR`. Unless `--no-optimizer`, each kind carries its host
   optimizer step (optim.py: measured once, beside the largest microbatch's device work, the same
-  in every trace);
+  in every trace); unless `--no-loop`, the block carries its recomputing FWD and BWD timed inside
+  the executor's loop, alone and beside a stepping host optimizer (looptimes.py: per microbatch size);
 - `rates.json`: the `HostRates` (copy rates, fixed cost, optimizer rates; fields documented inside);
 - `hardware.json`: a full hardware description (`--hardware FILE` accepts it), the base preset
   with the measured rates (`HostRates.hardware`). The base is `--hardware`, else on CUDA the
@@ -28,6 +29,7 @@ import torch
 
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware, load_hardware, shipped_hardware
+from tinypipe.looptimes import LoopTimes
 from tinypipe.outputs import check_dir
 from tinypipe.progress import Progress
 from tinypipe.trace import ProfileTrace
@@ -35,6 +37,8 @@ from tinypipe.trace import ProfileTrace
 from ..settings import SEED_LIMIT, rank_threads
 from .devloop import DeviceLoop
 from .layers import KindMeasurement, LayerBench, profile_trace
+from .looptimes import describe as describe_loop
+from .looptimes import has_block, time_loop, with_loop
 from .optim import describe, measure_optimizer
 from .rates import HostRates, measure_rates
 
@@ -143,16 +147,27 @@ def profile_main(args: argparse.Namespace) -> int:
                 measured[size].append(bench.measure(kind, microbatch_size=size, seq_len=args.seq_len,
                                                     repeat=args.repeat, warmup=args.warmup, seed=args.seed))
         optimizer, opt_note = None, ""
+        opt_threads = args.threads or rank_threads(device.type, 1, os.cpu_count() or 1)
+        loops: dict[int, tuple[LoopTimes, str]] = {}
+        loop = None
+        if not args.no_loop and has_block(bench):
+            for size in sizes:  # the last one's loop (the largest size) is the optimizer's too
+                say(f"timing the block inside the executor's loop at {size} x {args.seq_len} tokens, alone and "
+                    f"beside a stepping host optimizer ({opt_threads} thread(s))")
+                loop = DeviceLoop(bench, microbatch_size=size, seq_len=args.seq_len, seed=args.seed)
+                loops[size] = _loop_times(bench, loop, threads=opt_threads, max_windows=args.repeat)
         if not args.no_optimizer:  # once, beside the largest microbatch's device work, for every trace
-            opt_threads = args.threads or rank_threads(device.type, 1, os.cpu_count() or 1)
-            loop = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
+            if loop is None:
+                loop = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
             optimizer, steps = measure_optimizer(bench, loop, threads=opt_threads, max_steps=min(args.repeat, 5),
                                                  say=say)
             opt_note = describe(opt_threads, steps, loop)
+        del loop
         traces = [profile_trace(measured[size], bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
                                 seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on, when=when,
                                 compiled=compile_blocks, optimizer=optimizer, optimizer_source=opt_note)
                   for size in sizes]
+        traces = [with_loop(t, *loops[t.microbatch_size]) if t.microbatch_size in loops else t for t in traces]
         del bench
         rates = None
         if not args.no_rates:
@@ -169,6 +184,17 @@ def profile_main(args: argparse.Namespace) -> int:
         return 0
     print(_report(spec.name, gpu_model, on, traces, rates, written, base))
     return 0
+
+
+def _loop_times(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_windows: int) -> tuple[LoopTimes, str]:
+    """The block's loop times on `loop` at `threads` torch threads (one rank's), and how they were taken."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        samples = time_loop(bench, loop, max_windows=max_windows)
+    finally:
+        torch.set_num_threads(before)
+    return samples.times(), describe_loop(samples, loop, threads)
 
 
 def _write(out: Path, traces: list[ProfileTrace], rates: HostRates | None, base: Hardware | None) -> list[Path]:
@@ -200,6 +226,13 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
                               rows, align="rlrrrrr"))
     if traces and "NOT measured" in traces[0].source:
         lines.append("workspace: not measured on a CPU (no allocator peak); analytic, and the traces say so")
+    rows = [[t.microbatch_size, o.fwd_s * 1e3, o.recompute_bwd_s * 1e3, o.fwd_beside_optimizer_s * 1e3,
+             o.recompute_bwd_beside_optimizer_s * 1e3] for t in traces if (o := t.kinds["block"].loop) is not None]
+    if rows:
+        lines += ["", "the block inside the executor's loop (what the simulator charges a recomputed block: beside "
+                      "the optimizer while an OPT_STEP runs)",
+                  table.render(["mb size", "fwd ms", "recompute+bwd ms", "fwd beside opt ms",
+                                "recompute+bwd beside opt ms"], rows, align="rrrrr")]
     opt = {k: p.optimizer for k, p in traces[0].kinds.items() if p.optimizer is not None} if traces else {}
     if opt:
         threads = next(iter(opt.values())).threads

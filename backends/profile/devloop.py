@@ -30,7 +30,7 @@ import torch
 from tinypipe.model import LayerKind
 from tinypipe.schedule import Action, Kind, gpu_resource
 
-from ..executor import run_actions
+from ..executor import RunLog, run_actions
 from ..hostlayouts import make_host_state
 from ..hoststate import AdamWConfig
 from ..interpreter import Interpreter, StepData
@@ -94,18 +94,20 @@ class DeviceLoop:
         self.n = n
         self.tokens = ids.numel()
 
-    def window(self) -> None:
+    def window(self) -> RunLog:
         """One window: every microbatch's input and output gradient placed as a RECV would, the actions
-        run, and what they hand on (the outputs, the input gradients) dropped as a SEND would."""
+        run, and what they hand on (the outputs, the input gradients) dropped as a SEND would. Returns
+        the executor's log (each action's record: looptimes.py times the FWDs and BWDs)."""
         it, L = self.it, self.layer
         for m in range(self.n):
             it.x[(STEP, L, m)] = self.x
             it.dx[(STEP, L + 1, m)] = self.dy
-        run_actions(it, self.actions, self.data)
+        log = run_actions(it, self.actions, self.data)
         for m in range(self.n):
             it.x.pop((STEP, L + 1, m), None)
             it.dx.pop((STEP, L, m), None)
         it.data = {}
+        return log
 
     def run_until(self, done: Callable[[], bool], *, started: Callable[[], None] = lambda: None) -> int:
         """Run windows until `done()` (checked between windows; at least one); `started()` is called

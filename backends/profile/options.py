@@ -32,6 +32,10 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the host optimizer step of each layer kind (alone and beside the device's work, at the "
                         "thread count of one rank of `run`, or --threads); without it the simulator costs the "
                         "optimizer at the host's rate")
+    p.add_argument("--no-loop", action="store_true",
+                   help="skip timing the block's FWD and BWD inside the executor's loop (alone and beside a stepping "
+                        "host optimizer, what the simulator charges a recomputed block); without it the simulator "
+                        "takes the isolated times")
     p.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the JSON files (made if missing)")
     p.add_argument("--json", action="store_true", help="print what was written and measured as JSON")

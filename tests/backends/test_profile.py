@@ -102,6 +102,33 @@ def test_profile_times_each_kinds_optimizer_step(profiled: tuple[Path, Path, str
     assert "host optimizer step per layer kind (1 thread(s)" in printed
 
 
+def test_profile_times_the_block_inside_the_executors_loop(profiled: tuple[Path, Path, str]) -> None:
+    """Each trace's block (only the block) carries its own size's loop times, alone and beside the optimizer,
+    each > 0; the source says how they were taken and the report shows them."""
+    out, _, printed = profiled
+    loops = []
+    for size in SIZES:
+        t = load_trace(str(out / f"cpu-tiny-llama-mb{size}-seq{SEQ}-fp32.json"))
+        loop = t.kinds["block"].loop
+        assert loop is not None and t.kinds["embed"].loop is None and t.kinds["head"].loop is None
+        assert min(loop.fwd_s, loop.recompute_bwd_s, loop.fwd_beside_optimizer_s,
+                   loop.recompute_bwd_beside_optimizer_s) > 0
+        assert (f"Loop (block): the block's recomputing FWD and BWD issued back to back by the executor: layer 1 "
+                f"(a block) at {size * SEQ} tokens per microbatch") in t.source
+        assert "3 window(s) per condition (24 FWD, 24 BWD each)" in t.source
+        loops.append(loop)
+    assert loops[0] != loops[1]  # measured per size, not scaled
+    assert "the block inside the executor's loop" in printed
+
+
+def test_profile_without_the_loop(tmp_path: Path) -> None:
+    """`--no-loop` leaves the loop times out (the simulator then takes the isolated ones)."""
+    assert cli_main(["profile", "--model", "tiny-llama", "--seq-len", str(SEQ), "--threads", "1", "--repeat", "1",
+                     "--warmup", "0", "--no-rates", "--no-optimizer", "--no-loop", "--out", str(tmp_path)]) == 0
+    t = load_trace(str(tmp_path / f"cpu-tiny-llama-mb1-seq{SEQ}-fp32.json"))
+    assert all(p.loop is None for p in t.kinds.values()) and "Loop (block)" not in t.source
+
+
 def test_simulate_charges_the_profiled_steps(profiled: tuple[Path, Path, str]) -> None:
     """A schedule simulated with the profiled trace runs every OPT_STEP for its kind's measured in-run step
     under the policy's layout, whatever the host's rate says."""
@@ -119,11 +146,12 @@ def test_simulate_charges_the_profiled_steps(profiled: tuple[Path, Path, str]) -
 
 
 def test_profile_without_the_optimizer(tmp_path: Path) -> None:
-    """`--no-optimizer` leaves the steps out (the simulator then takes the host's rate)."""
+    """`--no-optimizer` leaves the steps out (the simulator then takes the host's rate), not the loop times."""
     assert cli_main(["profile", "--model", "tiny-llama", "--seq-len", str(SEQ), "--threads", "1", "--repeat", "1",
                      "--warmup", "0", "--no-rates", "--no-optimizer", "--out", str(tmp_path)]) == 0
     t = load_trace(str(tmp_path / f"cpu-tiny-llama-mb1-seq{SEQ}-fp32.json"))
     assert all(p.optimizer is None for p in t.kinds.values()) and "Host optimizer" not in t.source
+    assert t.kinds["block"].loop is not None  # the loop is timed without the optimizer's profile
 
 
 def test_profile_times_and_sizes_are_sane(profiled: tuple[Path, Path, str]) -> None:

@@ -3,6 +3,7 @@ steps are timed beside, how many steps are timed, and the steps of each kind thr
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from tinypipe.backends.profile.devloop import DeviceLoop, cycle_actions  # noqa: E402
 from tinypipe.backends.profile.layers import LayerBench  # noqa: E402
+from tinypipe.backends.profile.looptimes import LOOP_BUDGET_S, MIN_WINDOWS, time_loop, windows_for  # noqa: E402
 from tinypipe.backends.profile.optim import MIN_STEPS, OPT_BUDGET_S, steps_for, time_steps  # noqa: E402
 
 from tinypipe.policy.modes import HOST_LAYOUTS  # noqa: E402
@@ -97,3 +99,25 @@ def test_a_tied_embedding_steps_with_both_shares(tied_config: str, layout: str) 
     head = time_steps(tied, "head", layout, loop, max_steps=1)
     assert embed.params == tied.spec.layers[0].params and head.params == tied.spec.layers[-1].params
     assert head.params == tied.spec.hidden_size  # the norm
+
+
+def test_windows_for_fits_the_loops_budget() -> None:
+    """LOOP_BUDGET_S of windows after a warm-up window of `warm_s`, at least MIN_WINDOWS, at most the cap."""
+    assert (LOOP_BUDGET_S, MIN_WINDOWS) == (0.5, 2)
+    assert [windows_for(w, 10) for w in (0.01, 0.1, 0.2, 1.0, 0.0)] == [10, 5, 2, 2, 10]
+    assert [windows_for(0.01, cap) for cap in (1, 3)] == [1, 3]
+
+
+def test_time_loop_takes_every_fwd_and_bwd_of_its_windows(bench: LayerBench) -> None:
+    """Alone and beside the stepping optimizer, the same windows (here the cap, 2): 2 cycles x 4 microbatches
+    of FWD and of BWD each, every time > 0; the optimizer stepped while the second set ran; the loop's
+    interpreter is left clean and its own host state is never stepped."""
+    loop = DeviceLoop(bench, microbatch_size=1, seq_len=SEQ)
+    got = time_loop(bench, loop, max_windows=2)
+    assert got.windows == 2 and got.steps >= 1
+    assert [len(t) for t in (got.fwd_alone_s, got.bwd_alone_s, got.fwd_beside_s, got.bwd_beside_s)] == [16] * 4
+    assert min(got.fwd_alone_s + got.bwd_alone_s + got.fwd_beside_s + got.bwd_beside_s) > 0
+    t = got.times()
+    assert (t.fwd_s, t.recompute_bwd_beside_optimizer_s) == (statistics.median(got.fwd_alone_s),
+                                                            statistics.median(got.bwd_beside_s))
+    assert loop.it.leftovers() == [] and loop.it.host.version(loop.layer) == 0
