@@ -5,7 +5,7 @@
 #    profile` with each kind's host optimizer step: Qwen3-1.7B at 2 and 4 x 2048 eager with the copy and
 #    optimizer rates ($OUT/pq, hardware.json), at 4 x 2048 compiled ($OUT/pq-compiled), Llama-3.1-8B at
 #    4 x 2048 eager ($OUT/pl) and compiled ($OUT/pl-compiled) (MODELS: which of the two); then the
-#    profiler's GPU test. With RANK=N, bench/search_rank.py pick: the first N distinct candidates of
+#    profiler's GPU test (NO_TEST=1: not). With RANK=N, bench/search_rank.py pick: the first N distinct candidates of
 #    `tinypipe search --gpu-mem 24GiB` for Qwen3-1.7B on this profile (compiled, pq's hardware.json),
 #    as $OUT/rank/rank-K.json, which a RUN names as its POLICY.
 # 2. Each RUN = MODEL:CASE:MB:MODE[:POLICY] runs bench/cuda_bench.py's CASE (65,536 tokens per step,
@@ -43,7 +43,7 @@ else
     prof pl --model llama-3.1-8b --microbatch-size 4 --no-rates --no-compile
     prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --no-rates --compile;;
   esac
-  timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/backends/test_profile.py" \
+  [ -z "$NO_TEST" ] && timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/backends/test_profile.py" \
     "$ROOT/tests/backends/test_profile_optim.py" -k cuda 2>&1 | tail -2 | tee -a "$OUT/log.txt"
 fi
 if [ -n "$RANK" ]; then
