@@ -52,7 +52,7 @@ def test_step_time_is_the_measured_one_else_the_host_rate() -> None:
 def test_old_traces_load_without_steps_and_predict_as_before(capsys: pytest.CaptureFixture[str]) -> None:
     """The H200 profile of 2026-12-01 (no `format`, no per-kind steps) loads, and `simulate` predicts the
     Llama-3.1-8B one-GPU runs from it exactly as it did before the per-kind steps and per-rank lanes
-    (bench/results/fidelity.jsonl, rows 1 and 2: 8.4735 s sync, 8.1501 s async)."""
+    (the fidelity table of that day, its rows 1 and 2: 8.4735 s sync, 8.1501 s async)."""
     for f in sorted(OLD_PROFILE.glob("h200-*.json")):
         assert "format" not in json.loads(f.read_text())
         assert all(p.optimizer is None for p in load_trace(str(f)).kinds.values())
