@@ -1,0 +1,63 @@
+"""bench/fidelity.py and bench/search_rank.py (issue 10's H200 campaign): the committed table is what
+the committed profile predicts today, the compiled rows take the eager folder's optimizer steps, and the
+ranking score counts pairs as it says."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+fidelity = _load("fidelity")
+search_rank = _load("search_rank")
+
+
+def test_kendall_tau_counts_pairs() -> None:
+    assert search_rank.kendall_tau([3, 2, 1], [30, 20, 10]) == 1.0
+    assert search_rank.kendall_tau([3, 2, 1], [10, 20, 30]) == -1.0
+    assert search_rank.kendall_tau([3, 2, 1], [30, 10, 20]) == pytest.approx(1 / 3)  # one of three pairs swapped
+
+
+def test_compiled_rows_take_the_eager_folders_optimizer_steps(tmp_path: Path) -> None:
+    """Every kind of the compiled copy carries the eager traces' optimizer steps; all else is the compiled
+    trace's own."""
+    prof = RESULTS / "profile_h200_fid"
+    out = fidelity.with_eager_optimizer(prof / "pq-compiled", prof / "pq", tmp_path / "pq-compiled")
+    (orig,) = (prof / "pq-compiled").glob("h200-*.json")
+    got = json.loads((out / orig.name).read_text())
+    eager = json.loads(next((prof / "pq").glob("h200-*mb4*.json")).read_text())
+    own = json.loads(orig.read_text())
+    for kind, p in got["kinds"].items():
+        assert p["optimizer"] == eager["kinds"][kind]["optimizer"] != own["kinds"][kind]["optimizer"]
+        assert {k: v for k, v in p.items() if k != "optimizer"} == \
+            {k: v for k, v in own["kinds"][kind].items() if k != "optimizer"}
+
+
+def test_the_committed_table_is_what_the_profile_predicts_today() -> None:
+    """The compiled Qwen3 preset row of bench/results/fidelity.jsonl, predicted again from the committed
+    profile and record: a simulator change that moves it by more than 1% needs `python bench/fidelity.py`
+    re-run (and the README's table with it)."""
+    rows = [json.loads(line) for line in (RESULTS / "fidelity.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["case"] == "1gpu-preset-fid-qwen3-mb4-compile")
+    rec = next(r for r in fidelity.fidelity_records(RESULTS / "cuda_h200.jsonl") if r["case"] == row["case"])
+    assert rec["iteration_s"] == row["measured_iteration_s"]
+    pred = fidelity.predict(rec, RESULTS / "profile_h200_fid", "eager")
+    assert pred["iteration_s"] == pytest.approx(row["predicted_iteration_s"], rel=0.01)
+    assert pred["peak_gpu_bytes"] == pytest.approx(row["predicted_peak_gpu_bytes"], rel=0.01)
