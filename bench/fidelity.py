@@ -1,16 +1,17 @@
 """Fidelity on H200 (issue 10): every configuration predicted from one profile, beside its measured run.
 
-    python bench/fidelity.py [--profile bench/results/profile_h200_fid] [--out bench/results/fidelity.jsonl]
+    python bench/fidelity.py [--profile bench/results/profile_h200_fid] [--profile-2gpu DIR] [--out FILE]
 
-Measured: the runs of bench/device/fidelity_1gpu.sh, the records of bench/results/cuda_h200.jsonl whose
+Measured: the runs of bench/device/fidelity_h200.sh, the records of bench/results/cuda_h200.jsonl whose
 case has `-fid-` (the latest of each case): iteration time is the mean of the iterations after the
 record's warm-up ones, peak GPU memory the allocator's peak (max_memory_allocated).
 Predicted: `tinypipe simulate` of the record's model, its policy (the JSON the run resolved, microbatch
 size inside), 65,536 tokens per step, seq 2048 and its GPU cap, with the profile folder of its model and
-block mode under --profile (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) and the
-hardware.json of that folder, else of pq/. Nothing of the run being predicted goes into its prediction:
-one profile per model, taken once, predicts every configuration of that model (profile_h200_fid/README.md
-says where and when each was taken).
+block mode (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) under --profile (1 GPU) or
+--profile-2gpu (2 GPUs: a profile taken on the 2-GPU machine with `GPUS=2`; 2-GPU rows are left out
+while there is none), and the hardware.json of that folder, else of pq/. Nothing of the run being
+predicted goes into its prediction: one profile per model, taken once, predicts every configuration of
+that model (profile_h200_fid/README.md says where and when each was taken).
 The host optimizer's steps (each kind's `optimizer`) come from the model's eager folder for every row
 (`--optimizer-from eager`, the default): a step is host work and does not depend on how the block is
 compiled, and the one compiled Qwen3 profile that timed its block's loop before the steps stepped 1.3-2.6x
@@ -35,7 +36,7 @@ from tinypipe.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-DEVICE = "NVIDIA H200 (lent machines, 1 GPU)"
+DEVICE = "NVIDIA H200 (lent machines)"
 FOLDER = {"qwen3-1.7b": "pq", "llama-3.1-8b": "pl"}
 
 
@@ -101,13 +102,18 @@ def predict(rec: dict[str, Any], profile: Path, optimizer_from: str) -> dict[str
 def describe(rec: dict[str, Any]) -> str:
     p = rec["policy"]
     mode = "compiled" if "--compile" in rec.get("run_options", []) else "eager"
-    return (f"{rec['model']} 1 GPU {p['name']} ({p['host_memory']}, {p['optimizer']}), {p['microbatch_size']} x 2048, "
+    gpus = f"{rec['gpus']} GPU" + ("s" if rec["gpus"] > 1 else "")
+    return (f"{rec['model']} {gpus} {p['name']} ({p['host_memory']}, {p['optimizer']}), {p['microbatch_size']} x 2048, "
             f"{mode}")
 
 
-def rows(profile: Path, records: Path, optimizer_from: str) -> list[dict[str, Any]]:
+def rows(profiles: dict[int, Path], records: Path, optimizer_from: str) -> list[dict[str, Any]]:
     out = []
     for rec in fidelity_records(records):
+        profile = profiles.get(rec["gpus"])
+        if profile is None or not profile.exists():
+            print(f"{rec['case']}: left out, no profile for {rec['gpus']} GPU(s) ({profile})", file=sys.stderr)
+            continue
         pred = predict(rec, profile, optimizer_from)
         out.append({"config": describe(rec), "case": rec["case"], "measured_iteration_s": rec["iteration_s"],
                     "warmup_iterations": rec["warmup_iterations"], "predicted_iteration_s": pred["iteration_s"],
@@ -121,13 +127,14 @@ def rows(profile: Path, records: Path, optimizer_from: str) -> list[dict[str, An
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default=str(RESULTS / "profile_h200_fid"))
+    ap.add_argument("--profile", default=str(RESULTS / "profile_h200_fid"), help="the 1-GPU runs' profile")
+    ap.add_argument("--profile-2gpu", default=str(RESULTS / "profile_h200x2_fid"), help="the 2-GPU runs' profile")
     ap.add_argument("--records", default=str(RESULTS / "cuda_h200.jsonl"))
     ap.add_argument("--out", default=str(RESULTS / "fidelity.jsonl"))
     ap.add_argument("--optimizer-from", choices=("eager", "own"), default="eager",
                     help="the host optimizer's steps of compiled rows: the eager folder's, or the compiled folder's")
     a = ap.parse_args()
-    rs = rows(Path(a.profile), Path(a.records), a.optimizer_from)
+    rs = rows({1: Path(a.profile), 2: Path(a.profile_2gpu)}, Path(a.records), a.optimizer_from)
     if not rs:
         print(f"error: {a.records}: no `-fid-` records", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ the first N distinct candidates as policy files rank-1.json .. rank-N.json, with
 one's predicted tokens/s and peak GPU memory, and the search command). Distinct: candidates with
 the same predicted tokens/s, peak GPU and peak host memory compile to the same work (on one GPU
 the GPU mapping, for one, changes nothing) and count once, the first in the search's order.
-bench/device/fidelity_1gpu.sh runs pick on the GPU machine right after its profile, then runs each
+bench/device/fidelity_h200.sh runs pick on the GPU machine right after its profile, then runs each
 rank-K.json as a configuration (`RANK_RUNS=N`), recorded with a label ending `-rank-K`.
 
 score: each picked candidate's measured run beside its prediction; the predicted order against the

@@ -1,10 +1,13 @@
-# On a lent H200 machine (1 GPU), from the repository root (carry .whl):
-#   DEADLINE_S=560 [PROFILES=DIR] [MODELS="qwen3 llama"] [RANK=N] bash bench/device/fidelity_1gpu.sh RUN...
+# On a lent H200 machine, from the repository root (carry .whl):
+#   DEADLINE_S=560 [GPUS=N] [PROFILES=DIR] [MODELS="qwen3 llama"] [RANK=N] bash bench/device/fidelity_h200.sh RUN...
 # Issue 10's fidelity campaign: profile once, then run every configuration planned from that profile.
+# GPUS (default 1): the machine's GPUs; the profile's hardware.json is the h200xGPUS preset with the
+# measured rates, and the host optimizer is timed at one rank's threads (cores / GPUS - 1).
 # 1. Unless PROFILES names the folders of an earlier call (committed under bench/results/), `tinypipe
-#    profile` with each kind's host optimizer step: Qwen3-1.7B at 2 and 4 x 2048 eager with the copy and
-#    optimizer rates ($OUT/pq, hardware.json), at 4 x 2048 compiled ($OUT/pq-compiled), Llama-3.1-8B at
-#    4 x 2048 eager ($OUT/pl) and compiled ($OUT/pl-compiled) (MODELS: which of the two); then the
+#    profile` with each kind's host optimizer step: Qwen3-1.7B at 2 and 4 x 2048 eager ($OUT/pq), at
+#    4 x 2048 compiled ($OUT/pq-compiled), Llama-3.1-8B at 4 x 2048 eager ($OUT/pl) and compiled
+#    ($OUT/pl-compiled) (MODELS: which of the two); the first one also measures the copy and optimizer
+#    rates (rates.json, hardware.json, copied into every folder); then the
 #    profiler's GPU test (NO_TEST=1: not). With RANK=N, bench/search_rank.py pick: the first N distinct candidates of
 #    `tinypipe search --gpu-mem 24GiB` for Qwen3-1.7B on this profile (compiled, pq's hardware.json),
 #    as $OUT/rank/rank-K.json, which a RUN names as its POLICY.
@@ -12,7 +15,7 @@
 #    --gpu-mem 24GiB) on MODEL (qwen3-1.7b or llama-3.1-8b) at MB sequences per microbatch, MODE
 #    compile or eager, with POLICY (a file in $OUT/rank/, else under bench/policies/) instead of the case's policy when
 #    given; planned with the profile of step 1 that matches (pq / pq-compiled / pl / pl-compiled) and
-#    pq's hardware.json, appended to $OUT/cuda_h200.jsonl with its trace. A run that would pass
+#    its hardware.json, appended to $OUT/cuda_h200.jsonl with its trace. A run that would pass
 #    DEADLINE_S is skipped.
 # What comes back (at most 8 files): log.txt, cuda_h200.jsonl, and results.tgz with the profile folders
 # and the runs' traces.
@@ -23,11 +26,15 @@ cd /tmp
 nproc; free -g | head -2
 pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* rank *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
 trap pack EXIT
+GPUS=${GPUS:-1}
+RATES_TAKEN=
 left() { echo $(( ${DEADLINE_S:-560} - ($(date +%s) - START) )); }
 prof() {  # out dir, then profile options
   o=$1; shift
   t0=$(date +%s)
-  timeout 240 tinypipe profile --backend cuda --seq-len 2048 --hardware h200x1 --out "$OUT/$o" "$@" >>"$OUT/log.txt" 2>&1
+  rates=(--no-rates); [ -z "$RATES_TAKEN" ] && rates=() && RATES_TAKEN=$o
+  timeout 240 tinypipe profile --backend cuda --seq-len 2048 --hardware "h200x$GPUS" \
+    --threads $(( $(nproc) / GPUS - 1 )) --out "$OUT/$o" "${rates[@]}" "$@" >>"$OUT/log.txt" 2>&1
   echo "profile $o: exit $? in $(( $(date +%s) - t0 )) s"
   sed -n '/^host optimizer step/,/^$/p' "$OUT/log.txt" | tail -6
 }
@@ -37,17 +44,18 @@ else
   P="$OUT"
   case " ${MODELS:-qwen3 llama} " in *" qwen3 "*)
     prof pq --model qwen3-1.7b --microbatch-size 2 4 --no-compile
-    prof pq-compiled --model qwen3-1.7b --microbatch-size 4 --no-rates --compile;;
+    prof pq-compiled --model qwen3-1.7b --microbatch-size 4 --compile;;
   esac
   case " ${MODELS:-qwen3 llama} " in *" llama "*)
-    prof pl --model llama-3.1-8b --microbatch-size 4 --no-rates --no-compile
-    prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --no-rates --compile;;
+    prof pl --model llama-3.1-8b --microbatch-size 4 --no-compile
+    prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --compile;;
   esac
+  for d in "$OUT"/p*/; do [ -f "$d/hardware.json" ] || cp "$OUT/$RATES_TAKEN/hardware.json" "$d" 2>/dev/null; done
   [ -z "$NO_TEST" ] && timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/backends/test_profile.py" \
     "$ROOT/tests/backends/test_profile_optim.py" -k cuda 2>&1 | tail -2 | tee -a "$OUT/log.txt"
 fi
 if [ -n "$RANK" ]; then
-  python3 "$ROOT/bench/search_rank.py" pick --model qwen3-1.7b --hardware "$P/pq/hardware.json" \
+  python3 "$ROOT/bench/search_rank.py" pick --model qwen3-1.7b --hardware "$P/pq-compiled/hardware.json" \
     --profile "$P/pq-compiled" --n "$RANK" --out "$OUT/rank" 2>&1 | tee -a "$OUT/log.txt"
 fi
 for spec in "$@"; do
@@ -66,7 +74,7 @@ for spec in "$@"; do
   if [ "$(left)" -lt "$need" ]; then echo "$spec: skipped, $(left) s left"; continue; fi
   timeout -k 10 $(( $(left) - 5 )) python3 "$ROOT/bench/cuda_bench.py" --model "$model" --cases "$case" \
     --label="$label" --steps 6 --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
-    --extra --microbatch-size "$mb" --profile "$P/$p" --hardware "$P/pq/hardware.json" "${flag[@]}" "${pol[@]}" \
+    --extra --microbatch-size "$mb" --profile "$P/$p" --hardware "$P/$p/hardware.json" "${flag[@]}" "${pol[@]}" \
     >>"$OUT/log.txt" 2>&1
   echo "$spec: exit $? at $(( $(date +%s) - START )) s"
   grep -v "^training \[" "$OUT/log.txt" | tail -1
