@@ -63,12 +63,11 @@ def pick(a: argparse.Namespace) -> int:
 
 def kendall_tau(predicted: list[float], measured: list[float]) -> float:
     """Kendall's tau-a of two orderings of the same items (1: same order, -1: reversed)."""
-    pairs = list(combinations(range(len(predicted)), 2))
-    if not pairs:
+    signs = [(predicted[i] - predicted[j]) * (measured[i] - measured[j])
+             for i, j in combinations(range(len(predicted)), 2)]
+    if not signs:
         return 1.0
-    agree = sum(1 for i, j in pairs if (predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0)
-    disagree = sum(1 for i, j in pairs if (predicted[i] - predicted[j]) * (measured[i] - measured[j]) < 0)
-    return (agree - disagree) / len(pairs)
+    return (sum(s > 0 for s in signs) - sum(s < 0 for s in signs)) / len(signs)
 
 
 def score(a: argparse.Namespace) -> int:

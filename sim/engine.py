@@ -50,7 +50,7 @@ import simpy
 
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_step_s
+from tinypipe.hostmem import optimizer_steps_s
 from tinypipe.kinds import Cost, Direction, Kind
 from tinypipe.model import ModelSpec
 from tinypipe.order import pair_halves, predecessors, run_lanes
@@ -242,7 +242,7 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
     gpu_node = [g.name for g in hardware.gpus]
     gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
     profiles = {}
-    opt_s: dict[int, float] = {}  # layer -> its OPT_STEP's seconds
+    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
     mode: list[int] = []
     cost: list[Any] = []
     n = len(schedule.actions)
@@ -258,9 +258,6 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
                 raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
             layer = model.layers[a.layer]
             if c is Cost.OPTIMIZER:
-                if a.layer not in opt_s:
-                    opt_s[a.layer] = optimizer_step_s(layer, schedule.host_memory, hardware.host, trace,
-                                                     optimizer=schedule.optimizer)
                 mode.append(_OPT)
                 cost.append(opt_s[a.layer])
                 continue

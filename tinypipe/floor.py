@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_step_s
+from tinypipe.hostmem import optimizer_steps_s
 from tinypipe.kinds import Cost, Direction
 from tinypipe.model import ModelSpec
 from tinypipe.order import layer_owner
@@ -29,7 +29,7 @@ class Floor:
     h2d_s: float  # the busiest GPU's uploads over its link's rate
     d2h_s: float  # the busiest GPU's downloads over its link's rate
     host_dma_s: float  # all host <-> GPU bytes over the host's DMA cap
-    optimizer_s: float  # the busiest rank's OPT_STEPs (hostmem.optimizer_step_s)
+    optimizer_s: float  # the busiest rank's OPT_STEPs (hostmem.optimizer_steps_s)
 
     @property
     def iteration_s(self) -> float:
@@ -56,15 +56,12 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
     down = [0.0] * gpus
     optimizer = [0.0] * gpus  # per rank: its optimizer thread's steps
     owner = layer_owner(schedule)
-    opt_s: dict[int, float] = {}
+    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
     profiles: dict[int, KindProfile] = {}
     for a in schedule.actions:
         info = a.kind.info  # the same costs as the simulator's (sim/engine.py), without contention
         g = resource_gpu(a.resource)
         if info.cost is Cost.OPTIMIZER:
-            if a.layer not in opt_s:
-                opt_s[a.layer] = optimizer_step_s(model.layers[a.layer], schedule.host_memory, hardware.host, trace,
-                                                 optimizer=schedule.optimizer)
             optimizer[owner.get(a.layer, 0)] += opt_s[a.layer]
         elif info.cost is Cost.COMPUTE:
             assert g is not None

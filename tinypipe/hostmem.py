@@ -124,3 +124,10 @@ def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: Pr
     measured = (kind.optimizer.step_s(layout, layer.params, asynchronous=optimizer == "async")
                 if kind is not None and kind.optimizer else None)
     return measured if measured is not None else layer.params * optimizer_s_per_param(host, layout)
+
+
+def optimizer_steps_s(model: ModelSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None, *,
+                      optimizer: OptimizerMode = "sync") -> tuple[float, ...]:
+    """`optimizer_step_s` of every layer of `model`, by layer index: what the simulator, the floor, the cost
+    model's plan and the search bound read."""
+    return tuple(optimizer_step_s(layer, layout, host, trace, optimizer=optimizer) for layer in model.layers)

@@ -11,7 +11,7 @@ from typing import Any
 from tinypipe.costmodel import CostModel
 from tinypipe.errors import InputError
 from tinypipe.hardware import Hardware
-from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_step_s
+from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_steps_s
 from tinypipe.model import DTYPE_BYTES, ModelSpec
 from tinypipe.policy.modes import ActivationHome, HostLayout, OptimizerMode, ResidentMode, SwapMode, mode_fields
 from tinypipe.policy.policy import Policy
@@ -39,7 +39,7 @@ class Plan:
     layer_workspace_bytes: tuple[int, ...]  # ws of each FWD / BWD
     host_grad_bytes: tuple[int, ...]  # host gring.L{l} slot (compute dtype), compact layout only
     master_bytes: tuple[int, ...]  # OPT_STEP nbytes: fp32 master of the layer's own parameters
-    opt_s: tuple[float, ...]  # CPU optimizer time per layer (hostmem.optimizer_step_s)
+    opt_s: tuple[float, ...]  # CPU optimizer time per layer (hostmem.optimizer_steps_s)
     # the machine
     num_gpus: int
     h2d_gbps: tuple[float, ...]  # per GPU, host -> GPU, with shared links split between GPUs
@@ -175,8 +175,7 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         saved_bytes=tuple(saved), layer_workspace_bytes=tuple(ws),
         host_grad_bytes=tuple(x.gpu_params * DTYPE_BYTES[dt] for x in model.layers),
         master_bytes=tuple(x.params * 4 for x in model.layers),
-        opt_s=tuple(optimizer_step_s(layer, policy.host_memory, hardware.host, trace, optimizer=policy.optimizer)
-                    for layer in model.layers),
+        opt_s=optimizer_steps_s(model, policy.host_memory, hardware.host, trace, optimizer=policy.optimizer),
         num_gpus=g, h2d_gbps=hardware.host_to_gpu_gbps(),
         p2p_gbps=min((r.bottleneck_gbps for r in pairs), default=float("inf")),
         p2p_through_host=any(r.through_host for r in pairs),

@@ -27,7 +27,7 @@ from typing import Any
 from tinypipe.errors import InputError
 from tinypipe.gpumem import least_peak_bytes
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import host_bytes, optimizer_step_s
+from tinypipe.hostmem import host_bytes, optimizer_steps_s
 from tinypipe.model import ModelSpec
 from tinypipe.plan import base_plan
 from tinypipe.policy import Policy
@@ -215,7 +215,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
-    steps = [optimizer_step_s(x, p.host_memory, hw.host, trace, optimizer=p.optimizer) for x in model.layers]
+    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer)
     optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
     why = ""
     hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes

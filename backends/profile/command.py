@@ -149,27 +149,25 @@ def profile_main(args: argparse.Namespace) -> int:
         optimizer, opt_note = None, ""
         opt_threads = args.threads or rank_threads(device.type, 1, os.cpu_count() or 1)
         loops: dict[int, tuple[LoopTimes, str]] = {}
-        loop = None
+        largest = None  # the optimizer's device loop (the largest microbatch size), reused for its loop times
         # The optimizer first: in the one H200 profile that timed the compiled block's loop before it
         # (2026-12-01), every later step of that process ran 1.3-2.6x slower even with nothing else
         # running (a 50 M compact step 80 ms alone, against 30 ms in the eager profile minutes earlier
         # and 26 ms in a compiled one without the loop); the cause is not known.
         if not args.no_optimizer:  # once, beside the largest microbatch's device work, for every trace
-            loop = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
-            optimizer, steps = measure_optimizer(bench, loop, threads=opt_threads, max_steps=min(args.repeat, 5),
+            largest = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
+            optimizer, steps = measure_optimizer(bench, largest, threads=opt_threads, max_steps=min(args.repeat, 5),
                                                  say=say)
-            opt_note = describe(opt_threads, steps, loop)
+            opt_note = describe(opt_threads, steps, largest)
         if not args.no_loop and has_block(bench):
-            for size in sizes:  # the largest size's loop is the optimizer's, when it ran
+            for size in sizes:
                 say(f"timing the block inside the executor's loop at {size} x {args.seq_len} tokens, alone and "
                     f"beside a stepping host optimizer ({opt_threads} thread(s))")
-                if loop is None or size != sizes[-1]:
-                    this = DeviceLoop(bench, microbatch_size=size, seq_len=args.seq_len, seed=args.seed)
-                else:
-                    this = loop
-                loops[size] = _loop_times(bench, this, threads=opt_threads, max_windows=args.repeat)
-                del this
-        del loop
+                loop = (largest if largest is not None and size == sizes[-1] else
+                        DeviceLoop(bench, microbatch_size=size, seq_len=args.seq_len, seed=args.seed))
+                loops[size] = _loop_times(bench, loop, threads=opt_threads, max_windows=args.repeat)
+            del loop
+        del largest
         traces = [profile_trace(measured[size], bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
                                 seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on, when=when,
                                 compiled=compile_blocks, optimizer=optimizer, optimizer_source=opt_note)

@@ -11,7 +11,7 @@ compiled block's FWD 27% faster). So per microbatch size, on one `devloop.Device
   to time per condition (LOOP_BUDGET_S of them, at least MIN_WINDOWS, at most the profile's repeat);
 - alone: that many windows with nothing else running on the host;
 - beside the optimizer: that many windows while a `HostWorker` thread steps a host state of the
-  same block without a pause (`optim._Stepper`: the run's own host state under the default policy's
+  same block without a pause (`optim.Stepper`: the run's own host state under the default policy's
   layout, the gradients delivered before each step as GRAD_OUT does). Its first step (which
   allocates the AdamW moments) ends before the first window starts and it steps on until the last
   window has ended, so every action of those windows starts while a step (or the delivery between
@@ -39,7 +39,7 @@ from tinypipe.trace import ProfileTrace
 from ..executor import RunLog
 from .devloop import DeviceLoop
 from .layers import LayerBench
-from .optim import _Stepper
+from .optim import Stepper
 
 LOOP_BUDGET_S = 0.5  # seconds of timed windows per microbatch size and condition (alone / beside)
 MIN_WINDOWS = 2  # at least this many per condition (unless the profile's repeat is lower)
@@ -86,7 +86,7 @@ def time_loop(bench: LayerBench, loop: DeviceLoop, *, max_windows: int) -> LoopS
     loop.window()
     n = windows_for(time.perf_counter() - t0, max_windows)
     alone = [loop.window() for _ in range(n)]
-    s = _Stepper(bench.host.master(loop.layer), layer=loop.layer, layout=LAYOUT, dtype=bench.dtype, tied=None)
+    s = Stepper(bench.host.master(loop.layer), layer=loop.layer, layout=LAYOUT, dtype=bench.dtype, tied=None)
     go, stop = threading.Event(), threading.Event()
     steps = [0]
 

@@ -76,7 +76,7 @@ class KindSteps:
     async_in_run_s: tuple[float, ...]
 
 
-class _Stepper:
+class Stepper:
     """One layer's host state under one layout, and its gradients, stepped on a `HostWorker`."""
 
     def __init__(self, masters: dict[str, torch.Tensor], *, layer: int, layout: HostLayout, dtype: torch.dtype,
@@ -123,7 +123,7 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
     layer = bench.layers[kind]
     tied = bench.tied[1] if bench.tied is not None and kind == LayerKind.EMBED.value else None
 
-    def in_run(s: _Stepper, n: int) -> tuple[float, ...]:
+    def in_run(s: Stepper, n: int) -> tuple[float, ...]:
         go = threading.Event()
         try:
             futs = [s.submit(go.wait)] + [s.submit() for _ in range(n - 1)]
@@ -132,7 +132,7 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
             go.set()  # a loop that failed before starting must not leave the worker waiting
         return tuple(_seconds(f) for f in futs)
 
-    s = _Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied)
+    s = Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied)
     try:
         warm = _seconds(s.submit())
         n = steps_for(warm, max_steps)
@@ -140,7 +140,7 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
         synced = in_run(s, n)
     finally:
         s.close()
-    a = _Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied,
+    a = Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied,
                  keep_previous=True)
     try:
         _seconds(a.submit())  # its own warm-up: the moments, and the first touch of the kept copy
