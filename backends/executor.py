@@ -20,6 +20,12 @@ schedule needs it:
   this every receive of the window was posted at its start: 8B on 2 GPUs asked for hundreds of
   64 MiB buffers at once against a 24 GiB cap. Issue order still follows a topological order
   (ids), so the gate cannot deadlock: the lowest unfinished action can always be issued.
+- EVICT before LOAD: a LOAD is issued only once the device has run the EVICTs it depends on (their end
+  markers). The caching allocator hands a freed block back only once every stream that used it has
+  passed it, while a LOAD allocates when the host issues it: a host running ahead held the old and the
+  new weights at once. Qwen3-1.7B under `resident none` (2026-12-01, H200, `run --trace-memory`): the
+  head's EVICT and LOAD back to back at the turn of the iteration held its 0.58 GiB tied matrix twice,
+  0.55 GiB above the schedule's ledger at the run's peak.
 
 Every action is timed into `tinypipe.timeline.Record`s (the streams' markers; the host clock for
 OPT_STEP), the schedule's memory effects are applied to a `tinypipe.ledger.Ledger` (allocs when an action is
@@ -105,9 +111,14 @@ class RunLog:
 
     records: list[Record] = field(default_factory=list)
     order: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))  # resource -> ids started
-    memory: list[tuple[float, int]] = field(default_factory=list)  # (t_s, device bytes) after each action
+    memory: list[tuple[float, int]] = field(default_factory=list)  # (t_s, device bytes) after each action (`memory`)
     losses: dict[int, float] = field(default_factory=dict)  # step -> loss (the head's owner only)
     issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
+    # with `run_actions(memory=True)` on CUDA: (t_s, record id, bytes) per issued device action, the
+    # caching allocator's peak since the previous one was read, up to the end of this one's issue (its
+    # allocations, made when it is issued, whatever the streams do later)
+    peaks: list[tuple[float, int, int]] = field(default_factory=list)
+    reserved_peak: int = 0  # the allocator's reserved bytes at most, over the same reads
 
     def extend(self, other: RunLog) -> None:
         self.records += other.records
@@ -116,11 +127,13 @@ class RunLog:
         self.memory += other.memory
         self.losses.update(other.losses)
         self.issued += other.issued
+        self.peaks += other.peaks
+        self.reserved_peak = max(self.reserved_peak, other.reserved_peak)
 
 
 def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, StepData], *, shift: int = 0,
                 ledger: Ledger | None = None, id_stride: int = 0, host_worker: HostWorker | None = None,
-                carry: Carried | None = None) -> RunLog:
+                carry: Carried | None = None, memory: bool = False) -> RunLog:
     """Run `actions` (one rank's, in schedule order) for steps `a.iteration + shift`.
 
     `data` holds the input of each step. Timeline record ids are `a.id + shift * id_stride`, so
@@ -128,7 +141,10 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     `host_worker` runs the OPT_STEPs (one is made for the window when None). With `carry` (and
     `host_worker`, which outlives the window) the window returns once its device work is done and
     leaves unfinished OPT_STEPs in `carry` (see `Carried`); the caller collects them with
-    `carry.collect(wait=True)` before it reads the host state (a checkpoint, the end).
+    `carry.collect(wait=True)` before it reads the host state (a checkpoint, the end). `memory`, on
+    CUDA: sample the device's memory after each action (`RunLog.memory`) and keep the allocator's peak
+    per issued action (`RunLog.peaks`); a statistics read each (~0.2 ms of the issuing thread on an H200
+    host, 2026-12-01), so off by default there. The CPU stand-in always samples (the interpreter's bytes).
     """
     if carry is not None and host_worker is None:
         raise ValueError("run_actions: carry needs the host worker that runs the carried steps")
@@ -143,6 +159,10 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     before = predecessors(actions)
     needs = {a.id: tuple(d for d in before[a.id] if d in by_id and by_id[d].resource != a.resource)
              for a in actions}
+    # a LOAD allocates when the host issues it, but the weights an EVICT drops stay allocated until the
+    # device has passed their last use (they were used on another stream): see "EVICT before LOAD"
+    evicts = {a.id: tuple(d for d in needs[a.id] if by_id[d].kind == Kind.EVICT) for a in actions
+              if a.kind == Kind.LOAD}
     loads_left: dict[tuple[int, int], int] = defaultdict(int)
     for a in actions:
         if a.kind == Kind.LOAD:
@@ -150,6 +170,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                 loads_left[(layer, a.iteration + shift)] += 1
     interp.pending_loads = dict(loads_left)
     streams = make_streams(interp.device, kept=interp.streams, memory=interp.device_bytes)
+    sample = memory or interp.device.type != "cuda"
     interp.use = streams.use
     worker = host_worker if host_worker is not None else HostWorker()
     log = RunLog()
@@ -165,7 +186,8 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
         ledger.end(a)
         available.add(a.id)
         finished.append(a.id)
-        log.memory.append((time.perf_counter(), streams.memory_allocated()))
+        if sample:
+            log.memory.append((time.perf_counter(), streams.memory_allocated()))
 
     compute = queues.get(gpu_resource(interp.rank, "compute"))
 
@@ -175,8 +197,13 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
             in_flight.popleft()
         return len(in_flight)
 
+    freeing: set[int] = set()  # LOADs held back this pass until the device has run the EVICTs they follow
+
     def ready(a: Action) -> bool:
         if not all(d in available for d in needs[a.id]):
+            return False
+        if a.kind == Kind.LOAD and not all(streams.done(d) for d in evicts[a.id]):
+            freeing.add(a.id)
             return False
         if a.kind.info.stream == "recv" and compute and compute[0].id < a.id:
             return False  # posted no earlier than its place in the schedule: see "RECV gate" in the module docstring
@@ -205,9 +232,10 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                     del on_host[aid]
                     finish(a)
                     progressed = True
+            freeing.clear()
             heads = [q[0] for r, q in queues.items() if r not in running and ready(q[0])]
             if not heads:
-                if not (running or on_host or computing() or (carry is not None and carry.steps)):
+                if not (running or on_host or freeing or computing() or (carry is not None and carry.steps)):
                     if not queues:
                         break
                     raise ExecutionError(_stuck(interp.rank, queues, available, by_id))
@@ -241,6 +269,11 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                     started = streams.settle(interp.dispatch(a, step))
                     if started is None:
                         streams.mark_end(a.id)
+                if memory:
+                    got = streams.take_peak()
+                    if got is not None:
+                        log.peaks.append((time.perf_counter(), a.id + shift * id_stride, got[0]))
+                        log.reserved_peak = max(log.reserved_peak, got[1])
                 if a.kind.info.is_compute:
                     in_flight.append(a.id)
                 if started is None:

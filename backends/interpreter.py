@@ -229,17 +229,27 @@ class Interpreter:
             out, xin, leaves = self.graphs.pop((step, L, m))
         self.x.pop((step, L, m), None)
         inputs = ([xin] if xin is not None else []) + list(leaves.values())
-        with torch.enable_grad():
-            got = torch.autograd.grad(out, inputs, grad_outputs=dy)
-        if xin is not None:
-            self.dx[(step, L, m)] = got[0]
         acc = self.grads.get((step, L))
-        param_grads = dict(zip(leaves, got[1:] if xin is not None else got))
-        if acc is None:
-            self.grads[(step, L)] = param_grads
-        else:
-            for n, g in param_grads.items():
-                acc[n].add_(g)
+        if acc is None:  # the layer's first BWD of the step: its gradients become the accumulator
+            with torch.enable_grad():
+                got = torch.autograd.grad(out, inputs, grad_outputs=dy)
+            self.grads[(step, L)] = dict(zip(leaves, got[1:] if xin is not None else got))
+            if xin is not None:
+                self.dx[(step, L, m)] = got[0]
+            return None
+        # later ones add into it in place as autograd makes each weight's gradient (AccumulateGrad), so
+        # one weight's fresh gradient is transient at a time, not the layer's (a compiled block's
+        # backward still returns them all at once: the profile measures which)
+        for n, leaf in leaves.items():
+            leaf.grad = acc[n]
+        with torch.enable_grad():
+            torch.autograd.backward(out, grad_tensors=dy, inputs=inputs)
+        for n, leaf in leaves.items():  # autograd keeps the same tensor; were it to replace it, take the new one
+            assert leaf.grad is not None
+            acc[n] = leaf.grad
+        if xin is not None:
+            assert xin.grad is not None
+            self.dx[(step, L, m)] = xin.grad
         return None
 
     # ---- host transfers ----------------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
               threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),
-              compile_blocks=compile_blocks)
+              compile_blocks=compile_blocks, trace_memory=bool(getattr(args, "trace_memory", False)))
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
                    note=note, compiled_policy=compiled)

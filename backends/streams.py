@@ -62,6 +62,10 @@ class CpuStreams:
     def memory_allocated(self) -> int:
         return self._memory()
 
+    def take_peak(self) -> tuple[int, int] | None:
+        """The allocator's peak allocated and reserved bytes since the last call (CUDA; a CPU has none: None)."""
+        return None
+
     def times(self, action_id: int) -> tuple[float, float] | None:
         """(start, end) of an issued action on the host clock, once `synchronize` has run."""
         if action_id not in self._t1:
@@ -140,6 +144,12 @@ class CudaStreams:
 
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
+
+    def take_peak(self) -> tuple[int, int]:
+        """The allocator's peak allocated and reserved bytes since the last call (or the run's start); resets them."""
+        stats = torch.cuda.memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return int(stats.get("allocated_bytes.all.peak", 0)), int(stats.get("reserved_bytes.all.peak", 0))
 
     def times(self, action_id: int) -> tuple[float, float] | None:
         start, end = self._start.get(action_id), self._end.get(action_id)

@@ -64,6 +64,7 @@ class Job:
     compile_blocks: bool = False  # torch.compile the decoder blocks (`--compile`, backends/compiled.py)
     compile_backend: str = COMPILE_BACKEND
     stop_after: int | None = None  # behave as if interrupted after this many steps (tests)
+    trace_memory: bool = False  # CUDA: sample the allocator at each action (`--trace-memory`; run_actions(memory=))
     identity: dict[str, Any] = field(default_factory=dict)  # what a checkpoint must match on --resume
     record: dict[str, Any] = field(default_factory=dict)  # the run's options, recorded for --resume
     timeout_s: float = 600.0
@@ -96,6 +97,7 @@ class RankResult:
     alloc_retries: int = 0  # allocations that found no cached block within the cap and freed cache (CUDA)
     masters: dict[int, dict[str, torch.Tensor]] | None = None
     issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
+    peaks: list[tuple[float, int, int]] = field(default_factory=list)  # RunLog.peaks (CUDA with Job.trace_memory)
     # host RSS at points of the rank's life: phase -> (resident now, peak so far), bytes
     rss_phases: dict[str, tuple[int, int]] = field(default_factory=dict)
     # most pinned host bytes held at once: the slabs this rank registered with CUDA, and PyTorch's pinned
@@ -214,7 +216,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
             window = by_prefix[n] = [a for a in actions if a.iteration < n]
         data = {step + k: step_data(batches, step + k) for k in range(n)}
         part = run_actions(interp, window, data, shift=step, ledger=ledger, id_stride=len(sched.actions),
-                           host_worker=optimizer, carry=carry)
+                           host_worker=optimizer, carry=carry, memory=job.trace_memory)
         log.extend(part)
         losses.update(part.losses)
         if "first window run" not in rss:
@@ -244,17 +246,18 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
         save_checkpoint(step)
     if job.out and job.save_model and not interrupted:
         save_pretrained(host.masters(), stack.config, job.out, rank=rank, world=world, source_dir=stack.source_dir)
-    peak_dev = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                else max((b for _, b in log.memory), default=0))
+    # the allocator's peak since the last reset, and before it the per-action peaks that reset it
+    peak_dev = (max([torch.cuda.max_memory_allocated(device), *(b for _, _, b in log.peaks)])
+                if device.type == "cuda" else max((b for _, b in log.memory), default=0))
     stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     return RankResult(
         rank=rank, layers=layers, losses=losses, records=log.records, order=dict(log.order), memory=log.memory,
         ledger_peak=ledger.peaks(), ledger_problems=list(ledger.problems), held=host.held().to_json(),
         peak_device_bytes=peak_dev, peak_rss_bytes=_rss()[1], rss_phases=rss,
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
-        peak_reserved_bytes=int(stats.get("reserved_bytes.all.peak", 0)),
+        peak_reserved_bytes=max(int(stats.get("reserved_bytes.all.peak", 0)), log.reserved_peak),
         alloc_retries=int(stats.get("num_alloc_retries", 0)),
-        masters=host.masters() if job.keep_masters else None, issued=log.issued,
+        masters=host.masters() if job.keep_masters else None, issued=log.issued, peaks=log.peaks,
         pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()})
 
 

@@ -15,9 +15,10 @@ from tinypipe.errors import InputError
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import optimizer_s_per_param, optimizer_step_s
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.policy import PRESETS
 from tinypipe.search import SearchTarget, lower_bound
-from tinypipe.trace import FORMAT, OptimizerProfile, ProfileTrace, load_trace, trace_for
+from tinypipe.trace import FORMAT, ProfileTrace, load_trace, trace_for
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_PROFILE = ROOT / "bench" / "results" / "profile_h200"  # taken before per-kind optimizer steps existed

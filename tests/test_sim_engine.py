@@ -24,10 +24,11 @@ from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import COMPACT_OPTIM_FACTOR
 from tinypipe.looptimes import LoopTimes
 from tinypipe.model import LayerKind, LayerSpec, ModelSpec
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.order import layer_owner
 from tinypipe.policy import PRESETS
 from tinypipe.schedule import Action, Kind, Mem, Schedule
-from tinypipe.trace import KindProfile, OptimizerProfile, ProfileTrace, analytic_trace
+from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace
 
 MS = 1e-3
 

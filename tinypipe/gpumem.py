@@ -16,7 +16,9 @@ its GPU are:
   hands on, and the workspace of its last layer;
 - its backward's first op (one gradient), its first layer's op of microbatch 0 (every gradient of
   s; microbatch 0's X of s gone but the first layer's), and the start of microbatch 1 (every
-  gradient; microbatch 0's X of s gone): the window, the held layers, M X up to s, and T.
+  gradient; microbatch 0's X of s gone), and its first layer's op of microbatch 1 (microbatch 1's
+  X of s gone too but the first layer's): the window, the held layers, M X up to s, and T (at
+  microbatch 1, Ta: a later backward adds its fresh gradients into the accumulator, ws.acc).
 
 The window follows the compiler's swap pass (`window_span`): layer swapping holds the largest use's
 window layers plus `prefetch_depth`, pack swapping `prefetch_depth` + 1 uses, counted from the use
@@ -52,7 +54,9 @@ class MemoryInputs(Protocol):
     @property
     def saved_bytes(self) -> tuple[int, ...]: ...  # a.L.m
     @property
-    def layer_workspace_bytes(self) -> tuple[int, ...]: ...  # ws of each FWD / BWD
+    def layer_workspace_bytes(self) -> tuple[int, ...]: ...  # ws of each FWD / first BWD
+    @property
+    def accumulate_workspace_bytes(self) -> tuple[int, ...]: ...  # ws.acc of each later BWD
     @property
     def microbatches(self) -> int: ...
     @property
@@ -119,7 +123,8 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
     forward to backward; in the window on the GPU's last pack); win / win_n: window weights / 1 of
     layers neither pinned nor kept, win_last / win_last_n: not pinned (the last pack's forward);
     x: input; a: saved activations kept from forward (no recompute); X: x (activations on the GPU)
-    + a; T: a backward's transient, workspace + re-created a + dx.L + dx.L+1; ws: workspace.
+    + a; T: a backward's transient, workspace + re-created a + dx.L + dx.L+1; Ta: T of a later
+    backward (into the gradient accumulator: its workspace is ws.acc); ws: workspace.
     """
     n = len(m.weight_bytes)
     w, x, ws = m.weight_bytes, m.input_bytes, m.layer_workspace_bytes
@@ -127,6 +132,7 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
     a = tuple(0 if redo[i] else m.saved_bytes[i] for i in range(n))
     on_gpu = m.activation_home == "gpu"
     held = [i in pinned or i in kept for i in range(n)]
+    rest = [(m.saved_bytes[i] if redo[i] else 0) + x[i] + (x[i + 1] if i + 1 < n else 0) for i in range(n)]
     return {
         "w": w, "ws": ws, "x": x, "a": a,
         "pinned_w": tuple(w[i] if i in pinned else 0 for i in range(n)),
@@ -136,8 +142,8 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
         "win_last": tuple(0 if i in pinned else w[i] for i in range(n)),
         "win_last_n": tuple(0 if i in pinned else 1 for i in range(n)),
         "X": tuple(a[i] + (x[i] if on_gpu else 0) for i in range(n)),
-        "T": tuple(ws[i] + (m.saved_bytes[i] if redo[i] else 0) + x[i] + (x[i + 1] if i + 1 < n else 0)
-                   for i in range(n)),
+        "T": tuple(ws[i] + rest[i] for i in range(n)),
+        "Ta": tuple(m.accumulate_workspace_bytes[i] + rest[i] for i in range(n)),
     }
 
 
@@ -175,7 +181,9 @@ def moments(mapping: tuple[int, ...], num_gpus: int, microbatches: int, activati
                 Term(SUM, s, "w"), Term(FIRST, s, "X"), Term(FIRST, s, "T")), anchor))
             if big_m > 1:
                 out.append(Moment(g, f"backward of pack {s}, microbatch 1", base, x_in + gone + (
-                    Term(SUM, s, "w"), Term(LAST, s, "T")), anchor))
+                    Term(SUM, s, "w"), Term(LAST, s, "Ta")), anchor))
+                out.append(Moment(g, f"backward of pack {s}, first layer of microbatch 1", base, x_in + (
+                    Term(SUM, s, "X", -2), Term(SUM, s, "w"), Term(FIRST, s, "X"), Term(FIRST, s, "Ta")), anchor))
     return tuple(out)
 
 

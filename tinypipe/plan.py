@@ -36,7 +36,7 @@ class Plan:
     weight_bytes: tuple[int, ...]  # w.L{l} on the GPU (compute dtype), what a LOAD moves; also gr.L{l}, GRAD_OUT
     input_bytes: tuple[int, ...]  # x.L{l}.m and dx.L{l}.m (0 for the first layer: token ids)
     saved_bytes: tuple[int, ...]  # a.L{l}.m, kept from FWD to BWD without recompute
-    layer_workspace_bytes: tuple[int, ...]  # ws of each FWD / BWD
+    layer_workspace_bytes: tuple[int, ...]  # ws of each FWD and of a layer's first BWD in a step
     host_grad_bytes: tuple[int, ...]  # host gring.L{l} slot (compute dtype), compact layout only
     master_bytes: tuple[int, ...]  # OPT_STEP nbytes: fp32 master of the layer's own parameters
     opt_s: tuple[float, ...]  # CPU optimizer time per layer (hostmem.optimizer_steps_s)
@@ -66,6 +66,8 @@ class Plan:
     pack_gpu: tuple[int, ...] = ()
     kept: frozenset[int] = frozenset()  # held from their forward to their backward
     pinned: frozenset[int] = frozenset()  # held for the whole iteration
+    # ws.acc of each later BWD (into the gradient accumulator; KindProfile.accumulate_workspace); () = ws
+    accumulate_workspace_bytes: tuple[int, ...] = ()
 
     num_layers: int = field(init=False)
     owner: tuple[int, ...] = field(init=False, repr=False, compare=False)  # GPU of each layer
@@ -76,11 +78,13 @@ class Plan:
 
     def __post_init__(self) -> None:
         n = len(self.weight_bytes)
+        if not self.accumulate_workspace_bytes:
+            object.__setattr__(self, "accumulate_workspace_bytes", self.layer_workspace_bytes)
         for name, choices in _MODE_FIELDS.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"plan: {name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         for name in ("fwd_s", "bwd_s", "input_bytes", "saved_bytes", "layer_workspace_bytes", "host_grad_bytes",
-                     "master_bytes", "opt_s"):
+                     "master_bytes", "opt_s", "accumulate_workspace_bytes"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"plan: {name} has {len(getattr(self, name))} layers, weight_bytes {n}")
         owner: list[int] = []
@@ -139,7 +143,7 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     dt = trace.dtype
     if dt not in DTYPE_BYTES:
         raise InputError(f"trace: unknown dtype {dt!r}")
-    fwd, bwd, inp, saved, ws = [], [], [], [], []
+    fwd, bwd, inp, saved, ws, ws_acc = [], [], [], [], [], []
     for layer in model.layers:
         try:
             kp = trace.layer(layer)
@@ -156,6 +160,7 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         inp.append(kp.saved_act_bytes_recompute if layer.index else 0)
         saved.append(kp.saved_act_bytes)
         ws.append(kp.workspace_bytes)
+        ws_acc.append(kp.accumulate_workspace(layer.param_bytes(dt)))
     g = len(hardware.gpus)
     pairs = [hardware.route(f"gpu{a}", f"gpu{b}") for a in range(g) for b in range(g) if a != b]
     hb = host_bytes(model, policy.host_memory, compute_dtype=dt, optimizer=policy.optimizer)
@@ -172,7 +177,7 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     return Plan(
         microbatches=policy.microbatches, iterations=iterations, fwd_s=tuple(fwd), bwd_s=tuple(bwd),
         weight_bytes=tuple(layer.param_bytes(dt) for layer in model.layers), input_bytes=tuple(inp),
-        saved_bytes=tuple(saved), layer_workspace_bytes=tuple(ws),
+        saved_bytes=tuple(saved), layer_workspace_bytes=tuple(ws), accumulate_workspace_bytes=tuple(ws_acc),
         host_grad_bytes=tuple(x.gpu_params * DTYPE_BYTES[dt] for x in model.layers),
         master_bytes=tuple(x.params * 4 for x in model.layers),
         opt_s=optimizer_steps_s(model, policy.host_memory, hardware.host, trace, optimizer=policy.optimizer),

@@ -26,14 +26,16 @@ A measured trace may also carry, per kind, the host optimizer step of one layer 
 as they are, without it, and the simulator then costs an OPT_STEP at the host's rate
 (`tinypipe.hostmem.optimizer_step_s` decides). The block's kind may also carry `loop`
 (`tinypipe.looptimes.LoopTimes`: its recomputing FWD / BWD timed inside the executor's loop), optional
-in the same format; `KindProfile.compute_s` is the one rule for what a FWD or BWD costs.
+in the same format; `KindProfile.compute_s` is the one rule for what a FWD or BWD costs. So is
+`accumulate_workspace_bytes`, a later BWD's transient (`KindProfile.accumulate_workspace` decides
+where it is missing).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,7 @@ from tinypipe.model import (
     head_workspace_bytes,
     head_workspace_fixed_bytes,
 )
-from tinypipe.policy.modes import HOST_LAYOUTS
+from tinypipe.optimprofile import OptimizerProfile
 
 # Fraction of the GPU's achieved large-GEMM rate (`GPU.matmul_flops`) that a layer's mix of
 # smaller GEMMs and causal flash attention reaches. Calibrated once against the measured H200
@@ -67,51 +69,6 @@ WORKSPACE_FRACTION = 0.5
 KIND_NAMES = tuple(k.value for k in LayerKind)
 # What `to_json` writes. Read: this, or none (the traces before per-kind optimizer steps; they read the same).
 FORMAT = "tinypipe-trace-v2"
-
-
-@dataclass(frozen=True)
-class OptimizerProfile:
-    """One host optimizer step (OPT_STEP) of a layer of one kind, measured by `tinypipe profile`
-    (backends/profile/optim.py): `HostState.step` on the rank's optimizer thread at `threads` torch
-    threads, median seconds per host layout, with nothing else running (`alone_s`) and while the
-    main thread keeps the device busy as in a run (`in_run_s`, what the simulator charges), and the
-    asynchronous optimizer's step in a run's conditions (`async_in_run_s`: the step that first keeps
-    the version the next iteration's uploads still read)."""
-
-    params: int  # parameters of the measured layer (its own: a tied LM head's norm only)
-    threads: int
-    alone_s: Mapping[str, float] = field(default_factory=dict)  # host layout -> s
-    in_run_s: Mapping[str, float] = field(default_factory=dict)
-    async_in_run_s: Mapping[str, float] = field(default_factory=dict)  # empty in traces before it
-
-    def step_s(self, layout: str, params: int, *, asynchronous: bool = False) -> float | None:
-        """The in-run step of a layer of `params` parameters under `layout` (`asynchronous`: the async
-        optimizer's, where measured, else the sync one), scaled from the measured layer's in proportion
-        (the same layer: exactly the measurement); None if `layout` was not measured."""
-        t = self.async_in_run_s.get(layout) if asynchronous else None
-        t = self.in_run_s.get(layout) if t is None else t
-        return None if t is None else t * params / self.params
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"params": self.params, "threads": self.threads, "alone_s": dict(self.alone_s),
-               "in_run_s": dict(self.in_run_s)}
-        if self.async_in_run_s:
-            out["async_in_run_s"] = dict(self.async_in_run_s)
-        return out
-
-    @classmethod
-    def from_json(cls, f: Fields) -> OptimizerProfile:
-        def seconds(key: str) -> dict[str, float]:
-            times = f.obj_(key, {})
-            for layout in times.obj:
-                if layout not in HOST_LAYOUTS:
-                    raise InputError(f"{times.where}: unknown host layout {layout!r}; expected "
-                                     f"{', '.join(HOST_LAYOUTS)}")
-            return {layout: times.float(layout, positive=True) for layout in times.obj}
-
-        return cls(params=f.int("params", minimum=1), threads=f.int("threads", minimum=1),
-                   alone_s=seconds("alone_s"), in_run_s=seconds("in_run_s"),
-                   async_in_run_s=seconds("async_in_run_s"))
 
 
 @dataclass(frozen=True)
@@ -132,6 +89,16 @@ class KindProfile:
     workspace_fixed_bytes: int = 0  # the part of workspace_bytes that stays the same at any token count
     optimizer: OptimizerProfile | None = None  # one layer's host optimizer step, when measured
     loop: LoopTimes | None = None  # the block's recomputing FWD / BWD inside the executor's loop, when measured
+    # a BWD's transient when the layer's gradient accumulator exists (every BWD of a step but its first):
+    # the weights' fresh gradients before they are added; None: not measured (`accumulate_workspace`)
+    accumulate_workspace_bytes: int | None = None
+
+    def accumulate_workspace(self, gradient_bytes: int) -> int:
+        """A later BWD's transient: the measured one, else `workspace_bytes` + the layer's whole gradient
+        (`gradient_bytes`), as a backward that returns every gradient at once before adding them holds."""
+        if self.accumulate_workspace_bytes is not None:
+            return self.accumulate_workspace_bytes
+        return self.workspace_bytes + gradient_bytes
 
     def backward_s(self, recomputed: bool) -> float:
         """The backward's time: with its forward re-run first (`schedule.recomputes`), or from kept activations."""
@@ -159,17 +126,22 @@ class KindProfile:
         depend on the tokens and is kept; the loop's times scale like the others.
         """
         ws, fixed = self.workspace_bytes, self.workspace_fixed_bytes
+        new_ws = max(round(ws * factor), fixed + round((ws - fixed) * factor))
+        acc = self.accumulate_workspace_bytes  # its part above workspace_bytes (fresh gradients) does not scale
+        new_acc = None if acc is None else new_ws + acc - ws if acc >= ws else round(acc * factor)
         return KindProfile(fwd_s=self.fwd_s * factor, bwd_s=self.bwd_s * factor,
                            recompute_bwd_s=self.recompute_bwd_s * factor,
                            saved_act_bytes=round(self.saved_act_bytes * factor),
                            saved_act_bytes_recompute=round(self.saved_act_bytes_recompute * factor),
-                           workspace_bytes=max(round(ws * factor), fixed + round((ws - fixed) * factor)),
-                           workspace_fixed_bytes=fixed, optimizer=self.optimizer,
-                           loop=None if self.loop is None else self.loop.scaled(factor))
+                           workspace_bytes=new_ws, workspace_fixed_bytes=fixed, optimizer=self.optimizer,
+                           loop=None if self.loop is None else self.loop.scaled(factor),
+                           accumulate_workspace_bytes=new_acc)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         del out["optimizer"], out["loop"]
+        if self.accumulate_workspace_bytes is None:
+            del out["accumulate_workspace_bytes"]
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer.to_json()
         if self.loop is not None:
@@ -184,6 +156,8 @@ class KindProfile:
                    saved_act_bytes_recompute=f.int("saved_act_bytes_recompute", minimum=0),
                    workspace_bytes=f.int("workspace_bytes", minimum=0),
                    workspace_fixed_bytes=f.int("workspace_fixed_bytes", 0, minimum=0),
+                   accumulate_workspace_bytes=(f.int("accumulate_workspace_bytes", minimum=0)
+                                               if f.has("accumulate_workspace_bytes") else None),
                    optimizer=OptimizerProfile.from_json(f.obj_("optimizer")) if f.has("optimizer") else None,
                    loop=LoopTimes.from_json(f.obj_("loop")) if f.has("loop") else None)
 

@@ -21,8 +21,11 @@ the median of `repeat`:
 - workspace_bytes, CUDA: the largest transient above what the ledger counts by name -- a FWD's
   peak above its start less its output and saved bytes; a BWD's peak above its start less the
   gradients it returns (weights and input); a recomputing BWD's peak less those and the re-created
-  saved bytes and output. On a CPU there is no allocator peak to read: `workspace_bytes` is
-  None here and the trace takes tinypipe.trace's analytic formula (see `kind_profile`).
+  saved bytes and output. accumulate_workspace_bytes: the same for a BWD that adds into the
+  layer's existing gradient accumulator (a microbatch after the first), less only the input
+  gradient: the weights' fresh gradients before they are added are its transient. On a CPU there
+  is no allocator peak to read: both are None here and the trace takes tinypipe.trace's analytic
+  formulas (see `kind_profile`).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from itertools import count
 import torch
 
 from tinypipe.model import LayerKind, ModelSpec, head_workspace_bytes, head_workspace_fixed_bytes
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.schedule import Action, Kind, Schedule, gpu_resource
-from tinypipe.trace import WORKSPACE_FRACTION, KindProfile, OptimizerProfile, ProfileTrace
+from tinypipe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
 
 from ..compiled import LayerCaller
 from ..hf import build_model
@@ -65,6 +69,7 @@ class KindMeasurement:
     saved_bytes: int
     input_bytes: int  # 0 for the embedding (its input is token ids)
     workspace_bytes: int | None  # None where the device has no allocator peak to read (CPU)
+    accumulate_workspace_bytes: int | None = None  # a later BWD's (into the accumulator); None as above
 
 
 def kind_profile(m: KindMeasurement, spec: ModelSpec, optimizer: OptimizerProfile | None = None) -> KindProfile:
@@ -79,7 +84,8 @@ def kind_profile(m: KindMeasurement, spec: ModelSpec, optimizer: OptimizerProfil
         ws, fixed = m.workspace_bytes, min(fixed, m.workspace_bytes)
     return KindProfile(fwd_s=m.fwd_s, bwd_s=m.bwd_s, recompute_bwd_s=m.recompute_bwd_s,
                        saved_act_bytes=m.saved_bytes, saved_act_bytes_recompute=m.input_bytes,
-                       workspace_bytes=ws, workspace_fixed_bytes=fixed, optimizer=optimizer)
+                       workspace_bytes=ws, workspace_fixed_bytes=fixed, optimizer=optimizer,
+                       accumulate_workspace_bytes=m.accumulate_workspace_bytes)
 
 
 def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model: str, dtype: str,
@@ -95,7 +101,8 @@ def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model
                    f"{m.saved_bytes:,} B" for m in measured)
     workspace = ("workspace_bytes: the allocator's peaks above what the schedule's ledger names (FWD: less its "
                  "output and saved bytes; BWD: less the gradients it returns; recomputing BWD: less those, the "
-                 "re-created saved bytes and output), the largest; the head's workspace_fixed_bytes: "
+                 "re-created saved bytes and output), the largest; accumulate_workspace_bytes: the same for a BWD into "
+                 "an existing gradient accumulator, less only the input gradient; the head's workspace_fixed_bytes: "
                  "tinypipe.model.head_workspace_fixed_bytes, at most the measured workspace" if cuda else
                  f"workspace_bytes NOT measured (a CPU has no allocator peak): analytic, {WORKSPACE_FRACTION} x the "
                  "measured saved bytes; head: tinypipe.model.head_workspace_bytes (fixed part: one chunk of logits)")
@@ -199,7 +206,7 @@ class LayerBench:
         x = None if L == 0 else torch.randn(hidden, generator=gen).to(self.device, self.dtype)
         dy = None if L == self.last else torch.randn(hidden, generator=gen).to(self.device, self.dtype)
         times: dict[str, list[float]] = {"fwd": [], "fwd_nograd": [], "bwd": [], "recompute_bwd": []}
-        saved, peaks = 0, []
+        saved, peaks, later = 0, [], []
         modes = (False,) if L == self.last else (False, True)
         for recompute in modes:
             it = self.interp[recompute]
@@ -215,17 +222,20 @@ class LayerBench:
                     times[bwd].append(tb)
             if not recompute:
                 saved = self._saved_bytes(it, L, x, dy)
-            peaks += self._workspace(it, L, x, dy, saved, recompute)
+            ws = self._workspace(it, L, x, dy, saved, recompute)
+            peaks += ws[0]
+            later += ws[1]
             it.dispatch(self._act(Kind.EVICT, L), STEP)
             it.data = {}
         med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
         if L == self.last:  # a schedule never recomputes the head: a recomputing BWD of it would be both
             med["fwd_nograd"], med["recompute_bwd"] = med["fwd"], med["fwd"] + med["bwd"]
-        ws = None if self.device.type != "cuda" else max(0, *peaks)
+        cuda = self.device.type == "cuda"
         return KindMeasurement(kind=kind, layer=L, tokens=ids.numel(), fwd_s=med["fwd"],
                                fwd_nograd_s=med["fwd_nograd"], bwd_s=med["bwd"],
                                recompute_bwd_s=med["recompute_bwd"], saved_bytes=saved, input_bytes=_nbytes(x),
-                               workspace_bytes=ws)
+                               workspace_bytes=max(0, *peaks) if cuda else None,
+                               accumulate_workspace_bytes=max(0, *later) if cuda else None)
 
     # ---- one action each, as the executor issues it -----------------------------------------------
     def _fwd(self, it: Interpreter, L: int, x: torch.Tensor | None) -> float:
@@ -236,14 +246,17 @@ class LayerBench:
         it.losses.clear()
         return t
 
-    def _bwd(self, it: Interpreter, L: int, x: torch.Tensor | None, dy: torch.Tensor | None) -> float:
+    def _bwd(self, it: Interpreter, L: int, x: torch.Tensor | None, dy: torch.Tensor | None, *,
+             keep_grads: bool = False) -> float:
+        """A BWD, timed; `keep_grads`: leave the layer's gradient accumulator (the next BWD adds into it)."""
         if dy is not None:
             it.dx[(STEP, L + 1, MB)] = dy
         if x is not None:
             it.x[(STEP, L, MB)] = x  # a recomputing BWD reads its input (FWD left it; BWD consumes it)
         t = self.clock.time(lambda: it.dispatch(self._act(Kind.BWD, L), STEP))
         it.dx.pop((STEP, L, MB), None)
-        it.grads.pop((STEP, L), None)
+        if not keep_grads:
+            it.grads.pop((STEP, L), None)
         return t
 
     def _saved_bytes(self, it: Interpreter, L: int, x: torch.Tensor | None, dy: torch.Tensor | None) -> int:
@@ -263,22 +276,26 @@ class LayerBench:
         return sum(kept.values())
 
     def _workspace(self, it: Interpreter, L: int, x: torch.Tensor | None, dy: torch.Tensor | None, saved: int,
-                   recompute: bool) -> list[int]:
-        """CUDA: transient peaks above what the ledger names (module docstring); CPU: []."""
+                   recompute: bool) -> tuple[list[int], list[int]]:
+        """CUDA: transient peaks above what the ledger names (module docstring), of FWD and the first BWD,
+        and of a BWD that adds into an existing gradient accumulator; CPU: [], []."""
         if self.device.type != "cuda":
-            return []
+            return [], []
         out = 4 if L == self.last else _nbytes(dy)  # the head's output is one fp32 loss
-        grads = sum(_nbytes(t) for t in it.weights[L][1].values()) + _nbytes(x)
-        f, b = _Peak(self.device), _Peak(self.device)
+        weight_grads = sum(_nbytes(t) for t in it.weights[L][1].values())
+        f, b, acc = _Peak(self.device), _Peak(self.device), _Peak(self.device)
         with f.measure():
             self._fwd_keep_output(it, L, x)
         with b.measure():
-            self._bwd(it, L, x, dy)
+            self._bwd(it, L, x, dy, keep_grads=True)
         it.x.pop((STEP, L + 1, MB), None)
-        assert f.bytes is not None and b.bytes is not None
-        if recompute:
-            return [b.bytes - grads - saved - out]
-        return [f.bytes - out - saved, b.bytes - grads]
+        self._fwd(it, L, x)
+        with acc.measure():  # the accumulator is there: only the input gradient is new
+            self._bwd(it, L, x, dy)
+        assert f.bytes is not None and b.bytes is not None and acc.bytes is not None
+        redo = saved + out if recompute else 0
+        first, later = b.bytes - weight_grads - _nbytes(x) - redo, acc.bytes - _nbytes(x) - redo
+        return ([first] if recompute else [f.bytes - out - saved, first]), [later]
 
     def _fwd_keep_output(self, it: Interpreter, L: int, x: torch.Tensor | None) -> None:
         """A FWD whose output stays allocated until the peak is read (as in a run, until handed on)."""

@@ -1,6 +1,6 @@
 """One host optimizer step (OPT_STEP) of each layer kind, timed alone and beside the device's work.
 
-Each kind's result is a `tinypipe.trace.OptimizerProfile`, which its trace carries.
+Each kind's result is a `tinypipe.optimprofile.OptimizerProfile`, which its trace carries.
 
 The simulator used to cost every OPT_STEP at one rate per host layout, measured on one large tensor
 with nothing else running. On the H200 host that rate (compact: 1.75 G params/s) was too fast twice
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from tinypipe.model import LayerKind
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
-from tinypipe.trace import OptimizerProfile
 
 from ..hostlayouts import make_host_state
 from ..hoststate import AdamWConfig, HostState

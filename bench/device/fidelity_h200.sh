@@ -1,5 +1,5 @@
 # On a lent H200 machine, from the repository root (carry .whl):
-#   DEADLINE_S=560 [GPUS=N] [PROFILES=DIR] [MODELS="qwen3 llama"] [RANK=N] bash bench/device/fidelity_h200.sh RUN...
+#   DEADLINE_S=560 [STEPS=8] [GPUS=N] [PROFILES=DIR] [MORE_PROFILES=DIR] [MODELS="qwen3 llama"] [RANK=N] bash bench/device/fidelity_h200.sh RUN...
 # Issue 10's fidelity campaign: profile once, then run every configuration planned from that profile.
 # GPUS (default 1): the machine's GPUs; the profile's hardware.json is the h200xGPUS preset with the
 # measured rates, and the host optimizer is timed at one rank's threads (cores / GPUS - 1).
@@ -13,9 +13,10 @@
 #    as $OUT/rank/rank-K.json, which a RUN names as its POLICY.
 # 2. Each RUN = MODEL:CASE:MB:MODE[:POLICY] runs bench/cuda_bench.py's CASE (65,536 tokens per step,
 #    --gpu-mem 24GiB) on MODEL (qwen3-1.7b or llama-3.1-8b) at MB sequences per microbatch, MODE
-#    compile or eager, with POLICY (a file in $OUT/rank/, else under bench/policies/) instead of the case's policy when
-#    given; planned with the profile of step 1 that matches (pq / pq-compiled / pl / pl-compiled) and
-#    its hardware.json, appended to $OUT/cuda_h200.jsonl with its trace. A run that would pass
+#    compile or eager (+peaks: with `run --trace-memory`, labelled -mem- instead of -fid-, so that
+#    bench/fidelity.py leaves its perturbed timing out), with POLICY (a file in $OUT/rank/, else under bench/policies/) instead of the case's policy when
+#    given (a path with a / is taken from the repository root); planned with the profile of step 1 that matches (pq / pq-compiled / pl / pl-compiled) and
+#    its hardware.json (MORE_PROFILES: where a folder this call did not make is found), appended to $OUT/cuda_h200.jsonl with its trace. A run that would pass
 #    DEADLINE_S is skipped.
 # What comes back (at most 8 files): log.txt, cuda_h200.jsonl, and results.tgz with the profile folders
 # and the runs' traces.
@@ -63,18 +64,22 @@ for spec in "$@"; do
   short=${model%%-*}; p=p${short:0:1}; flag=(--no-compile)
   [ "$short" = llama ] && p=pl
   [ "$short" = qwen3 ] && p=pq
-  if [ "$mode" = compile ]; then p=$p-compiled; flag=(--compile); fi
-  label="-fid-$short-mb$mb-$mode"
+  [ "${mode%+peaks}" = compile ] && p=$p-compiled && flag=(--compile)
+  peaks=(); tag=fid
+  case "$mode" in *+peaks) mode=${mode%+peaks}; peaks=(--trace-memory); tag=mem;; esac
+  label="-$tag-$short-mb$mb-$mode"
   pol=()
   if [ -n "$policy" ]; then
     f="$ROOT/bench/policies/$policy"; [ -f "$OUT/rank/$policy" ] && f="$OUT/rank/$policy"
-    pol=(--policy "$f"); label="$label-${policy%.json}"
+    case "$policy" in */*) f="$ROOT/$policy";; esac
+    pol=(--policy "$f"); policy=$(basename "$policy"); label="$label-${policy%.json}"
   fi
+  pp="$P/$p"; [ -d "$pp" ] || pp="$ROOT/$MORE_PROFILES/$p"  # a model not profiled in this call
   need=$([ "$short" = llama ] && echo 230 || echo 90)
   if [ "$(left)" -lt "$need" ]; then echo "$spec: skipped, $(left) s left"; continue; fi
   timeout -k 10 $(( $(left) - 5 )) python3 "$ROOT/bench/cuda_bench.py" --model "$model" --cases "$case" \
-    --label="$label" --steps 6 --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
-    --extra --microbatch-size "$mb" --profile "$P/$p" --hardware "$P/$p/hardware.json" "${flag[@]}" "${pol[@]}" \
+    --label="$label" --steps "${STEPS:-8}" --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
+    --extra --microbatch-size "$mb" --profile "$pp" --hardware "$pp/hardware.json" "${flag[@]}" "${pol[@]}" "${peaks[@]}" \
     >>"$OUT/log.txt" 2>&1
   echo "$spec: exit $? at $(( $(date +%s) - START )) s"
   grep -v "^training \[" "$OUT/log.txt" | tail -1

@@ -18,12 +18,13 @@ The analytic trace predicts 6.7-8.5 ms (x4.8-8.6). TIME_BAND, [0.7, 3.0], fails 
 becomes slower than the run or a gap that grows by another ~1.3 x; a result outside it is measured
 once more (profile and run), since other work on a shared machine moves it either way.
 
-Memory: the CPU backend counts the tensors its interpreter holds (weights, gradients, layer inputs
-and their gradients), sampled after each action; the prediction's ledger also holds autograd's saved
-tensors of kept graphs (`a.L*`), those a recomputing backward re-creates, a layer's transient
-workspace (`ws`), an action's inputs until it ends, and a RECV's buffer from when it is posted (the
-backend counts it once the data has arrived). So measured <= predicted <= measured + the largest
-workspace + every kept graph's saved bytes + the largest re-created ones + the two inputs one action
+Memory: the CPU backend counts the tensors its interpreter holds (weights, gradients, layer inputs and
+their gradients), sampled after each action; the prediction's ledger also holds autograd's saved tensors
+of kept graphs (`a.L*`), those a recomputing backward re-creates, a layer's transient workspace (`ws`;
+`ws.acc` of a later backward, with the weights' fresh gradients), an action's inputs until it ends, and
+a RECV's buffer from when it is posted (the backend counts it once the data has arrived). So measured <=
+predicted <= measured + the largest workspace (or ws.acc) + every kept graph's saved bytes + the largest
+re-created ones + the two inputs one action
 frees + one posted receive. Since the profile carries the host optimizer's steps (slow here: ~5 ms a
 block beside the CPU loop on one core), the holistic packer puts each layer in a pack of its own, and
 the simulated peak of rank 0 holds a posted RECV_B's buffer (64 KiB) during a recomputing backward.
@@ -93,7 +94,9 @@ def _profile_and_run(root: Path) -> tuple[float, float, float, list[str]]:
         kinds = [trace.layer(plan.spec.layers[x]) for x in layers]
         kept = sum(k.saved_act_bytes for x, k in zip(layers, kinds) if not sched.recomputes(x)) * sched.microbatches
         recreated = max((k.saved_act_bytes for x, k in zip(layers, kinds) if sched.recomputes(x)), default=0)
-        unseen = (max(k.workspace_bytes for k in kinds) + kept + recreated
+        transient = max(max(k.workspace_bytes, k.accumulate_workspace(plan.spec.layers[x].param_bytes(trace.dtype)))
+                        for x, k in zip(layers, kinds))
+        unseen = (transient + kept + recreated
                   + 3 * max(k.saved_act_bytes_recompute for k in kinds))  # two inputs an action frees, a posted RECV
         pred = plan.prediction.peak_bytes[dev]
         lines.append(f"peak memory {dev}: measured {r.peak_device_bytes:,} B, predicted {pred:,} B "

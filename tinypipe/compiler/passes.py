@@ -249,7 +249,8 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     cache: dict[tuple[int, str, int, int | None], tuple[Mem, ...]] = {}
     devs = {g: (HOST if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
     sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
-             "gr": plan.weight_bytes, "ws": plan.layer_workspace_bytes, "act": plan.input_bytes,
+             "gr": plan.weight_bytes, "ws": plan.layer_workspace_bytes,
+             "ws.acc": plan.accumulate_workspace_bytes, "act": plan.input_bytes,
              "gring": plan.host_grad_bytes}
     n = plan.num_layers
 
@@ -258,7 +259,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
         hit = cache.get(key)
         if hit is None:
             nbytes = sizes[kind][lay] if 0 <= lay < n else 0
-            name = "ws" if kind == "ws" else f"{kind}.L{lay}" if m is None else f"{kind}.L{lay}.m{m}"
+            name = kind if kind.startswith("ws") else f"{kind}.L{lay}" if m is None else f"{kind}.L{lay}.m{m}"
             hit = cache[key] = (Mem(devs[g], name, nbytes),) if nbytes > 0 else ()
         return hit
 
@@ -271,11 +272,13 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             op.allocs = mem(g, "x", lay + 1, m) + (() if plan.recomputes(lay) else mem(g, "a", lay, m)) + ws
             op.frees = ws
         elif k is BWD:
-            ws = mem(g, "ws", lay)
+            # the layer's first BWD of the step allocates its gradient accumulator; a later one holds
+            # the weights' fresh gradients until it has added them in (ws.acc)
             gr: tuple[Mem, ...] = ()
+            ws = mem(g, "ws.acc", lay)
             if (lay, op.it) not in seen:
                 seen.add((lay, op.it))
-                gr = mem(g, "gr", lay)
+                ws, gr = mem(g, "ws", lay), mem(g, "gr", lay)
             # Recomputing, the backward re-creates the forward's saved activations and holds them
             # while it runs (trace.KindProfile); kept from the forward, it frees them at its end.
             a = mem(g, "a", lay, m)
