@@ -26,6 +26,18 @@ whichever GPU the action is on, though the profile measured only a rank's own st
 loop (in a run another rank's optimizer thread is in another process: it shares the cores and the
 memory bandwidth, not the GIL); not measured, so not told apart.
 
+The optimizer beside the device's work, by phase: an OPT_STEP whose trace measured the step by what its
+rank's main thread does meanwhile (`hostmem.optimizer_step_phases_s`: alone, beside FWDs, beside BWDs)
+runs as a fluid: it has one step of work to do, at the rate 1 / (the phase's time), and the phase is
+that of its rank's compute lane -- FWD or BWD while the lane runs one (an action of no time, EVICT,
+keeps the phase), idle while the lane waits for a dependency or has nothing left. At each change of
+phase the running steps of that rank carry their remaining work on at the new rate. In the async
+Qwen3-1.7B run on an H200 (bench/async_gap.py) that is the difference between a block's step of ~82 ms
+beside the forward's issue and ~41 ms while the compute stream waited; the steps that run during the
+next iteration's forward are those the backward then waits for (its first microbatch's BWD of a layer
+waits for that layer's GRAD_OUT, which waits for a gradient slot that an OPT_STEP frees).
+Without those times an OPT_STEP takes `hostmem.optimizer_step_s` whatever runs.
+
 Lanes: one process per lane of `tinypipe.order.run_lanes`, which is one per resource except the host
 optimizer: as in the backend, every rank runs its own layers' OPT_STEPs on a lane of its own, so
 two ranks' steps overlap. What that does and does not model: each step takes the time measured for
@@ -50,13 +62,13 @@ import simpy
 
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_steps_s
+from tinypipe.hostmem import optimizer_step_phases_s, optimizer_steps_s
 from tinypipe.kinds import Cost, Direction, Kind
 from tinypipe.model import ModelSpec
-from tinypipe.order import pair_halves, predecessors, run_lanes
+from tinypipe.order import layer_owner, pair_halves, predecessors, run_lanes
 from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.timeline import Record, Timeline
-from tinypipe.trace import ProfileTrace
+from tinypipe.trace import Phase, ProfileTrace, StepPhases
 
 from .memory import Memory
 from .network import Network
@@ -64,8 +76,10 @@ from .result import SimResult, build_result
 
 HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
 # how an action runs: a fixed time; a copy; a SEND / RECV half; an OPT_STEP (a fixed time, counted as
-# running); a FWD / BWD with loop times (alone, beside the optimizer: picked at its start)
-_TIMED, _COPY, _PAIR, _OPT, _LOOP = 0, 1, 2, 3, 4
+# running); a FWD / BWD with loop times (alone, beside the optimizer: picked at its start); an OPT_STEP
+# whose rate follows its rank's phase ((StepPhases, rank): counted as running)
+_TIMED, _COPY, _PAIR, _OPT, _LOOP, _PHASED = 0, 1, 2, 3, 4, 5
+_DONE = 1e-9  # work left (of one step) below which a phased OPT_STEP has ended: rounding of the fluid's sums
 
 Copy = tuple[float, float, tuple[str, ...]]  # bytes, latency_s, capacities crossed
 
@@ -103,6 +117,12 @@ class Engine:
         self._rendezvous: dict[int, simpy.Event] = {}  # half that arrived first -> its wake-up event
         self._mode, self._cost = _costs(schedule, model, hardware, trace, self.partner)
         self._steps_running = 0  # OPT_STEPs running now, on any optimizer lane (module docstring)
+        # phases (module docstring): each rank's compute phase, the event its phased steps wait on for the
+        # next change (made when one waits), and per action the phase it sets (FWD / BWD of a GPU whose
+        # rank has phased steps; IDLE: none)
+        self._phase: dict[int, Phase] = {}
+        self._phase_change: dict[int, simpy.Event] = {}
+        self._sets_phase: list[Phase] = [Phase.IDLE] * n
         self._fixed: dict[int, float] = {}  # SEND / RECV half -> measured duration after the rendezvous (replay)
         for aid, d in (durations or {}).items():
             if not 0 <= aid < n or not d >= 0:
@@ -111,8 +131,14 @@ class Engine:
             if self._mode[aid] == _PAIR:
                 self._fixed[aid] = float(d)
             else:  # any other action simply takes its measured time (an OPT_STEP still counts as running)
-                self._mode[aid] = _OPT if self._mode[aid] == _OPT else _TIMED
+                self._mode[aid] = _OPT if self._mode[aid] in (_OPT, _PHASED) else _TIMED
                 self._cost[aid] = float(d)
+        phased = {self._cost[i][1] for i, m in enumerate(self._mode) if m == _PHASED}
+        for a in schedule.actions:
+            g = resource_gpu(a.resource)
+            if g in phased and a.kind.info.cost is Cost.COMPUTE and self._cost[a.id] != 0:
+                self._sets_phase[a.id] = Phase.FWD if a.kind.info.direction is Direction.FORWARD else Phase.BWD
+        self._phase = {g: Phase.IDLE for g in phased}
         for ids in self.lanes.values():
             if ids:
                 self.env.process(self._run(ids))
@@ -141,14 +167,22 @@ class Engine:
     def _run(self, ids: Sequence[int]) -> Generator[simpy.Event, Any, None]:
         env, actions, end_s, start_s = self.env, self.schedule.actions, self.end_s, self.start_s
         mode, cost, waiters, memory, net = self._mode, self._cost, self._waiters, self.memory, self.network
+        sets_phase = self._sets_phase
+        lane_gpu = None  # the GPU whose phase this lane sets (its compute actions'), once it has run one
         for aid in ids:  # one process per lane runs it in order: the predecessor on the stream is done
             a = actions[aid]
             for d in a.deps:
                 if end_s[d] < 0:
+                    if lane_gpu is not None:
+                        self._set_phase(lane_gpu, Phase.IDLE)  # the lane waits
                     ev = waiters.get(d)
                     if ev is None:
                         ev = waiters[d] = env.event()
                     yield ev
+            if sets_phase[aid]:
+                lane_gpu = resource_gpu(a.resource)
+                assert lane_gpu is not None
+                self._set_phase(lane_gpu, sets_phase[aid])
             t0 = env.now
             start_s[aid] = t0
             if a.allocs:
@@ -164,6 +198,8 @@ class Engine:
                     self._steps_running += 1
                     yield env.timeout(dur)
                     self._steps_running -= 1
+            elif m == _PHASED:
+                yield from self._phased_step(*cost[aid])
             elif m == _LOOP:  # (alone, beside the optimizer), picked at the start
                 yield env.timeout(cost[aid][1 if self._steps_running else 0])
             elif m == _COPY:
@@ -190,6 +226,36 @@ class Engine:
             ev = waiters.pop(aid, None)
             if ev is not None:
                 ev.succeed()
+        if lane_gpu is not None:
+            self._set_phase(lane_gpu, Phase.IDLE)  # the lane has nothing left
+
+    def _set_phase(self, gpu: int, phase: Phase) -> None:
+        """Rank `gpu`'s compute lane now runs `phase`; its phased steps, if any wait, carry on at the new rate."""
+        if self._phase[gpu] != phase:
+            self._phase[gpu] = phase
+            ev = self._phase_change.pop(gpu, None)
+            if ev is not None:
+                ev.succeed()
+
+    def _phased_step(self, times: StepPhases, gpu: int) -> Generator[simpy.Event, Any, None]:
+        """One OPT_STEP of rank `gpu` as a fluid (module docstring): one step of work at 1 / times[phase]."""
+        env = self.env
+        self._steps_running += 1
+        left = 1.0  # of the step's work
+        while left > _DONE:
+            t = times[self._phase[gpu]]
+            if t <= 0:
+                break
+            since = env.now
+            change = self._phase_change.get(gpu)
+            if change is None:
+                change = self._phase_change[gpu] = env.event()
+            done = env.timeout(left * t)
+            yield done | change
+            if done.processed or not change.triggered:
+                break
+            left -= (env.now - since) / t
+        self._steps_running -= 1
 
     def _deadlock_message(self, stuck: list[int]) -> str:
         acts = self.schedule.actions
@@ -243,6 +309,9 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
     gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
     profiles = {}
     opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
+    opt_phases = [optimizer_step_phases_s(layer, schedule.host_memory, trace, optimizer=schedule.optimizer)
+                  for layer in model.layers]
+    owner = layer_owner(schedule)
     mode: list[int] = []
     cost: list[Any] = []
     n = len(schedule.actions)
@@ -258,8 +327,13 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
                 raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
             layer = model.layers[a.layer]
             if c is Cost.OPTIMIZER:
-                mode.append(_OPT)
-                cost.append(opt_s[a.layer])
+                phases = opt_phases[a.layer]
+                if phases is not None and a.layer in owner:
+                    mode.append(_PHASED)
+                    cost.append((phases, owner[a.layer]))
+                else:
+                    mode.append(_OPT)
+                    cost.append(opt_s[a.layer])
                 continue
             if a.layer not in profiles:
                 try:
