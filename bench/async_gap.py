@@ -32,6 +32,11 @@ configuration on another lent machine (bench/results/cuda_h200_1gpu-preset-*qwen
 calls), standing in for a profile taken apart from the run. The embedding's and the head's steps keep
 the profile's one time. A phase a run never showed (the sync runs' steps never overlap a FWD) takes the
 BWD phase's time.
+Likewise the issue gaps (`LoopTimes.*_gap_s`, the loop's wait for the main thread before a back-to-back
+FWD / BWD; profile_h200_fid predates them too): the mean wait of the run's recomputed block FWDs / BWDs
+that followed a FWD / BWD on the compute stream and waited for nothing else, with and without an OPT_STEP
+running when the one before ended, and the prediction with them as the block's gaps (this run's, an
+earlier run's).
 Writes bench/results/async_gap.json (or --out); tables on stdout.
 """
 
@@ -162,6 +167,46 @@ def block_phases_s(trace_path: Path) -> tuple[float, float, float]:
     return t.get(0, t[1]), t[1], t[2]
 
 
+def issue_gap_means(trace_path: Path) -> dict[str, float]:
+    """A run's mean issue gap (s) before a block's FWD / BWD of the steady iterations that followed a FWD / BWD
+    on the compute stream and waited for nothing else, keyed `fwd` / `bwd` and `*_beside` (an OPT_STEP was
+    running when the previous one ended): what `tinypipe profile` measures as the loop's `*_gap_s`."""
+    ap = argparse.ArgumentParser()
+    add_replay_arguments(ap)
+    trace = load_run_trace(trace_path)
+    setup = settle(trace, ap.parse_args([str(trace_path)]))
+    sched = compile_schedule(setup.policy, setup.model, setup.hardware, setup.profile, iterations=setup.iterations)
+    _, window = match_window(sched, trace)
+    acts, preds = sched.actions, predecessors(sched.actions)
+    steps = sorted((window[a.id].start_s, window[a.id].end_s) for a in acts if a.kind.value == "OPT_STEP")
+    gaps: dict[str, list[float]] = defaultdict(list)
+    prev = None
+    for a in (x for x in acts if x.resource.endswith(".compute")):
+        p = acts[prev] if prev is not None else None
+        if (p is not None and a.iteration >= WARMUP and a.kind.value in ("FWD", "BWD")
+                and p.kind.value in ("FWD", "BWD") and setup.model.layers[a.layer].kind.value == "block"):
+            t = window[p.id].end_s
+            if all(window[d].end_s <= t + SLACK_S for d in preds[a.id]):
+                beside = any(x <= t < y for x, y in steps)
+                gaps[a.kind.value.lower() + ("_beside" if beside else "")].append(max(0.0, window[a.id].start_s - t))
+        prev = a.id
+    return {k: statistics.fmean(v) for k, v in sorted(gaps.items())}
+
+
+def with_block_gaps(profile: ProfileTrace, gaps: Mapping[str, float]) -> ProfileTrace:
+    """`profile` with its block's loop issue gaps from `issue_gap_means` (a condition not seen: the other one)."""
+    block = profile.kinds["block"]
+    assert block.loop is not None
+
+    def gap(kind: str, beside: bool) -> float:
+        key = kind + ("_beside" if beside else "")
+        return gaps.get(key, gaps.get(kind + ("" if beside else "_beside"), 0.0))
+
+    loop = replace(block.loop, fwd_gap_s=gap("fwd", False), recompute_bwd_gap_s=gap("bwd", False),
+                   fwd_gap_beside_optimizer_s=gap("fwd", True), recompute_bwd_gap_beside_optimizer_s=gap("bwd", True))
+    return replace(profile, kinds={**profile.kinds, "block": replace(block, loop=loop)})
+
+
 def with_block_phases(profile: ProfileTrace, phases: tuple[float, float, float], layout: str, asynchronous: bool
                       ) -> ProfileTrace:
     """`profile` with its block's step by phase (FWD, BWD, idle seconds) for `layout` and the optimizer mode."""
@@ -205,6 +250,13 @@ def analyse(case: str, trace_path: Path, record: Mapping[str, Any]) -> dict[str,
         phase_model[name] = {"block_step_ms": dict(zip(PHASES, (1e3 * t for t in fit))), "trace": path.name,
                              "predicted_s": simulate(fidelity_sched, model, hw, with_phases,
                                                      on_capacity="record").iteration_s}
+    gap_model = {}
+    for name, path in (("this run's gaps", trace_path), ("an earlier run's gaps", RESULTS / EARLIER[case])):
+        gaps = issue_gap_means(path)
+        with_gaps = with_block_gaps(profile, gaps)
+        gap_model[name] = {"gap_ms": {k: 1e3 * v for k, v in gaps.items()}, "trace": path.name,
+                           "predicted_s": simulate(fidelity_sched, model, hw, with_gaps,
+                                                   on_capacity="record").iteration_s}
     measured = steady(Timeline(window).iteration_times_s())
     with_group: dict[frozenset[str], float] = {}
     for k in range(len(GROUPS) + 1):
@@ -258,7 +310,7 @@ def analyse(case: str, trace_path: Path, record: Mapping[str, Any]) -> dict[str,
             "profile_block_step_ms": None if opt is None else 1e3 * (opt.step_s(
                 policy.host_memory, opt.params, asynchronous=policy.optimizer == "async") or 0.0),
             "block_steps_by_phase": by_phase,
-            "phase_model": phase_model,
+            "phase_model": phase_model, "issue_gap_model": gap_model,
             "compute_idle_s_per_iteration": {k: v / len(its) for k, v in sorted(waits.items())},
             "critical_path_s_per_iteration": dict(sorted(on_path.items(), key=lambda kv: -kv[1]))}
 
@@ -294,6 +346,11 @@ def main() -> int:
             f"{k} ({v['trace']}: " + ", ".join(f"{p} {t:.1f}" for p, t in v["block_step_ms"].items())
             + f" ms) {v['predicted_s']:.3f} s ({100 * (v['predicted_s'] / r['measured_s'] - 1):+.1f}%)"
             for k, v in r["phase_model"].items()))
+        print("the prediction with the block's issue gaps (mean ms before a back-to-back FWD / BWD, alone / beside "
+              "a step), from: " + "; ".join(
+                  f"{k} ({v['trace']}: " + ", ".join(f"{g} {t:.3f}" for g, t in v["gap_ms"].items())
+                  + f") {v['predicted_s']:.3f} s ({100 * (v['predicted_s'] / r['measured_s'] - 1):+.1f}%)"
+                  for k, v in r["issue_gap_model"].items()))
         print("compute idle s per iteration by what it waited for: "
               + ", ".join(f"{k} {v:.3f}" for k, v in r["compute_idle_s_per_iteration"].items()))
         print("critical path s per iteration: " + ", ".join(

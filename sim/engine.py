@@ -17,7 +17,9 @@ Memory effects go through the ledgers (sim/memory.py).
 
 Loop times, beside the optimizer or alone: a FWD / BWD with loop times costs the
 `*_beside_optimizer_s` one when an OPT_STEP is running on any host optimizer lane at the instant it
-starts, else the alone one; the choice is made at the start and holds for the whole action. A
+starts, else the alone one; the choice is made at the start and holds for the whole action. With the
+loop's issue gaps (`KindProfile.issue_gap_s`, chosen the same way when the action is ready) it starts no
+earlier than that long after the previous FWD / BWD on its lane ended: the main thread issuing it. A
 start-time rule is enough: the actions take milliseconds and the steps tens of milliseconds, so few
 actions see a step begin or end part-way. Running steps are counted (one counter, raised while an
 OPT_STEP with a non-zero time runs); an OPT_STEP starting or ending at the very instant a FWD / BWD
@@ -76,7 +78,8 @@ from .result import SimResult, build_result
 
 HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
 # how an action runs: a fixed time; a copy; a SEND / RECV half; an OPT_STEP (a fixed time, counted as
-# running); a FWD / BWD with loop times (alone, beside the optimizer: picked at its start); an OPT_STEP
+# running); a FWD / BWD with loop times ((alone, beside the optimizer, issue gap alone, beside): picked
+# when it is ready); an OPT_STEP
 # whose rate follows its rank's phase ((StepPhases, rank): counted as running)
 _TIMED, _COPY, _PAIR, _OPT, _LOOP, _PHASED = 0, 1, 2, 3, 4, 5
 _DONE = 1e-9  # work left (of one step) below which a phased OPT_STEP has ended: rounding of the fluid's sums
@@ -123,6 +126,7 @@ class Engine:
         self._phase: dict[int, Phase] = {}
         self._phase_change: dict[int, simpy.Event] = {}
         self._sets_phase: list[Phase] = [Phase.IDLE] * n
+        self._is_compute = [a.kind.info.cost is Cost.COMPUTE for a in schedule.actions]  # FWD / BWD (issue gaps)
         self._fixed: dict[int, float] = {}  # SEND / RECV half -> measured duration after the rendezvous (replay)
         for aid, d in (durations or {}).items():
             if not 0 <= aid < n or not d >= 0:
@@ -167,8 +171,9 @@ class Engine:
     def _run(self, ids: Sequence[int]) -> Generator[simpy.Event, Any, None]:
         env, actions, end_s, start_s = self.env, self.schedule.actions, self.end_s, self.start_s
         mode, cost, waiters, memory, net = self._mode, self._cost, self._waiters, self.memory, self.network
-        sets_phase = self._sets_phase
+        sets_phase, is_compute = self._sets_phase, self._is_compute
         lane_gpu = None  # the GPU whose phase this lane sets (its compute actions'), once it has run one
+        compute_end = -1.0  # when the lane's last FWD / BWD ended (issue gaps)
         for aid in ids:  # one process per lane runs it in order: the predecessor on the stream is done
             a = actions[aid]
             for d in a.deps:
@@ -179,6 +184,13 @@ class Engine:
                     if ev is None:
                         ev = waiters[d] = env.event()
                     yield ev
+            m = mode[aid]
+            beside = 0
+            if m == _LOOP:  # (alone, beside, gap alone, gap beside): picked now
+                beside = 1 if self._steps_running else 0
+                wait = compute_end + cost[aid][2 + beside] - env.now
+                if wait > 0 and compute_end >= 0:
+                    yield env.timeout(wait)  # the main thread issuing it
             if sets_phase[aid]:
                 lane_gpu = resource_gpu(a.resource)
                 assert lane_gpu is not None
@@ -187,7 +199,6 @@ class Engine:
             start_s[aid] = t0
             if a.allocs:
                 memory.alloc(a, t0)
-            m = mode[aid]
             if m == _TIMED:
                 dur = cost[aid]
                 if dur > 0:
@@ -200,8 +211,8 @@ class Engine:
                     self._steps_running -= 1
             elif m == _PHASED:
                 yield from self._phased_step(*cost[aid])
-            elif m == _LOOP:  # (alone, beside the optimizer), picked at the start
-                yield env.timeout(cost[aid][1 if self._steps_running else 0])
+            elif m == _LOOP:
+                yield env.timeout(cost[aid][beside])
             elif m == _COPY:
                 nbytes, lat, links = cost[aid]
                 yield net.copy(nbytes, lat, links)
@@ -220,6 +231,8 @@ class Engine:
                     other.succeed(done)
                 yield done if fixed is None else env.timeout(fixed)
             t1 = env.now
+            if is_compute[aid]:
+                compute_end = t1
             if a.frees:
                 memory.free(a, t1)
             end_s[aid] = t1
@@ -346,8 +359,10 @@ def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Prof
                 raise ScheduleError(f"`{a}` (action {a.id}): compute kind {k.value} is neither forward nor backward")
             forward, redo = k.info.direction is Direction.FORWARD, schedule.recomputes(a.layer)
             alone, beside = p.compute_s(forward, redo), p.compute_s(forward, redo, beside_optimizer=True)
-            mode.append(_TIMED if alone == beside else _LOOP)
-            cost.append(alone if alone == beside else (alone, beside))
+            gaps = p.issue_gap_s(forward, redo), p.issue_gap_s(forward, redo, beside_optimizer=True)
+            timed = alone == beside and not any(gaps)
+            mode.append(_TIMED if timed else _LOOP)
+            cost.append(alone if timed else (alone, beside, *gaps))
         elif c is Cost.FREE:
             mode.append(_TIMED)
             cost.append(0.0)

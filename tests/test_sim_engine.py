@@ -442,6 +442,37 @@ def test_a_recomputed_block_takes_its_loop_time_beside_a_running_step_or_alone()
     ]
 
 
+def test_a_looped_action_waits_its_issue_gap_after_the_lanes_last_compute() -> None:
+    """With the loop's issue gaps (FWD 0.3 ms alone / 0.5 beside a step, BWD 0.2 / 0.4), a recomputed block's
+    FWD / BWD starts no earlier than its gap after the lane's previous FWD / BWD ended: F1.0, ready at 1000
+    us while OPT0 runs (0-1310), 0.5 ms after F0.0 and at its beside time; B1.0 0.2 ms after F1.0 (no step
+    running); F1.1, ready only when g1's F2.6 ends at 9000 us (after B1.0's end + 0.3 ms), starts then. The
+    lane's first compute (F0.0, the embedding: no loop) and g1's head never wait."""
+    t = looped_trace()
+    loop = replace(t.kinds["block"].loop, fwd_gap_s=0.3 * MS, recompute_bwd_gap_s=0.2 * MS,
+                   fwd_gap_beside_optimizer_s=0.5 * MS, recompute_bwd_gap_beside_optimizer_s=0.4 * MS)
+    gapped = replace(t, kinds={**t.kinds, "block": replace(t.kinds["block"], loop=loop)})
+    b = Builder()
+    b("OPT_STEP", "host.optim", layer=0)
+    b("FWD", "g0.compute", layer=0, microbatch=0)
+    b("FWD", "g0.compute", layer=1, microbatch=0)
+    b("BWD", "g0.compute", layer=1, microbatch=0)
+    b("FWD", "g1.compute", layer=2, microbatch=0)
+    b("BWD", "g1.compute", layer=2, microbatch=0)
+    last = [b("FWD", "g1.compute", layer=2, microbatch=m) for m in range(1, 7)][-1]
+    b("FWD", "g0.compute", layer=1, microbatch=1, deps=(last,))
+    r = simulate(b.schedule(), tiny_model(), tiny_hardware(), gapped)
+    assert [x for x in log(r) if "g1" not in x or "F2.6" in x] == [
+        "0.000 1310.000 host.optim OPT0",
+        "0.000 1000.000 g0.compute F0.0",
+        "1500.000 4000.000 g0.compute F1.0",
+        "4200.000 8200.000 g0.compute B1.0",
+        "8000.000 9000.000 g1.compute F2.6",
+        "9000.000 10500.000 g0.compute F1.1",
+    ]
+    assert log(r)[2:4] == ["0.000 1000.000 g1.compute F2.0", "1000.000 3000.000 g1.compute B2.0"]
+
+
 def test_a_block_not_recomputed_or_replayed_keeps_its_times() -> None:
     """Without recompute the loop times do not apply (F1 2 ms, B1 from kept activations 4 ms, step or
     not); with replay's durations every action takes its measured time, a looped one too."""

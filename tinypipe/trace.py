@@ -192,6 +192,14 @@ class KindProfile:
             return self.loop.compute_s(forward, beside_optimizer)
         return self.fwd_s if forward else self.backward_s(recomputed)
 
+    def issue_gap_s(self, forward: bool, recomputed: bool, *, beside_optimizer: bool = False) -> float:
+        """How long after the previous FWD / BWD on its stream a FWD or BWD of this kind starts at the
+        earliest, waiting for the main thread to issue it (`LoopTimes.gap_s`; 0 without loop times, or in
+        a schedule that does not recompute the layer, as `compute_s` takes the loop's times there only)."""
+        if recomputed and self.loop is not None:
+            return self.loop.gap_s(forward, beside_optimizer)
+        return 0.0
+
     def least_compute_s(self, forward: bool, recomputed: bool) -> float:
         """The least of `compute_s` alone and beside the optimizer (lower bounds: floor, search)."""
         return min(self.compute_s(forward, recomputed), self.compute_s(forward, recomputed, beside_optimizer=True))

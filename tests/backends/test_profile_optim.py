@@ -161,3 +161,29 @@ def test_time_loop_takes_every_fwd_and_bwd_of_its_windows(bench: LayerBench) -> 
     assert (t.fwd_s, t.recompute_bwd_beside_optimizer_s) == (statistics.median(got.fwd_alone_s),
                                                             statistics.median(got.bwd_beside_s))
     assert loop.it.leftovers() == [] and loop.it.host.version(loop.layer) == 0
+    # issue gaps: per window 2 cycles x 3 FWDs after a FWD (the first waits for its LOAD) and 4 BWDs
+    gaps = (got.fwd_gap_alone_s, got.bwd_gap_alone_s, got.fwd_gap_beside_s, got.bwd_gap_beside_s)
+    assert [len(g) for g in gaps] == [12, 16, 12, 16] and min(min(g) for g in gaps) >= 0
+    assert (t.fwd_gap_s, t.recompute_bwd_gap_beside_optimizer_s) == (statistics.fmean(got.fwd_gap_alone_s),
+                                                                    statistics.fmean(got.bwd_gap_beside_s))
+
+
+def test_issue_gaps_follow_a_fwd_or_bwd_on_the_same_stream() -> None:
+    """Literal: each FWD / BWD's start minus the end of the record before it on its stream (by start), when
+    that one is a FWD or BWD; 0 when they overlap; a FWD after a LOAD-bound EVICT, and other streams'
+    records, are not counted."""
+    from tinypipe.backends.executor import RunLog
+    from tinypipe.backends.profile.looptimes import issue_gaps
+
+    from tinypipe.schedule import Kind
+    from tinypipe.timeline import Record
+
+    def rec(i: int, res: str, kind: str, t0: float, t1: float) -> Record:
+        return Record(i, f"g0.{res}", kind, kind, 1, 0, 0, t0, t1)
+
+    log = RunLog(records=[rec(0, "h2d", "LOAD", 0.0, 1.0), rec(1, "compute", "FWD", 1.0, 2.0),
+                          rec(2, "compute", "FWD", 2.5, 3.0), rec(3, "compute", "BWD", 3.0, 4.0),
+                          rec(4, "compute", "BWD", 3.9, 5.0), rec(5, "compute", "EVICT", 5.0, 5.0),
+                          rec(6, "compute", "FWD", 7.0, 8.0), rec(7, "d2h", "GRAD_OUT", 5.0, 6.0)])
+    assert issue_gaps([log], Kind.FWD) == (0.5,)
+    assert issue_gaps([log], Kind.BWD) == (0.0, 0.0)
