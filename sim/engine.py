@@ -9,7 +9,7 @@ a recomputed layer whose kind has loop times, `tinypipe.looptimes`, takes those)
 time, the optimizer (OPT_STEP, on `host.optim`) `hostmem.optimizer_step_s` (the trace's step of the
 layer's kind measured in a run's conditions, else the host layout's rate), and copies (uploads,
 downloads and the SEND / RECV halves) are fluid flows over the hardware route (sim/network.py); a
-cost class it has no rule for is an error.
+cost class it has no rule for is an error (the table: sim/costs.py).
 A SEND and its RECV (paired by `tinypipe.order.pair_halves`) rendezvous: the copy starts when both
 halves are ready and both end when it ends; each half's record starts when its own stream reached it
 (as a CUDA event recorded before it would).
@@ -64,41 +64,20 @@ import simpy
 
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_step_phases_s, optimizer_steps_s
 from tinypipe.kinds import Cost, Direction, Kind
 from tinypipe.model import ModelSpec
-from tinypipe.order import layer_owner, pair_halves, predecessors, run_lanes
+from tinypipe.optimprofile import Phase, StepPhases
+from tinypipe.order import pair_halves, predecessors, run_lanes
 from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.timeline import Record, Timeline
-from tinypipe.trace import Phase, ProfileTrace, StepPhases
+from tinypipe.trace import ProfileTrace
 
+from .costs import COPY, LOOP, OPT, PAIR, PHASED, TIMED, action_costs, link_capacities
 from .memory import Memory
 from .network import Network
 from .result import SimResult, build_result
 
-HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
-# how an action runs: a fixed time; a copy; a SEND / RECV half; an OPT_STEP (a fixed time, counted as
-# running); a FWD / BWD with loop times ((alone, beside the optimizer, issue gap alone, beside): picked
-# when it is ready); an OPT_STEP
-# whose rate follows its rank's phase ((StepPhases, rank): counted as running)
-_TIMED, _COPY, _PAIR, _OPT, _LOOP, _PHASED = 0, 1, 2, 3, 4, 5
 _DONE = 1e-9  # work left (of one step) below which a phased OPT_STEP has ended: rounding of the fluid's sums
-
-Copy = tuple[float, float, tuple[str, ...]]  # bytes, latency_s, capacities crossed
-
-
-def edge_name(u: str, v: str) -> str:
-    """Name of the directed edge u -> v as a capacity and in `SimResult.link_bytes`."""
-    return f"{u}->{v}"
-
-
-def link_capacities(hardware: Hardware) -> dict[str, float]:
-    """Bytes/s of every directed edge (each link, both directions) and of the host DMA cap."""
-    cap = {HOST_DMA: hardware.host.dma_gbps * 1e9}
-    for link in hardware.links:
-        cap[edge_name(link.a, link.b)] = link.gbps * 1e9
-        cap[edge_name(link.b, link.a)] = link.gbps * 1e9
-    return cap
 
 
 class Engine:
@@ -118,7 +97,7 @@ class Engine:
         self.end_s = [-1.0] * n  # -1: not finished
         self._waiters: dict[int, simpy.Event] = {}  # action id -> event fired when it ends
         self._rendezvous: dict[int, simpy.Event] = {}  # half that arrived first -> its wake-up event
-        self._mode, self._cost = _costs(schedule, model, hardware, trace, self.partner)
+        self._mode, self._cost = action_costs(schedule, model, hardware, trace, self.partner)
         self._steps_running = 0  # OPT_STEPs running now, on any optimizer lane (module docstring)
         # phases (module docstring): each rank's compute phase, the event its phased steps wait on for the
         # next change (made when one waits), and per action the phase it sets (FWD / BWD of a GPU whose
@@ -132,12 +111,12 @@ class Engine:
             if not 0 <= aid < n or not d >= 0:
                 raise InputError(f"durations: action {aid}: {d!r} s; expected an action id in 0..{n - 1} "
                                  "and a duration >= 0")
-            if self._mode[aid] == _PAIR:
+            if self._mode[aid] == PAIR:
                 self._fixed[aid] = float(d)
             else:  # any other action simply takes its measured time (an OPT_STEP still counts as running)
-                self._mode[aid] = _OPT if self._mode[aid] in (_OPT, _PHASED) else _TIMED
+                self._mode[aid] = OPT if self._mode[aid] in (OPT, PHASED) else TIMED
                 self._cost[aid] = float(d)
-        phased = {self._cost[i][1] for i, m in enumerate(self._mode) if m == _PHASED}
+        phased = {self._cost[i][1] for i, m in enumerate(self._mode) if m == PHASED}
         for a in schedule.actions:
             g = resource_gpu(a.resource)
             if g in phased and a.kind.info.cost is Cost.COMPUTE and self._cost[a.id] != 0:
@@ -186,7 +165,7 @@ class Engine:
                     yield ev
             m = mode[aid]
             beside = 0
-            if m == _LOOP:  # (alone, beside, gap alone, gap beside): picked now
+            if m == LOOP:  # (alone, beside, gap alone, gap beside): picked now
                 beside = 1 if self._steps_running else 0
                 wait = compute_end + cost[aid][2 + beside] - env.now
                 if wait > 0 and compute_end >= 0:
@@ -199,21 +178,21 @@ class Engine:
             start_s[aid] = t0
             if a.allocs:
                 memory.alloc(a, t0)
-            if m == _TIMED:
+            if m == TIMED:
                 dur = cost[aid]
                 if dur > 0:
                     yield env.timeout(dur)
-            elif m == _OPT:
+            elif m == OPT:
                 dur = cost[aid]
                 if dur > 0:
                     self._steps_running += 1
                     yield env.timeout(dur)
                     self._steps_running -= 1
-            elif m == _PHASED:
+            elif m == PHASED:
                 yield from self._phased_step(*cost[aid])
-            elif m == _LOOP:
+            elif m == LOOP:
                 yield env.timeout(cost[aid][beside])
-            elif m == _COPY:
+            elif m == COPY:
                 nbytes, lat, links = cost[aid]
                 yield net.copy(nbytes, lat, links)
             else:
@@ -286,109 +265,6 @@ class Engine:
             lines.append(f"`{a}` (action {first}) waits for " + (", ".join(waits) or "its predecessor"))
         return (f"schedule deadlocks: {len(stuck)} of {len(acts)} actions never run; "
                 + "; ".join(lines[:8]) + ("; ..." if len(lines) > 8 else ""))
-
-
-def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-           partner: dict[int, int]) -> tuple[list[int], list[Any]]:
-    """Per action: how it runs (timed / copy / pair) and its duration in s or its Copy."""
-    if len(model.layers) != schedule.num_layers:
-        raise InputError(f"schedule has {schedule.num_layers} layers but model {model.name!r} has "
-                         f"{len(model.layers)}; compile the schedule for this model")
-    if schedule.num_gpus > len(hardware.gpus):
-        raise InputError(f"schedule uses {schedule.num_gpus} GPUs but hardware {hardware.name!r} has "
-                         f"{len(hardware.gpus)}")
-    if trace.tokens_per_microbatch != schedule.tokens_per_microbatch:
-        raise InputError(f"trace was profiled at {trace.tokens_per_microbatch} tokens per microbatch but the "
-                         f"schedule uses {schedule.tokens_per_microbatch}; use a trace for this microbatch size "
-                         "(ProfileTrace.scaled_to scales one linearly)")
-    cap = link_capacities(hardware)
-    routes: dict[tuple[str, str], tuple[float, tuple[str, ...]]] = {}
-
-    def route(src: str, dst: str) -> tuple[float, tuple[str, ...]]:
-        if (src, dst) not in routes:
-            r = hardware.route(src, dst)
-            # The DMA cap counts every pass through host memory: once for host<->GPU, twice for a
-            # GPU -> host -> GPU copy staged in host memory.
-            dma = sum(1 for u, v in r.edges if HOST in (u, v)) if r.through_host else 0
-            links = tuple(edge_name(u, v) for u, v in r.edges) + (HOST_DMA,) * max(dma, int(r.through_host))
-            missing = [x for x in links if x not in cap]
-            if missing:
-                raise InputError(f"hardware {hardware.name!r}: route {src} -> {dst} crosses {missing[0]}, "
-                                 "which is not a link")
-            routes[(src, dst)] = (r.latency_s, links)
-        return routes[(src, dst)]
-
-    gpu_node = [g.name for g in hardware.gpus]
-    gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
-    profiles = {}
-    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
-    opt_phases = [optimizer_step_phases_s(layer, schedule.host_memory, trace, optimizer=schedule.optimizer)
-                  for layer in model.layers]
-    owner = layer_owner(schedule)
-    mode: list[int] = []
-    cost: list[Any] = []
-    n = len(schedule.actions)
-    for a in schedule.actions:
-        for d in a.deps:
-            if not 0 <= d < n or d == a.id:
-                raise ScheduleError(f"`{a}` (action {a.id}) depends on action {d}, which "
-                                    + ("is itself" if d == a.id else f"does not exist (ids are 0..{n - 1})"))
-        k = a.kind
-        c = k.info.cost
-        if c is Cost.COMPUTE or c is Cost.OPTIMIZER:
-            if not 0 <= a.layer < len(model.layers):
-                raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
-            layer = model.layers[a.layer]
-            if c is Cost.OPTIMIZER:
-                phases = opt_phases[a.layer]
-                if phases is not None and a.layer in owner:
-                    mode.append(_PHASED)
-                    cost.append((phases, owner[a.layer]))
-                else:
-                    mode.append(_OPT)
-                    cost.append(opt_s[a.layer])
-                continue
-            if a.layer not in profiles:
-                try:
-                    profiles[a.layer] = trace.layer(layer)
-                except KeyError:
-                    raise InputError(f"trace has no profile for layer kind {layer.kind.value!r} "
-                                     f"(layer {a.layer}); it has {', '.join(trace.kinds)}") from None
-            p = profiles[a.layer]
-            if k.info.direction is Direction.NONE:
-                raise ScheduleError(f"`{a}` (action {a.id}): compute kind {k.value} is neither forward nor backward")
-            forward, redo = k.info.direction is Direction.FORWARD, schedule.recomputes(a.layer)
-            alone, beside = p.compute_s(forward, redo), p.compute_s(forward, redo, beside_optimizer=True)
-            gaps = p.issue_gap_s(forward, redo), p.issue_gap_s(forward, redo, beside_optimizer=True)
-            timed = alone == beside and not any(gaps)
-            mode.append(_TIMED if timed else _LOOP)
-            cost.append(alone if timed else (alone, beside, *gaps))
-        elif c is Cost.FREE:
-            mode.append(_TIMED)
-            cost.append(0.0)
-        elif c is Cost.UPLOAD or c is Cost.DOWNLOAD or c is Cost.PEER:
-            g = gpu_of.get(a.resource)
-            if g is None:
-                raise ScheduleError(f"`{a}` (action {a.id}) is a copy and must run on a GPU stream")
-            if c is Cost.UPLOAD:
-                src, dst = HOST, gpu_node[g]
-                nbytes = a.nbytes
-            elif c is Cost.DOWNLOAD:
-                src, dst = gpu_node[g], HOST
-                nbytes = a.nbytes
-            else:  # a SEND / RECV half: one copy sender -> receiver, of the SEND's bytes
-                send = a if k.info.stream == "send" else schedule.actions[partner[a.id]]
-                sg = gpu_of.get(send.resource)
-                assert sg is not None and send.peer is not None
-                src, dst = gpu_node[sg], gpu_node[send.peer]
-                nbytes = send.nbytes
-            lat, links = route(src, dst)
-            mode.append(_PAIR if c is Cost.PEER else _COPY)
-            cost.append((float(nbytes), lat, links))
-        else:
-            raise ScheduleError(f"`{a}` (action {a.id}): the simulator has no cost for kind {k.value} "
-                                f"(cost {c.value}); add one to sim/engine.py")
-    return mode, cost
 
 
 def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,

@@ -12,9 +12,10 @@ from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import optimizer_step_s, optimizer_time_factor
 from tinypipe.looptimes import LoopTimes
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.policy import PRESETS
 from tinypipe.schedule import Kind
-from tinypipe.trace import OptimizerProfile, trace_for
+from tinypipe.trace import trace_for
 
 
 @pytest.mark.parametrize(("hw_name", "recompute"), [("h200x1", True), ("h200x2", False)])

@@ -15,9 +15,10 @@ from tinypipe.errors import InputError
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import optimizer_s_per_param, optimizer_step_s
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.policy import PRESETS
 from tinypipe.search import SearchTarget, lower_bound
-from tinypipe.trace import FORMAT, OptimizerProfile, ProfileTrace, load_trace, trace_for
+from tinypipe.trace import FORMAT, ProfileTrace, load_trace, trace_for
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_PROFILE = ROOT / "bench" / "results" / "profile_h200"  # taken before per-kind optimizer steps existed
@@ -138,7 +139,7 @@ def test_the_step_by_phase_where_all_three_were_measured() -> None:
     bound take the least of the in-run step and the phases (`optimizer_steps_s(least=True)`); the plan
     and the simulator's fallback keep the in-run step."""
     from tinypipe.hostmem import optimizer_step_phases_s, optimizer_steps_s
-    from tinypipe.trace import StepPhases
+    from tinypipe.optimprofile import StepPhases
 
     base = trace_for(SPEC, HW.gpus[0], 4, 2048)
     opt = OptimizerProfile(params=BLOCK.params, threads=15, alone_s={"compact": 0.1}, in_run_s={"compact": 0.125},

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tinypipe.sim import SimResult, simulate
-from tinypipe.sim.engine import link_capacities
+from tinypipe.sim.costs import link_capacities
 
 from tinypipe.compiler import compile_schedule
 from tinypipe.errors import CapacityError, InputError, ScheduleError, TinypipeError
@@ -24,10 +24,11 @@ from tinypipe.hfconfig import load_model
 from tinypipe.hostmem import COMPACT_OPTIM_FACTOR
 from tinypipe.looptimes import LoopTimes
 from tinypipe.model import LayerKind, LayerSpec, ModelSpec
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.order import layer_owner
 from tinypipe.policy import PRESETS
 from tinypipe.schedule import Action, Kind, Mem, Schedule
-from tinypipe.trace import KindProfile, OptimizerProfile, ProfileTrace, analytic_trace, trace_for
+from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace, trace_for
 
 MS = 1e-3
 

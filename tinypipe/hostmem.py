@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from tinypipe.hardware import Host
 from tinypipe.model import DTYPE_BYTES, LayerSpec, ModelSpec
+from tinypipe.optimprofile import StepPhases
 from tinypipe.policy.modes import HostLayout, OptimizerMode
-from tinypipe.trace import ProfileTrace, StepPhases
+from tinypipe.trace import ProfileTrace
 
 # CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
 # by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7 (bench/compact_optim.py

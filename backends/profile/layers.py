@@ -38,8 +38,9 @@ from itertools import count
 import torch
 
 from tinypipe.model import LayerKind, ModelSpec, head_workspace_bytes, head_workspace_fixed_bytes
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.schedule import Action, Kind, Schedule, gpu_resource
-from tinypipe.trace import WORKSPACE_FRACTION, KindProfile, OptimizerProfile, ProfileTrace
+from tinypipe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
 
 from ..compiled import LayerCaller
 from ..hf import build_model

@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tinypipe.model import LayerKind
+from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
-from tinypipe.trace import OptimizerProfile
 
 from ..hostlayouts import make_host_state
 from ..hoststate import AdamWConfig, HostState
