@@ -9,7 +9,7 @@ a recomputed layer whose kind has loop times, `tinypipe.looptimes`, takes those)
 time, the optimizer (OPT_STEP, on `host.optim`) `hostmem.optimizer_step_s` (the trace's step of the
 layer's kind measured in a run's conditions, else the host layout's rate), and copies (uploads,
 downloads and the SEND / RECV halves) are fluid flows over the hardware route (sim/network.py); a
-cost class it has no rule for is an error.
+cost class it has no rule for is an error (the table: sim/costs.py).
 A SEND and its RECV (paired by `tinypipe.order.pair_halves`) rendezvous: the copy starts when both
 halves are ready and both end when it ends; each half's record starts when its own stream reached it
 (as a CUDA event recorded before it would).
@@ -17,7 +17,9 @@ Memory effects go through the ledgers (sim/memory.py).
 
 Loop times, beside the optimizer or alone: a FWD / BWD with loop times costs the
 `*_beside_optimizer_s` one when an OPT_STEP is running on any host optimizer lane at the instant it
-starts, else the alone one; the choice is made at the start and holds for the whole action. A
+starts, else the alone one; the choice is made at the start and holds for the whole action. With the
+loop's issue gaps (`KindProfile.issue_gap_s`, chosen the same way when the action is ready) it starts no
+earlier than that long after the previous FWD / BWD on its lane ended: the main thread issuing it. A
 start-time rule is enough: the actions take milliseconds and the steps tens of milliseconds, so few
 actions see a step begin or end part-way. Running steps are counted (one counter, raised while an
 OPT_STEP with a non-zero time runs); an OPT_STEP starting or ending at the very instant a FWD / BWD
@@ -25,6 +27,18 @@ starts counts as SimPy orders the two processes' events at that instant. Any ran
 whichever GPU the action is on, though the profile measured only a rank's own step beside its own
 loop (in a run another rank's optimizer thread is in another process: it shares the cores and the
 memory bandwidth, not the GIL); not measured, so not told apart.
+
+The optimizer beside the device's work, by phase: an OPT_STEP whose trace measured the step by what its
+rank's main thread does meanwhile (`hostmem.optimizer_step_phases_s`: alone, beside FWDs, beside BWDs)
+runs as a fluid: it has one step of work to do, at the rate 1 / (the phase's time), and the phase is
+that of its rank's compute lane -- FWD or BWD while the lane runs one (an action of no time, EVICT,
+keeps the phase), idle while the lane waits for a dependency or has nothing left. At each change of
+phase the running steps of that rank carry their remaining work on at the new rate. In the async
+Qwen3-1.7B run on an H200 (bench/async_gap.py) that is the difference between a block's step of ~82 ms
+beside the forward's issue and ~41 ms while the compute stream waited; the steps that run during the
+next iteration's forward are those the backward then waits for (its first microbatch's BWD of a layer
+waits for that layer's GRAD_OUT, which waits for a gradient slot that an OPT_STEP frees).
+Without those times an OPT_STEP takes `hostmem.optimizer_step_s` whatever runs.
 
 Lanes: one process per lane of `tinypipe.order.run_lanes`, which is one per resource except the host
 optimizer: as in the backend, every rank runs its own layers' OPT_STEPs on a lane of its own, so
@@ -50,38 +64,20 @@ import simpy
 
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.hostmem import optimizer_steps_s
 from tinypipe.kinds import Cost, Direction, Kind
 from tinypipe.model import ModelSpec
+from tinypipe.optimprofile import Phase, StepPhases
 from tinypipe.order import pair_halves, predecessors, run_lanes
 from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.timeline import Record, Timeline
 from tinypipe.trace import ProfileTrace
 
+from .costs import COPY, LOOP, OPT, PAIR, PHASED, TIMED, action_costs, link_capacities
 from .memory import Memory
 from .network import Network
 from .result import SimResult, build_result
 
-HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
-# how an action runs: a fixed time; a copy; a SEND / RECV half; an OPT_STEP (a fixed time, counted as
-# running); a FWD / BWD with loop times (alone, beside the optimizer: picked at its start)
-_TIMED, _COPY, _PAIR, _OPT, _LOOP = 0, 1, 2, 3, 4
-
-Copy = tuple[float, float, tuple[str, ...]]  # bytes, latency_s, capacities crossed
-
-
-def edge_name(u: str, v: str) -> str:
-    """Name of the directed edge u -> v as a capacity and in `SimResult.link_bytes`."""
-    return f"{u}->{v}"
-
-
-def link_capacities(hardware: Hardware) -> dict[str, float]:
-    """Bytes/s of every directed edge (each link, both directions) and of the host DMA cap."""
-    cap = {HOST_DMA: hardware.host.dma_gbps * 1e9}
-    for link in hardware.links:
-        cap[edge_name(link.a, link.b)] = link.gbps * 1e9
-        cap[edge_name(link.b, link.a)] = link.gbps * 1e9
-    return cap
+_DONE = 1e-9  # work left (of one step) below which a phased OPT_STEP has ended: rounding of the fluid's sums
 
 
 class Engine:
@@ -101,18 +97,31 @@ class Engine:
         self.end_s = [-1.0] * n  # -1: not finished
         self._waiters: dict[int, simpy.Event] = {}  # action id -> event fired when it ends
         self._rendezvous: dict[int, simpy.Event] = {}  # half that arrived first -> its wake-up event
-        self._mode, self._cost = _costs(schedule, model, hardware, trace, self.partner)
+        self._mode, self._cost = action_costs(schedule, model, hardware, trace, self.partner)
         self._steps_running = 0  # OPT_STEPs running now, on any optimizer lane (module docstring)
+        # phases (module docstring): each rank's compute phase, the event its phased steps wait on for the
+        # next change (made when one waits), and per action the phase it sets (FWD / BWD of a GPU whose
+        # rank has phased steps; IDLE: none)
+        self._phase: dict[int, Phase] = {}
+        self._phase_change: dict[int, simpy.Event] = {}
+        self._sets_phase: list[Phase] = [Phase.IDLE] * n
+        self._is_compute = [a.kind.info.cost is Cost.COMPUTE for a in schedule.actions]  # FWD / BWD (issue gaps)
         self._fixed: dict[int, float] = {}  # SEND / RECV half -> measured duration after the rendezvous (replay)
         for aid, d in (durations or {}).items():
             if not 0 <= aid < n or not d >= 0:
                 raise InputError(f"durations: action {aid}: {d!r} s; expected an action id in 0..{n - 1} "
                                  "and a duration >= 0")
-            if self._mode[aid] == _PAIR:
+            if self._mode[aid] == PAIR:
                 self._fixed[aid] = float(d)
             else:  # any other action simply takes its measured time (an OPT_STEP still counts as running)
-                self._mode[aid] = _OPT if self._mode[aid] == _OPT else _TIMED
+                self._mode[aid] = OPT if self._mode[aid] in (OPT, PHASED) else TIMED
                 self._cost[aid] = float(d)
+        phased = {self._cost[i][1] for i, m in enumerate(self._mode) if m == PHASED}
+        for a in schedule.actions:
+            g = resource_gpu(a.resource)
+            if g in phased and a.kind.info.cost is Cost.COMPUTE and self._cost[a.id] != 0:
+                self._sets_phase[a.id] = Phase.FWD if a.kind.info.direction is Direction.FORWARD else Phase.BWD
+        self._phase = {g: Phase.IDLE for g in phased}
         for ids in self.lanes.values():
             if ids:
                 self.env.process(self._run(ids))
@@ -141,32 +150,49 @@ class Engine:
     def _run(self, ids: Sequence[int]) -> Generator[simpy.Event, Any, None]:
         env, actions, end_s, start_s = self.env, self.schedule.actions, self.end_s, self.start_s
         mode, cost, waiters, memory, net = self._mode, self._cost, self._waiters, self.memory, self.network
+        sets_phase, is_compute = self._sets_phase, self._is_compute
+        lane_gpu = None  # the GPU whose phase this lane sets (its compute actions'), once it has run one
+        compute_end = -1.0  # when the lane's last FWD / BWD ended (issue gaps)
         for aid in ids:  # one process per lane runs it in order: the predecessor on the stream is done
             a = actions[aid]
             for d in a.deps:
                 if end_s[d] < 0:
+                    if lane_gpu is not None:
+                        self._set_phase(lane_gpu, Phase.IDLE)  # the lane waits
                     ev = waiters.get(d)
                     if ev is None:
                         ev = waiters[d] = env.event()
                     yield ev
+            m = mode[aid]
+            beside = 0
+            if m == LOOP:  # (alone, beside, gap alone, gap beside): picked now
+                beside = 1 if self._steps_running else 0
+                wait = compute_end + cost[aid][2 + beside] - env.now
+                if wait > 0 and compute_end >= 0:
+                    yield env.timeout(wait)  # the main thread issuing it
+            if sets_phase[aid]:
+                lane_gpu = resource_gpu(a.resource)
+                assert lane_gpu is not None
+                self._set_phase(lane_gpu, sets_phase[aid])
             t0 = env.now
             start_s[aid] = t0
             if a.allocs:
                 memory.alloc(a, t0)
-            m = mode[aid]
-            if m == _TIMED:
+            if m == TIMED:
                 dur = cost[aid]
                 if dur > 0:
                     yield env.timeout(dur)
-            elif m == _OPT:
+            elif m == OPT:
                 dur = cost[aid]
                 if dur > 0:
                     self._steps_running += 1
                     yield env.timeout(dur)
                     self._steps_running -= 1
-            elif m == _LOOP:  # (alone, beside the optimizer), picked at the start
-                yield env.timeout(cost[aid][1 if self._steps_running else 0])
-            elif m == _COPY:
+            elif m == PHASED:
+                yield from self._phased_step(*cost[aid])
+            elif m == LOOP:
+                yield env.timeout(cost[aid][beside])
+            elif m == COPY:
                 nbytes, lat, links = cost[aid]
                 yield net.copy(nbytes, lat, links)
             else:
@@ -184,12 +210,44 @@ class Engine:
                     other.succeed(done)
                 yield done if fixed is None else env.timeout(fixed)
             t1 = env.now
+            if is_compute[aid]:
+                compute_end = t1
             if a.frees:
                 memory.free(a, t1)
             end_s[aid] = t1
             ev = waiters.pop(aid, None)
             if ev is not None:
                 ev.succeed()
+        if lane_gpu is not None:
+            self._set_phase(lane_gpu, Phase.IDLE)  # the lane has nothing left
+
+    def _set_phase(self, gpu: int, phase: Phase) -> None:
+        """Rank `gpu`'s compute lane now runs `phase`; its phased steps, if any wait, carry on at the new rate."""
+        if self._phase[gpu] != phase:
+            self._phase[gpu] = phase
+            ev = self._phase_change.pop(gpu, None)
+            if ev is not None:
+                ev.succeed()
+
+    def _phased_step(self, times: StepPhases, gpu: int) -> Generator[simpy.Event, Any, None]:
+        """One OPT_STEP of rank `gpu` as a fluid (module docstring): one step of work at 1 / times[phase]."""
+        env = self.env
+        self._steps_running += 1
+        left = 1.0  # of the step's work
+        while left > _DONE:
+            t = times[self._phase[gpu]]
+            if t <= 0:
+                break
+            since = env.now
+            change = self._phase_change.get(gpu)
+            if change is None:
+                change = self._phase_change[gpu] = env.event()
+            done = env.timeout(left * t)
+            yield done | change
+            if done.processed or not change.triggered:
+                break
+            left -= (env.now - since) / t
+        self._steps_running -= 1
 
     def _deadlock_message(self, stuck: list[int]) -> str:
         acts = self.schedule.actions
@@ -207,99 +265,6 @@ class Engine:
             lines.append(f"`{a}` (action {first}) waits for " + (", ".join(waits) or "its predecessor"))
         return (f"schedule deadlocks: {len(stuck)} of {len(acts)} actions never run; "
                 + "; ".join(lines[:8]) + ("; ..." if len(lines) > 8 else ""))
-
-
-def _costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-           partner: dict[int, int]) -> tuple[list[int], list[Any]]:
-    """Per action: how it runs (timed / copy / pair) and its duration in s or its Copy."""
-    if len(model.layers) != schedule.num_layers:
-        raise InputError(f"schedule has {schedule.num_layers} layers but model {model.name!r} has "
-                         f"{len(model.layers)}; compile the schedule for this model")
-    if schedule.num_gpus > len(hardware.gpus):
-        raise InputError(f"schedule uses {schedule.num_gpus} GPUs but hardware {hardware.name!r} has "
-                         f"{len(hardware.gpus)}")
-    if trace.tokens_per_microbatch != schedule.tokens_per_microbatch:
-        raise InputError(f"trace was profiled at {trace.tokens_per_microbatch} tokens per microbatch but the "
-                         f"schedule uses {schedule.tokens_per_microbatch}; use a trace for this microbatch size "
-                         "(ProfileTrace.scaled_to scales one linearly)")
-    cap = link_capacities(hardware)
-    routes: dict[tuple[str, str], tuple[float, tuple[str, ...]]] = {}
-
-    def route(src: str, dst: str) -> tuple[float, tuple[str, ...]]:
-        if (src, dst) not in routes:
-            r = hardware.route(src, dst)
-            # The DMA cap counts every pass through host memory: once for host<->GPU, twice for a
-            # GPU -> host -> GPU copy staged in host memory.
-            dma = sum(1 for u, v in r.edges if HOST in (u, v)) if r.through_host else 0
-            links = tuple(edge_name(u, v) for u, v in r.edges) + (HOST_DMA,) * max(dma, int(r.through_host))
-            missing = [x for x in links if x not in cap]
-            if missing:
-                raise InputError(f"hardware {hardware.name!r}: route {src} -> {dst} crosses {missing[0]}, "
-                                 "which is not a link")
-            routes[(src, dst)] = (r.latency_s, links)
-        return routes[(src, dst)]
-
-    gpu_node = [g.name for g in hardware.gpus]
-    gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
-    profiles = {}
-    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
-    mode: list[int] = []
-    cost: list[Any] = []
-    n = len(schedule.actions)
-    for a in schedule.actions:
-        for d in a.deps:
-            if not 0 <= d < n or d == a.id:
-                raise ScheduleError(f"`{a}` (action {a.id}) depends on action {d}, which "
-                                    + ("is itself" if d == a.id else f"does not exist (ids are 0..{n - 1})"))
-        k = a.kind
-        c = k.info.cost
-        if c is Cost.COMPUTE or c is Cost.OPTIMIZER:
-            if not 0 <= a.layer < len(model.layers):
-                raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
-            layer = model.layers[a.layer]
-            if c is Cost.OPTIMIZER:
-                mode.append(_OPT)
-                cost.append(opt_s[a.layer])
-                continue
-            if a.layer not in profiles:
-                try:
-                    profiles[a.layer] = trace.layer(layer)
-                except KeyError:
-                    raise InputError(f"trace has no profile for layer kind {layer.kind.value!r} "
-                                     f"(layer {a.layer}); it has {', '.join(trace.kinds)}") from None
-            p = profiles[a.layer]
-            if k.info.direction is Direction.NONE:
-                raise ScheduleError(f"`{a}` (action {a.id}): compute kind {k.value} is neither forward nor backward")
-            forward, redo = k.info.direction is Direction.FORWARD, schedule.recomputes(a.layer)
-            alone, beside = p.compute_s(forward, redo), p.compute_s(forward, redo, beside_optimizer=True)
-            mode.append(_TIMED if alone == beside else _LOOP)
-            cost.append(alone if alone == beside else (alone, beside))
-        elif c is Cost.FREE:
-            mode.append(_TIMED)
-            cost.append(0.0)
-        elif c is Cost.UPLOAD or c is Cost.DOWNLOAD or c is Cost.PEER:
-            g = gpu_of.get(a.resource)
-            if g is None:
-                raise ScheduleError(f"`{a}` (action {a.id}) is a copy and must run on a GPU stream")
-            if c is Cost.UPLOAD:
-                src, dst = HOST, gpu_node[g]
-                nbytes = a.nbytes
-            elif c is Cost.DOWNLOAD:
-                src, dst = gpu_node[g], HOST
-                nbytes = a.nbytes
-            else:  # a SEND / RECV half: one copy sender -> receiver, of the SEND's bytes
-                send = a if k.info.stream == "send" else schedule.actions[partner[a.id]]
-                sg = gpu_of.get(send.resource)
-                assert sg is not None and send.peer is not None
-                src, dst = gpu_node[sg], gpu_node[send.peer]
-                nbytes = send.nbytes
-            lat, links = route(src, dst)
-            mode.append(_PAIR if c is Cost.PEER else _COPY)
-            cost.append((float(nbytes), lat, links))
-        else:
-            raise ScheduleError(f"`{a}` (action {a.id}): the simulator has no cost for kind {k.value} "
-                                f"(cost {c.value}); add one to sim/engine.py")
-    return mode, cost
 
 
 def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,

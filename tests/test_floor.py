@@ -10,7 +10,7 @@ from tinypipe.compiler import compile_schedule
 from tinypipe.floor import schedule_floor
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
-from tinypipe.hostmem import optimizer_time_factor
+from tinypipe.hostmem import optimizer_step_s, optimizer_time_factor
 from tinypipe.looptimes import LoopTimes
 from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.policy import PRESETS
@@ -81,3 +81,21 @@ def test_floor_takes_the_lesser_loop_time_of_a_recomputed_block() -> None:
     e, h = trace.kinds["embed"], trace.kinds["head"]
     want = 8 * (32 * (1.4e-3 + 9e-3) + e.fwd_s + e.recompute_bwd_s + h.fwd_s + h.bwd_s)
     assert schedule_floor(sched, spec, hw, looped).compute_s == pytest.approx(want)
+
+
+def test_floor_takes_the_least_of_a_steps_phases() -> None:
+    """A block whose step was also measured by phase (alone 0.1 s, beside FWDs 0.3, beside BWDs 0.2; in a
+    mixed loop 0.14) counts its least time, 0.1 s, as the simulator may charge that: the floor stays a
+    floor. The steps that were not measured by phase keep their in-run times."""
+    spec, hw = load_model("llama-3.1-8b"), load_hardware("h200x1")
+    trace = trace_for(spec, hw.gpus[0], 4, 2048, "bf16")
+    params = {x.kind.value: x.params for x in spec.layers}
+    opt = OptimizerProfile(params=params["block"], threads=15, alone_s={"compact": 0.1}, in_run_s={"compact": 0.14},
+                           beside_fwd_s={"compact": 0.3}, beside_bwd_s={"compact": 0.2})
+    kinds = {**trace.kinds, "block": replace(trace.kinds["block"], optimizer=opt),
+             "embed": replace(trace.kinds["embed"], optimizer=OptimizerProfile(
+                 params=params["embed"], threads=15, in_run_s={"compact": 0.3}))}
+    measured = replace(trace, kinds=kinds)
+    sched = compile_schedule(PRESETS["tinypipe"].replace(microbatches=8, microbatch_size=4), spec, hw, trace)
+    head = optimizer_step_s(spec.layers[-1], "compact", hw.host, trace)  # not measured: the host's rate
+    assert schedule_floor(sched, spec, hw, measured).optimizer_s == pytest.approx(0.3 + 32 * 0.1 + head)

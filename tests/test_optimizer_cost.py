@@ -132,6 +132,38 @@ def test_the_async_step_is_its_own_measurement_where_there_is_one() -> None:
     assert again.kinds["block"].optimizer == opt
 
 
+def test_the_step_by_phase_where_all_three_were_measured() -> None:
+    """`phases_s` gives the step alone, beside FWDs and beside BWDs (the async step's from the async_*
+    fields), scaled by parameters like `step_s`, and None unless all three were measured for the layout
+    and mode. The fields survive the JSON round trip and are left out when empty. The floor and the search
+    bound take the least of the in-run step and the phases (`optimizer_steps_s(least=True)`); the plan
+    and the simulator's fallback keep the in-run step."""
+    from tinypipe.hostmem import optimizer_step_phases_s, optimizer_steps_s
+    from tinypipe.optimprofile import StepPhases
+
+    base = trace_for(SPEC, HW.gpus[0], 4, 2048)
+    opt = OptimizerProfile(params=BLOCK.params, threads=15, alone_s={"compact": 0.1}, in_run_s={"compact": 0.125},
+                           async_in_run_s={"compact": 0.175}, beside_fwd_s={"compact": 0.3},
+                           beside_bwd_s={"compact": 0.2, "replicated": 0.1}, async_alone_s={"compact": 0.12},
+                           async_beside_fwd_s={"compact": 0.4}, async_beside_bwd_s={"compact": 0.25})
+    assert opt.phases_s("compact", BLOCK.params) == StepPhases(0.1, 0.3, 0.2)
+    assert opt.phases_s("compact", 2 * BLOCK.params, asynchronous=True) == StepPhases(0.24, 0.8, 0.5)
+    assert opt.phases_s("replicated", BLOCK.params) is None  # no alone or FWD time for it
+    assert replace(opt, async_beside_bwd_s={}).phases_s("compact", BLOCK.params, asynchronous=True) is None
+    trace = replace(base, kinds={**base.kinds, "block": replace(base.kinds["block"], optimizer=opt)})
+    assert optimizer_step_phases_s(BLOCK, "compact", trace, optimizer="async") == StepPhases(0.12, 0.4, 0.25)
+    assert optimizer_step_phases_s(EMBED, "compact", trace) is None  # the embedding's step was not measured
+    assert optimizer_steps_s(SPEC, "compact", HW.host, trace)[1] == 0.125
+    assert optimizer_steps_s(SPEC, "compact", HW.host, trace, least=True)[1] == 0.1
+    assert optimizer_steps_s(SPEC, "compact", HW.host, trace, optimizer="async", least=True)[1] == 0.12
+    assert optimizer_steps_s(SPEC, "replicated", HW.host, trace, least=True) == optimizer_steps_s(
+        SPEC, "replicated", HW.host, trace)
+    again = ProfileTrace.from_json(json.loads(json.dumps(trace.to_json())))
+    assert again.kinds["block"].optimizer == opt
+    assert set(OptimizerProfile(params=1, threads=1, in_run_s={"compact": 0.1}).to_json()) == {
+        "params", "threads", "alone_s", "in_run_s"}
+
+
 def test_the_schedule_says_its_optimizer_mode() -> None:
     """The compiled schedule carries the policy's optimizer mode through its text form; a schedule text
     written before the field reads as sync."""

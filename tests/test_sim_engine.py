@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tinypipe.sim import SimResult, simulate
-from tinypipe.sim.engine import link_capacities
+from tinypipe.sim.costs import link_capacities
 
 from tinypipe.compiler import compile_schedule
 from tinypipe.errors import CapacityError, InputError, ScheduleError, TinypipeError
@@ -28,7 +28,7 @@ from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.order import layer_owner
 from tinypipe.policy import PRESETS
 from tinypipe.schedule import Action, Kind, Mem, Schedule
-from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace
+from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace, trace_for
 
 MS = 1e-3
 
@@ -443,6 +443,37 @@ def test_a_recomputed_block_takes_its_loop_time_beside_a_running_step_or_alone()
     ]
 
 
+def test_a_looped_action_waits_its_issue_gap_after_the_lanes_last_compute() -> None:
+    """With the loop's issue gaps (FWD 0.3 ms alone / 0.5 beside a step, BWD 0.2 / 0.4), a recomputed block's
+    FWD / BWD starts no earlier than its gap after the lane's previous FWD / BWD ended: F1.0, ready at 1000
+    us while OPT0 runs (0-1310), 0.5 ms after F0.0 and at its beside time; B1.0 0.2 ms after F1.0 (no step
+    running); F1.1, ready only when g1's F2.6 ends at 9000 us (after B1.0's end + 0.3 ms), starts then. The
+    lane's first compute (F0.0, the embedding: no loop) and g1's head never wait."""
+    t = looped_trace()
+    loop = replace(t.kinds["block"].loop, fwd_gap_s=0.3 * MS, recompute_bwd_gap_s=0.2 * MS,
+                   fwd_gap_beside_optimizer_s=0.5 * MS, recompute_bwd_gap_beside_optimizer_s=0.4 * MS)
+    gapped = replace(t, kinds={**t.kinds, "block": replace(t.kinds["block"], loop=loop)})
+    b = Builder()
+    b("OPT_STEP", "host.optim", layer=0)
+    b("FWD", "g0.compute", layer=0, microbatch=0)
+    b("FWD", "g0.compute", layer=1, microbatch=0)
+    b("BWD", "g0.compute", layer=1, microbatch=0)
+    b("FWD", "g1.compute", layer=2, microbatch=0)
+    b("BWD", "g1.compute", layer=2, microbatch=0)
+    last = [b("FWD", "g1.compute", layer=2, microbatch=m) for m in range(1, 7)][-1]
+    b("FWD", "g0.compute", layer=1, microbatch=1, deps=(last,))
+    r = simulate(b.schedule(), tiny_model(), tiny_hardware(), gapped)
+    assert [x for x in log(r) if "g1" not in x or "F2.6" in x] == [
+        "0.000 1310.000 host.optim OPT0",
+        "0.000 1000.000 g0.compute F0.0",
+        "1500.000 4000.000 g0.compute F1.0",
+        "4200.000 8200.000 g0.compute B1.0",
+        "8000.000 9000.000 g1.compute F2.6",
+        "9000.000 10500.000 g0.compute F1.1",
+    ]
+    assert log(r)[2:4] == ["0.000 1000.000 g1.compute F2.0", "1000.000 3000.000 g1.compute B2.0"]
+
+
 def test_a_block_not_recomputed_or_replayed_keeps_its_times() -> None:
     """Without recompute the loop times do not apply (F1 2 ms, B1 from kept activations 4 ms, step or
     not); with replay's durations every action takes its measured time, a looped one too."""
@@ -455,6 +486,102 @@ def test_a_block_not_recomputed_or_replayed_keeps_its_times() -> None:
     assert [x for x in log(r) if "g0.compute" in x] == [
         "0.000 1000.000 g0.compute F0.0", "1000.000 2000.000 g0.compute F1.0", "2000.000 3000.000 g0.compute B1.0",
         "3000.000 4000.000 g0.compute F1.1", "4000.000 5000.000 g0.compute B1.1"]
+
+
+def phased_trace(*, asynchronous: bool = False) -> ProfileTrace:
+    """tiny_trace whose block (1M parameters measured) steps 2 ms alone, 6 ms beside FWDs and 4 ms beside BWDs
+    (compact; the sync step's fields, or with `asynchronous` the async step's), 5 ms in a mixed loop."""
+    t = tiny_trace()
+    times = {"alone_s": {"compact": 2 * MS}, "beside_fwd_s": {"compact": 6 * MS},
+             "beside_bwd_s": {"compact": 4 * MS}}
+    if asynchronous:
+        times = {"alone_s": {"compact": 1 * MS}, **{f"async_{k}": v for k, v in times.items()}}
+    opt = OptimizerProfile(params=1_000_000, threads=4, in_run_s={"compact": 5 * MS}, **times)
+    return replace(t, kinds={**t.kinds, "block": replace(t.kinds["block"], optimizer=opt)})
+
+
+def _phase_schedule(optimizer: str = "sync") -> Schedule:
+    b = Builder()
+    b("OPT_STEP", "host.optim", layer=1)  # g0's layer: 2M parameters, twice the measured block's times
+    b("FWD", "g0.compute", layer=0, microbatch=0)  # 0-1000 us
+    b("BWD", "g0.compute", layer=0, microbatch=0)  # 1000-4000 (recomputing: 3 ms)
+    b("FWD", "g1.compute", layer=2, microbatch=0)  # g1 keeps computing: its phase is not g0's
+    b("BWD", "g1.compute", layer=2, microbatch=0)
+    b("FWD", "g1.compute", layer=2, microbatch=1)
+    b("FWD", "g1.compute", layer=2, microbatch=2)
+    last = b("FWD", "g1.compute", layer=2, microbatch=3)  # ends at 6000
+    b("EVICT", "g0.compute", layer=0)  # no time: keeps the phase
+    b("FWD", "g0.compute", layer=0, microbatch=1, deps=(last,))  # g0 waits 4000-6000, then 6000-7000
+    s = b.schedule(host_memory="compact")
+    return replace(s, optimizer=optimizer)
+
+
+def test_a_phased_step_runs_at_the_rate_of_its_ranks_compute_phase() -> None:
+    """With the step measured by phase, OPT1 (g0's layer: 12 ms beside FWDs, 8 ms beside BWDs, 4 ms alone) is
+    a fluid: 1000/12000 of it beside F0.0, 3000/8000 beside B0.0, 2000/4000 while g0 waits for g1 (g1's
+    compute does not count; EV0 takes no time and keeps the phase), so 1/24 is left when F0.1 starts at
+    6000 us, which it finishes at the FWD rate: 500 us later. The mixed loop's 10 ms is not used."""
+    r = simulate(_phase_schedule(), tiny_model(), tiny_hardware(), phased_trace())
+    assert log(r) == [
+        "0.000 6500.000 host.optim OPT1",
+        "0.000 1000.000 g0.compute F0.0",
+        "0.000 1000.000 g1.compute F2.0",
+        "1000.000 4000.000 g0.compute B0.0",
+        "1000.000 3000.000 g1.compute B2.0",
+        "3000.000 4000.000 g1.compute F2.1",
+        "4000.000 5000.000 g1.compute F2.2",
+        "4000.000 4000.000 g0.compute EV0",
+        "5000.000 6000.000 g1.compute F2.3",
+        "6000.000 7000.000 g0.compute F0.1",
+    ]
+
+
+def test_the_async_step_takes_its_own_phases() -> None:
+    """Under the async optimizer the async step's phases apply (the same times here), not the sync step's
+    (2 ms alone, no FWD / BWD times: the trace measured only the mixed loop for sync, 10 ms whatever runs)."""
+    asy = simulate(_phase_schedule("async"), tiny_model(), tiny_hardware(), phased_trace(asynchronous=True))
+    assert log(asy)[0] == "0.000 6500.000 host.optim OPT1"
+    syn = simulate(_phase_schedule("sync"), tiny_model(), tiny_hardware(), phased_trace(asynchronous=True))
+    assert log(syn)[0] == "0.000 10000.000 host.optim OPT1"
+
+
+def test_a_phased_step_alone_and_replayed() -> None:
+    """A rank that computes nothing steps at the alone rate (4 ms), and one whose compute lane has run out
+    goes back to it: OPT1 runs 3000 us beside FWDs (F0.0, F0.1, F0.2 back to back: 1/4 of it) and the rest
+    alone (3 ms). Replay's measured duration replaces the fluid (its record still counts as a running step)."""
+    b = Builder()
+    b("OPT_STEP", "host.optim", layer=1)
+    alone = simulate(b.schedule(host_memory="compact"), tiny_model(), tiny_hardware(), phased_trace())
+    assert log(alone) == ["0.000 4000.000 host.optim OPT1"]
+    for m in range(3):
+        b("FWD", "g0.compute", layer=0, microbatch=m)
+    r = simulate(b.schedule(host_memory="compact"), tiny_model(), tiny_hardware(), phased_trace())
+    assert log(r)[0] == "0.000 6000.000 host.optim OPT1"
+    r = simulate(b.schedule(host_memory="compact"), tiny_model(), tiny_hardware(), phased_trace(), durations={0: 1e-3})
+    assert log(r)[0] == "0.000 1000.000 host.optim OPT1"
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(0.5, 50.0), st.sampled_from(["sync", "async"]), st.sampled_from(["compact", "replicated"]))
+def test_equal_phases_are_the_fixed_step(step_ms: float, optimizer: str, layout: str) -> None:
+    """A trace whose step is the same in every phase predicts what one fixed step time predicts: the fluid
+    changes rate only when the phase's time differs (compiled 2-GPU pipelines over the chain model)."""
+    model = chain_model(4)
+    trace = trace_for(model, tiny_hardware().gpus[0], 1, 16)
+    flat = {layout: step_ms * MS}
+    fixed_opt = OptimizerProfile(params=2_000_000, threads=4, alone_s=flat, in_run_s=flat, async_in_run_s=flat)
+    phased_opt = replace(fixed_opt, async_alone_s=flat, beside_fwd_s=flat, beside_bwd_s=flat, async_beside_fwd_s=flat,
+                         async_beside_bwd_s=flat)
+
+    def with_opt(opt: OptimizerProfile) -> ProfileTrace:
+        return replace(trace, kinds={**trace.kinds, "block": replace(trace.kinds["block"], optimizer=opt)})
+
+    policy = PRESETS["tinypipe"].replace(optimizer=optimizer, host_memory=layout, microbatches=3)
+    sched = compile_schedule(policy, model, tiny_hardware(), with_opt(fixed_opt), iterations=2)
+    a = simulate(sched, model, tiny_hardware(), with_opt(fixed_opt))
+    b = simulate(sched, model, tiny_hardware(), with_opt(phased_opt))
+    assert [t for x in b.timeline.records for t in (x.start_s, x.end_s)] == pytest.approx(
+        [t for x in a.timeline.records for t in (x.start_s, x.end_s)], rel=1e-9, abs=1e-12)
 
 
 # ---- properties over hand-built pipeline schedules -------------------------------------------------

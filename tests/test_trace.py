@@ -325,6 +325,34 @@ def test_compute_s_is_the_one_rule() -> None:
     assert kp.scaled(2).loop == LoopTimes(3e-3, 12e-3, 2.8e-3, 13e-3)
 
 
+def test_issue_gaps_are_optional_and_kept_by_scaling(tmp_path: Path) -> None:
+    """The loop's issue gaps default to 0 and are written only when measured (traces before them read the
+    same); `issue_gap_s` gives them for a recomputed layer with loop times (alone or beside the optimizer)
+    and 0 otherwise; scaling to another microbatch size keeps them (host time between two actions); a
+    negative gap is an error naming the field."""
+    iso = KindProfile(fwd_s=2e-3, bwd_s=4e-3, recompute_bwd_s=6e-3, saved_act_bytes=1, saved_act_bytes_recompute=1,
+                      workspace_bytes=1)
+    gapped = replace(LOOP, fwd_gap_s=1e-4, recompute_bwd_gap_s=3e-4, fwd_gap_beside_optimizer_s=2e-4,
+                     recompute_bwd_gap_beside_optimizer_s=6e-4)
+    kp = replace(iso, loop=gapped)
+    assert [kp.issue_gap_s(f, True, beside_optimizer=b) for f in (True, False) for b in (False, True)] == [
+        1e-4, 2e-4, 3e-4, 6e-4]
+    assert kp.issue_gap_s(True, False) == replace(iso, loop=LOOP).issue_gap_s(False, True) == iso.issue_gap_s(
+        True, True) == 0.0
+    assert kp.scaled(2).loop == replace(gapped, fwd_s=3e-3, recompute_bwd_s=12e-3, fwd_beside_optimizer_s=3.2e-3,
+                                        recompute_bwd_beside_optimizer_s=13e-3)
+    assert "fwd_gap_s" not in LOOP.to_json() and gapped.to_json()["recompute_bwd_gap_beside_optimizer_s"] == 6e-4
+    t = with_loop(load_trace("h200-llama-3.1-8b-mb2-seq2048"), gapped)
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(t.to_json()))
+    assert load_trace(str(p)) == t
+    obj = t.to_json()
+    obj["kinds"]["block"]["loop"]["fwd_gap_s"] = -1e-4
+    p.write_text(json.dumps(obj))
+    with pytest.raises(InputError, match=r"kinds\.block\.loop\.fwd_gap_s: must be >= 0"):
+        load_trace(str(p))
+
+
 def test_base_plan_takes_the_loops_alone_times_for_recomputed_blocks() -> None:
     """The analytic side (`base_plan`, what the cost model and search read) uses `compute_s` alone: a
     recomputing policy's blocks get the loop's times, the head and a non-recomputing policy the isolated

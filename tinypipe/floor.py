@@ -29,7 +29,7 @@ class Floor:
     h2d_s: float  # the busiest GPU's uploads over its link's rate
     d2h_s: float  # the busiest GPU's downloads over its link's rate
     host_dma_s: float  # all host <-> GPU bytes over the host's DMA cap
-    optimizer_s: float  # the busiest rank's OPT_STEPs (hostmem.optimizer_steps_s)
+    optimizer_s: float  # the busiest rank's OPT_STEPs (hostmem.optimizer_steps_s; by phase: the least)
 
     @property
     def iteration_s(self) -> float:
@@ -56,7 +56,8 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
     down = [0.0] * gpus
     optimizer = [0.0] * gpus  # per rank: its optimizer thread's steps
     owner = layer_owner(schedule)
-    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
+    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer,
+                              least=True)
     profiles: dict[int, KindProfile] = {}
     for a in schedule.actions:
         info = a.kind.info  # the same costs as the simulator's (sim/engine.py), without contention

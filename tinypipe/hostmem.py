@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tinypipe.hardware import Host
 from tinypipe.model import DTYPE_BYTES, LayerSpec, ModelSpec
+from tinypipe.optimprofile import StepPhases
 from tinypipe.policy.modes import HostLayout, OptimizerMode
 from tinypipe.trace import ProfileTrace
 
@@ -126,8 +127,25 @@ def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: Pr
     return measured if measured is not None else layer.params * optimizer_s_per_param(host, layout)
 
 
+def optimizer_step_phases_s(layer: LayerSpec, layout: HostLayout, trace: ProfileTrace | None = None, *,
+                            optimizer: OptimizerMode = "sync") -> StepPhases | None:
+    """Seconds of one OPT_STEP of `layer` by what its rank's main thread does meanwhile (the compute stream
+    waits / it issues FWDs / BWDs), when `trace` measured them for the layer's kind, layout and mode
+    (`OptimizerProfile.phases_s`), else None: the simulator then charges `optimizer_step_s` whatever runs."""
+    kind = trace.kinds.get(layer.kind.value) if trace is not None else None
+    if kind is None or kind.optimizer is None:
+        return None
+    return kind.optimizer.phases_s(layout, layer.params, asynchronous=optimizer == "async")
+
+
 def optimizer_steps_s(model: ModelSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None, *,
-                      optimizer: OptimizerMode = "sync") -> tuple[float, ...]:
+                      optimizer: OptimizerMode = "sync", least: bool = False) -> tuple[float, ...]:
     """`optimizer_step_s` of every layer of `model`, by layer index: what the simulator, the floor, the cost
-    model's plan and the search bound read."""
-    return tuple(optimizer_step_s(layer, layout, host, trace, optimizer=optimizer) for layer in model.layers)
+    model's plan and the search bound read. `least` (the floor's and the search bound's lower bounds): the
+    least of that and the step's times by phase (`optimizer_step_phases_s`), which the simulator may charge."""
+    out = []
+    for layer in model.layers:
+        t = optimizer_step_s(layer, layout, host, trace, optimizer=optimizer)
+        phases = optimizer_step_phases_s(layer, layout, trace, optimizer=optimizer) if least else None
+        out.append(min(t, *phases) if phases is not None else t)
+    return tuple(out)

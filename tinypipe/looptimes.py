@@ -12,11 +12,21 @@ through `run_actions` (backends/profile/devloop.py) and keeps, per microbatch si
 the FWDs and of the recomputing BWDs, with nothing else running on the host (`fwd_s`,
 `recompute_bwd_s`) and while a host optimizer steps continuously on another thread
 (`*_beside_optimizer_s`). `tinypipe.trace.KindProfile.compute_s` is the one rule that reads them.
+
+Issue gaps (`*_gap_s`, optional: 0 in traces before them): the mean time the compute stream stood idle
+before a FWD / BWD that followed another one back to back, waiting for the main thread to issue it (an
+action's record starts when the stream reaches its start marker, so the time the thread spends between
+two actions -- the executor's loop, its sleeps, the GIL -- falls between the records). The simulator
+starts such an action no earlier than that gap after the lane's previous FWD / BWD ended
+(`KindProfile.issue_gap_s`). Why: in the eager async Qwen3-1.7B run on an H200 (2 x 2048) the compute
+stream waited 0.30 s of each 5.2 s iteration for the main thread, on average 0.36 ms before a block's BWD
+and 0.08 ms before its FWD with no optimizer step running, 0.69 and 0.26 ms beside one; the sync run
+0.14 s (bench/async_gap.py). The mean, not the median: the waits add up.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from tinypipe.jsonio import Fields
@@ -32,6 +42,11 @@ class LoopTimes:
     recompute_bwd_s: float
     fwd_beside_optimizer_s: float  # while a host optimizer thread steps continuously
     recompute_bwd_beside_optimizer_s: float
+    # the compute stream's mean wait for the main thread before a back-to-back FWD / BWD (module docstring)
+    fwd_gap_s: float = 0.0
+    recompute_bwd_gap_s: float = 0.0
+    fwd_gap_beside_optimizer_s: float = 0.0
+    recompute_bwd_gap_beside_optimizer_s: float = 0.0
 
     def compute_s(self, forward: bool, beside_optimizer: bool) -> float:
         """The FWD's or the BWD's time, alone or beside a running optimizer step."""
@@ -39,16 +54,25 @@ class LoopTimes:
             return self.fwd_beside_optimizer_s if beside_optimizer else self.fwd_s
         return self.recompute_bwd_beside_optimizer_s if beside_optimizer else self.recompute_bwd_s
 
+    def gap_s(self, forward: bool, beside_optimizer: bool) -> float:
+        """The issue gap before a back-to-back FWD or BWD, alone or beside a running optimizer step."""
+        if forward:
+            return self.fwd_gap_beside_optimizer_s if beside_optimizer else self.fwd_gap_s
+        return self.recompute_bwd_gap_beside_optimizer_s if beside_optimizer else self.recompute_bwd_gap_s
+
     def scaled(self, factor: float) -> LoopTimes:
-        """Every time times `factor` (linear in tokens, as `KindProfile.scaled`)."""
-        return LoopTimes(*(t * factor for t in (self.fwd_s, self.recompute_bwd_s, self.fwd_beside_optimizer_s,
-                                                self.recompute_bwd_beside_optimizer_s)))
+        """Every time times `factor` (linear in tokens, as `KindProfile.scaled`); the issue gaps, the host's
+        time between two actions, kept."""
+        return replace(self, **{k: getattr(self, k) * factor for k in COMPUTE_FIELDS})
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k in COMPUTE_FIELDS or v}
 
     @classmethod
     def from_json(cls, f: Fields) -> LoopTimes:
-        return cls(fwd_s=f.float("fwd_s", positive=True), recompute_bwd_s=f.float("recompute_bwd_s", positive=True),
-                   fwd_beside_optimizer_s=f.float("fwd_beside_optimizer_s", positive=True),
-                   recompute_bwd_beside_optimizer_s=f.float("recompute_bwd_beside_optimizer_s", positive=True))
+        return cls(**{k: f.float(k, positive=True) for k in COMPUTE_FIELDS},
+                   **{k: f.float(k, 0.0, minimum=0.0) for k in GAP_FIELDS})
+
+
+COMPUTE_FIELDS = ("fwd_s", "recompute_bwd_s", "fwd_beside_optimizer_s", "recompute_bwd_beside_optimizer_s")
+GAP_FIELDS = ("fwd_gap_s", "recompute_bwd_gap_s", "fwd_gap_beside_optimizer_s", "recompute_bwd_gap_beside_optimizer_s")

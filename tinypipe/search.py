@@ -215,7 +215,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
-    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer)
+    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True)
     optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
     why = ""
     hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes

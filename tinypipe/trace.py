@@ -22,8 +22,8 @@ The compute and memory terms add rather than overlap: the memory term stands for
 activations and residual adds, which run as separate bandwidth-bound kernels between the GEMMs.
 
 A measured trace may also carry, per kind, the host optimizer step of one layer of that kind
-(`OptimizerProfile`, `tinypipe profile`; format FORMAT). Traces written before it (no `format`) load
-as they are, without it, and the simulator then costs an OPT_STEP at the host's rate
+(`tinypipe.optimprofile.OptimizerProfile`, `tinypipe profile`; format FORMAT). Traces written before it
+(no `format`) load as they are, without it, and the simulator then costs an OPT_STEP at the host's rate
 (`tinypipe.hostmem.optimizer_step_s` decides). The block's kind may also carry `loop`
 (`tinypipe.looptimes.LoopTimes`: its recomputing FWD / BWD timed inside the executor's loop), optional
 in the same format; `KindProfile.compute_s` is the one rule for what a FWD or BWD costs. So is
@@ -111,6 +111,14 @@ class KindProfile:
         if recomputed and self.loop is not None:
             return self.loop.compute_s(forward, beside_optimizer)
         return self.fwd_s if forward else self.backward_s(recomputed)
+
+    def issue_gap_s(self, forward: bool, recomputed: bool, *, beside_optimizer: bool = False) -> float:
+        """How long after the previous FWD / BWD on its stream a FWD or BWD of this kind starts at the
+        earliest, waiting for the main thread to issue it (`LoopTimes.gap_s`; 0 without loop times, or in
+        a schedule that does not recompute the layer, as `compute_s` takes the loop's times there only)."""
+        if recomputed and self.loop is not None:
+            return self.loop.gap_s(forward, beside_optimizer)
+        return 0.0
 
     def least_compute_s(self, forward: bool, recomputed: bool) -> float:
         """The least of `compute_s` alone and beside the optimizer (lower bounds: floor, search)."""

@@ -5,8 +5,10 @@ Files written into `--out DIR` (made if missing; files of the same names are rep
   unless bf16), the `ProfileTrace` form `tinypipe.trace.load_trace` reads; `simulate`, `search`
   and `run` take it with `--profile DIR`. Unless `--no-optimizer`, each kind carries its host
   optimizer step (optim.py: measured once, beside the largest microbatch's device work, the same
-  in every trace); unless `--no-loop`, the block carries its recomputing FWD and BWD timed inside
-  the executor's loop, alone and beside a stepping host optimizer (looptimes.py: per microbatch size);
+  in every trace; unless `--no-optimizer-phases`, also beside a loop of the block's FWDs only and
+  one of its BWDs only, and the async step alone: `OptimizerProfile.phases_s`); unless `--no-loop`,
+  the block carries its recomputing FWD and BWD timed inside the executor's loop, alone and beside a
+  stepping host optimizer (looptimes.py: per microbatch size);
 - `rates.json`: the `HostRates` (copy rates, fixed cost, optimizer rates; fields documented inside);
 - `hardware.json`: a full hardware description (`--hardware FILE` accepts it), the base preset
   with the measured rates (`HostRates.hardware`). The base is `--hardware`, else on CUDA the
@@ -156,9 +158,13 @@ def profile_main(args: argparse.Namespace) -> int:
         # and 26 ms in a compiled one without the loop); the cause is not known.
         if not args.no_optimizer:  # once, beside the largest microbatch's device work, for every trace
             largest = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
+            phases = None if args.no_optimizer_phases else {
+                only: DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed, only=only)
+                for only in ("fwd", "bwd")}
             optimizer, steps = measure_optimizer(bench, largest, threads=opt_threads, max_steps=min(args.repeat, 5),
-                                                 say=say)
-            opt_note = describe(opt_threads, steps, largest)
+                                                 say=say, phases=phases)
+            opt_note = describe(opt_threads, steps, largest, phases)
+            del phases
         if not args.no_loop and has_block(bench):
             for size in sizes:
                 say(f"timing the block inside the executor's loop at {size} x {args.seq_len} tokens, alone and "
@@ -232,12 +238,17 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
     if traces and "NOT measured" in traces[0].source:
         lines.append("workspace: not measured on a CPU (no allocator peak); analytic, and the traces say so")
     rows = [[t.microbatch_size, o.fwd_s * 1e3, o.recompute_bwd_s * 1e3, o.fwd_beside_optimizer_s * 1e3,
-             o.recompute_bwd_beside_optimizer_s * 1e3] for t in traces if (o := t.kinds["block"].loop) is not None]
+             o.recompute_bwd_beside_optimizer_s * 1e3,
+             " / ".join(f"{g * 1e6:.0f}" for g in (o.fwd_gap_s, o.recompute_bwd_gap_s, o.fwd_gap_beside_optimizer_s,
+                                                    o.recompute_bwd_gap_beside_optimizer_s))]
+            for t in traces if (o := t.kinds["block"].loop) is not None]
     if rows:
         lines += ["", "the block inside the executor's loop (what the simulator charges a recomputed block: beside "
-                      "the optimizer while an OPT_STEP runs)",
+                      "the optimizer while an OPT_STEP runs; the issue gap before a back-to-back FWD / BWD, alone "
+                      "and beside)",
                   table.render(["mb size", "fwd ms", "recompute+bwd ms", "fwd beside opt ms",
-                                "recompute+bwd beside opt ms"], rows, align="rrrrr")]
+                                "recompute+bwd beside opt ms", "issue gap us (fwd / bwd / beside)"], rows,
+                               align="rrrrrr")]
     opt = {k: p.optimizer for k, p in traces[0].kinds.items() if p.optimizer is not None} if traces else {}
     if opt:
         threads = next(iter(opt.values())).threads
@@ -248,6 +259,15 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
                       "what the simulator charges; async: the step that keeps the previous version)",
                   table.render(["kind", "params", "layout", "alone ms", "in run ms", "async in run ms",
                                 "in run G params/s"], rows, align="lrlrrrr")]
+        rows = [[k, lay, *(t * 1e3 for t in sync), *(t * 1e3 for t in asy)]
+                for k, o in opt.items() for lay in o.in_run_s
+                if (sync := o.phases_s(lay, o.params)) is not None
+                and (asy := o.phases_s(lay, o.params, asynchronous=True)) is not None]
+        if rows:
+            lines += ["", "the step by what the rank's compute stream runs (what the simulator charges where "
+                          "measured): waiting (alone), beside FWDs, beside BWDs",
+                      table.render(["kind", "layout", "alone ms", "beside FWD ms", "beside BWD ms", "async alone ms",
+                                    "async beside FWD ms", "async beside BWD ms"], rows, align="llrrrrrr")]
     if rates is not None:
         f = rates.factors()
         lines += ["", f"copies ({rates.device}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, both at "

@@ -19,6 +19,9 @@ compiled block's FWD 27% faster). So per microbatch size, on one `devloop.Device
 
 Each action's time is its executor record (`RunLog.records`: CUDA events on its stream on CUDA, the
 host clock around the work on the CPU stand-in); the medians of the FWDs and of the BWDs are kept.
+The issue gaps (`tinypipe.looptimes`, `*_gap_s`): before each FWD / BWD whose predecessor on the compute
+stream is a FWD / BWD (not the cycle's first FWD, which waits for its LOAD), its record's start minus
+that predecessor's end, 0 if it overlapped; the mean per kind and condition is kept.
 The thread count is the caller's (`command.py`: one rank's, as the optimizer's profile uses).
 """
 
@@ -34,6 +37,7 @@ from tinypipe.model import LayerKind
 from tinypipe.policy import Policy
 from tinypipe.policy.modes import HostLayout
 from tinypipe.schedule import Kind
+from tinypipe.timeline import Record
 from tinypipe.trace import ProfileTrace
 
 from ..executor import RunLog
@@ -63,16 +67,44 @@ class LoopSamples:
     bwd_alone_s: tuple[float, ...]
     fwd_beside_s: tuple[float, ...]
     bwd_beside_s: tuple[float, ...]
+    # issue gaps before back-to-back FWDs / BWDs (module docstring); empty: none measured
+    fwd_gap_alone_s: tuple[float, ...] = ()
+    bwd_gap_alone_s: tuple[float, ...] = ()
+    fwd_gap_beside_s: tuple[float, ...] = ()
+    bwd_gap_beside_s: tuple[float, ...] = ()
 
     def times(self) -> LoopTimes:
         med = statistics.median
+
+        def mean(gaps: tuple[float, ...]) -> float:
+            return statistics.fmean(gaps) if gaps else 0.0
+
         return LoopTimes(fwd_s=med(self.fwd_alone_s), recompute_bwd_s=med(self.bwd_alone_s),
                          fwd_beside_optimizer_s=med(self.fwd_beside_s),
-                         recompute_bwd_beside_optimizer_s=med(self.bwd_beside_s))
+                         recompute_bwd_beside_optimizer_s=med(self.bwd_beside_s),
+                         fwd_gap_s=mean(self.fwd_gap_alone_s), recompute_bwd_gap_s=mean(self.bwd_gap_alone_s),
+                         fwd_gap_beside_optimizer_s=mean(self.fwd_gap_beside_s),
+                         recompute_bwd_gap_beside_optimizer_s=mean(self.bwd_gap_beside_s))
 
 
 def _durations(logs: list[RunLog], kind: Kind) -> tuple[float, ...]:
     return tuple(r.duration_s for log in logs for r in log.records if r.kind == kind.value)
+
+
+def issue_gaps(logs: list[RunLog], kind: Kind) -> tuple[float, ...]:
+    """Before each `kind` action whose predecessor on its stream (records by start) is a FWD / BWD: its start
+    minus that predecessor's end, 0 when they overlap (module docstring)."""
+    compute = (Kind.FWD.value, Kind.BWD.value)
+    out = []
+    for log in logs:
+        by_stream: dict[str, list[Record]] = {}
+        for r in sorted(log.records, key=lambda r: (r.start_s, r.id)):
+            by_stream.setdefault(r.resource, []).append(r)
+        for recs in by_stream.values():
+            for prev, r in zip(recs, recs[1:]):
+                if r.kind == kind.value and prev.kind in compute:
+                    out.append(max(0.0, r.start_s - prev.end_s))
+    return tuple(out)
 
 
 def has_block(bench: LayerBench) -> bool:
@@ -112,7 +144,9 @@ def time_loop(bench: LayerBench, loop: DeviceLoop, *, max_windows: int) -> LoopS
     fut.result()  # re-raises a step's error
     return LoopSamples(windows=n, steps=steps[0], fwd_alone_s=_durations(alone, Kind.FWD),
                        bwd_alone_s=_durations(alone, Kind.BWD), fwd_beside_s=_durations(beside, Kind.FWD),
-                       bwd_beside_s=_durations(beside, Kind.BWD))
+                       bwd_beside_s=_durations(beside, Kind.BWD), fwd_gap_alone_s=issue_gaps(alone, Kind.FWD),
+                       bwd_gap_alone_s=issue_gaps(alone, Kind.BWD), fwd_gap_beside_s=issue_gaps(beside, Kind.FWD),
+                       bwd_gap_beside_s=issue_gaps(beside, Kind.BWD))
 
 
 def describe(samples: LoopSamples, loop: DeviceLoop, threads: int) -> str:
@@ -121,6 +155,8 @@ def describe(samples: LoopSamples, loop: DeviceLoop, threads: int) -> str:
             f"{threads} torch thread(s); after one warm-up window, the medians of each action's executor record "
             f"over {samples.windows} window(s) per condition ({len(samples.fwd_alone_s)} FWD, "
             f"{len(samples.bwd_alone_s)} BWD each): fwd_s, recompute_bwd_s with nothing else running on the host; "
+            f"*_gap_s the mean wait of the compute stream before a FWD / BWD that followed another one "
+            f"({len(samples.fwd_gap_alone_s)} FWD, {len(samples.bwd_gap_alone_s)} BWD each); "
             f"*_beside_optimizer_s while a host-worker thread stepped the block's host state ({LAYOUT} layout) "
             f"without a pause from before the first window to after the last ({samples.steps} steps)")
 

@@ -24,6 +24,14 @@ layer kind (embedding, block, head: their real tensors) and per host layout:
 - async_in_run_s: as in_run_s, the asynchronous optimizer's step: a host state with the layout's
   previous-version room (compact: the snapshot regions), each step keeping the previous version as
   an async run's do (`HostState.step(keep_previous=True)`), after one untimed warm-up step of its own.
+- by phase, when given a loop of FWDs only and one of BWDs only (devloop.py, `only`): beside_fwd_s and
+  beside_bwd_s, the sync step beside each, and async_alone_s, async_beside_fwd_s, async_beside_bwd_s the
+  async step alone and beside each (`tinypipe.trace.StepPhases`, which the simulator charges by what its
+  rank's compute stream runs). Why: a step shares the host with the thread that issues the device's work,
+  and that thread's share depends on what it issues. In the async Qwen3-1.7B run on an H200 (compiled, 4
+  x 2048; bench/async_gap.py) a block's step took ~82 ms while the forward was issued, ~65 ms beside the
+  backward and ~41 ms while the compute stream waited for a gradient, against the one 43 ms that a loop
+  of both gave; the steps during the forward were on the critical path.
 
 The slab is not page-locked: a run's is (`cudaHostRegister` on the same private mapping), which
 changes what the copy engines may do with it, not what the CPU does, and registering the 3 GB of
@@ -38,9 +46,9 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +62,8 @@ from ..hostwork import HostWorker
 from .devloop import DeviceLoop
 from .layers import LayerBench
 
+# OptimizerProfile's fields by phase, as KindSteps.phases_s names them
+PHASE_FIELDS = ("beside_fwd_s", "beside_bwd_s", "async_alone_s", "async_beside_fwd_s", "async_beside_bwd_s")
 OPT_BUDGET_S = 1.0  # seconds of timed steps per kind, layout and condition (alone / in the run)
 MIN_STEPS = 3  # a median of at least this many, whatever their length (unless the profile's repeat is lower)
 
@@ -74,6 +84,8 @@ class KindSteps:
     alone_s: tuple[float, ...]
     in_run_s: tuple[float, ...]
     async_in_run_s: tuple[float, ...]
+    # by phase (module docstring): OptimizerProfile's field -> the timed steps (empty without the phases' loops)
+    phases_s: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 class Stepper:
@@ -117,70 +129,89 @@ def _seconds(fut: Future[tuple[float, float]]) -> float:
     return t1 - t0
 
 
-def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoop, *, max_steps: int) -> KindSteps:
-    """Time `kind`'s OPT_STEP under `layout`: a warm-up, then alone, then beside `loop` (module docstring).
-    The caller sets the torch thread count (the rank's)."""
+def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoop, *, max_steps: int,
+               phases: Mapping[str, DeviceLoop] | None = None) -> KindSteps:
+    """Time `kind`'s OPT_STEP under `layout`: a warm-up, then alone, then beside `loop` (module docstring);
+    with `phases` (a loop of FWDs only under "fwd", of BWDs only under "bwd") also beside each of them, and
+    the async step alone and beside each. The caller sets the torch thread count (the rank's)."""
     layer = bench.layers[kind]
     tied = bench.tied[1] if bench.tied is not None and kind == LayerKind.EMBED.value else None
 
-    def in_run(s: Stepper, n: int) -> tuple[float, ...]:
+    def in_run(s: Stepper, n: int, beside: DeviceLoop) -> tuple[float, ...]:
         go = threading.Event()
         try:
             futs = [s.submit(go.wait)] + [s.submit() for _ in range(n - 1)]
-            loop.run_until(futs[-1].done, started=go.set)
+            beside.run_until(futs[-1].done, started=go.set)
         finally:
             go.set()  # a loop that failed before starting must not leave the worker waiting
         return tuple(_seconds(f) for f in futs)
 
+    by_phase: dict[str, tuple[float, ...]] = {}
     s = Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied)
     try:
         warm = _seconds(s.submit())
         n = steps_for(warm, max_steps)
         alone = tuple(_seconds(s.submit()) for _ in range(n))
-        synced = in_run(s, n)
+        synced = in_run(s, n, loop)
+        for phase, beside in (phases or {}).items():
+            by_phase[f"beside_{phase}_s"] = in_run(s, n, beside)
     finally:
         s.close()
     a = Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied,
                  keep_previous=True)
     try:
         _seconds(a.submit())  # its own warm-up: the moments, and the first touch of the kept copy
-        kept = in_run(a, n)
+        kept = in_run(a, n, loop)
+        if phases:
+            by_phase["async_alone_s"] = tuple(_seconds(a.submit()) for _ in range(n))
+        for phase, beside in (phases or {}).items():
+            by_phase[f"async_beside_{phase}_s"] = in_run(a, n, beside)
     finally:
         a.close()
-    return KindSteps(params=s.state.params, warm_s=warm, alone_s=alone, in_run_s=synced, async_in_run_s=kept)
+    return KindSteps(params=s.state.params, warm_s=warm, alone_s=alone, in_run_s=synced, async_in_run_s=kept,
+                     phases_s=by_phase)
 
 
 def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_steps: int,
-                      say: Callable[[str], None] = lambda text: None
+                      say: Callable[[str], None] = lambda text: None, phases: Mapping[str, DeviceLoop] | None = None,
                       ) -> tuple[dict[str, OptimizerProfile], dict[str, dict[str, KindSteps]]]:
     """Per layer kind, its `OptimizerProfile` (medians per layout), and every timed step (kind -> layout ->
-    KindSteps), at `threads` torch intra-op threads."""
+    KindSteps), at `threads` torch intra-op threads; with `phases` (`time_steps`) the steps by phase too."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     steps: dict[str, dict[str, KindSteps]] = {}
     try:
-        loop.window()  # warm-up: the loop's streams, its first allocations, a compiled block's graphs
+        for warm in (loop, *(phases or {}).values()):
+            warm.window()  # warm-up: the loop's streams, its first allocations, a compiled block's graphs
         for kind in (k.value for k in LayerKind):
             steps[kind] = {}
             for layout in HOST_LAYOUTS:
                 say(f"timing the {kind}'s host optimizer step ({layout}, {threads} thread(s)) alone and beside "
-                    f"the device's work")
-                steps[kind][layout] = time_steps(bench, kind, layout, loop, max_steps=max_steps)
+                    f"the device's work" + (" (and by phase)" if phases else ""))
+                steps[kind][layout] = time_steps(bench, kind, layout, loop, max_steps=max_steps, phases=phases)
     finally:
         torch.set_num_threads(before)
+    med = statistics.median
     out = {kind: OptimizerProfile(params=next(iter(by.values())).params, threads=threads,
-                                  alone_s={lay: statistics.median(k.alone_s) for lay, k in by.items()},
-                                  in_run_s={lay: statistics.median(k.in_run_s) for lay, k in by.items()},
-                                  async_in_run_s={lay: statistics.median(k.async_in_run_s) for lay, k in by.items()})
+                                  alone_s={lay: med(k.alone_s) for lay, k in by.items()},
+                                  in_run_s={lay: med(k.in_run_s) for lay, k in by.items()},
+                                  async_in_run_s={lay: med(k.async_in_run_s) for lay, k in by.items()},
+                                  **{key: {lay: med(k.phases_s[key]) for lay, k in by.items() if k.phases_s.get(key)}
+                                     for key in PHASE_FIELDS})
            for kind, by in steps.items()}
     return out, steps
 
 
-def describe(threads: int, steps: dict[str, dict[str, KindSteps]], loop: DeviceLoop) -> str:
+def describe(threads: int, steps: dict[str, dict[str, KindSteps]], loop: DeviceLoop,
+             phases: Mapping[str, DeviceLoop] | None = None) -> str:
     """What the traces' `source` says about the optimizer's profile: how it was measured, and the step counts."""
     counts = "; ".join(f"{kind} {', '.join(f'{lay} {len(k.alone_s)}' for lay, k in by.items())}"
                        for kind, by in steps.items())
+    by_phase = "".join(f"; beside_{p}_s and async_beside_{p}_s while it ran {x.describe}"
+                       for p, x in (phases or {}).items())
     return (f"one OPT_STEP of each kind's layer (`HostState.step` under each host layout, its own tensors, the "
             f"gradients delivered first and not timed) on a host-worker thread at {threads} torch thread(s), median "
             f"of N after one warm-up step (N: {counts}); alone_s with nothing else running, in_run_s (what the "
-            f"simulator charges) while the main thread ran {loop.describe}")
+            f"simulator charges without the phases) while the main thread ran {loop.describe}"
+            + (f"; by phase (what the simulator charges by what the rank's compute stream runs): async_alone_s "
+               f"alone{by_phase}" if by_phase else ""))

@@ -32,6 +32,10 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the host optimizer step of each layer kind (alone and beside the device's work, at the "
                         "thread count of one rank of `run`, or --threads); without it the simulator costs the "
                         "optimizer at the host's rate")
+    p.add_argument("--no-optimizer-phases", action="store_true",
+                   help="time the host optimizer step beside a loop of FWDs and BWDs only, not also beside FWDs only "
+                        "and BWDs only and the async step alone; without those the simulator charges a step the "
+                        "same whatever the compute stream runs")
     p.add_argument("--no-loop", action="store_true",
                    help="skip timing the block's FWD and BWD inside the executor's loop (alone and beside a stepping "
                         "host optimizer, what the simulator charges a recomputed block); without it the simulator "

@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,14 @@ def test_profile_times_each_kinds_optimizer_step(profiled: tuple[Path, Path, str
             assert o is not None and (o.params, o.threads) == (params[kind], 1), kind
             assert set(o.alone_s) == set(o.in_run_s) == {"replicated", "compact"}
             assert min(*o.alone_s.values(), *o.in_run_s.values()) > 0
+            for layout in ("replicated", "compact"):  # by phase too (unless --no-optimizer-phases)
+                for asynchronous in (False, True):
+                    phases = o.phases_s(layout, o.params, asynchronous=asynchronous)
+                    assert phases is not None and min(phases) > 0, (kind, layout, asynchronous)
             assert o == traces[0].kinds[kind].optimizer
         assert "Host optimizer: one OPT_STEP of each kind's layer" in t.source and "issued by the executor" in t.source
-    assert "host optimizer step per layer kind (1 thread(s)" in printed
+        assert "by phase" in t.source and "LOAD, 16 x FWD, EVICT per window" in t.source
+    assert "host optimizer step per layer kind (1 thread(s)" in printed and "beside FWD ms" in printed
 
 
 def test_profile_times_the_block_inside_the_executors_loop(profiled: tuple[Path, Path, str]) -> None:
@@ -130,19 +136,41 @@ def test_profile_without_the_loop(tmp_path: Path) -> None:
 
 
 def test_simulate_charges_the_profiled_steps(profiled: tuple[Path, Path, str]) -> None:
-    """A schedule simulated with the profiled trace runs every OPT_STEP for its kind's measured in-run step
-    under the policy's layout, whatever the host's rate says."""
+    """A schedule simulated with the profiled trace runs every OPT_STEP for its kind's measured step under the
+    policy's layout and optimizer mode, whatever the host's rate says: by phase, so between the least and
+    the most of its phases' times; without the phases, the in-run step."""
     out, base, _ = profiled
     hw = load_hardware(str(base))
     trace = load_trace(str(out / f"cpu-tiny-llama-mb2-seq{SEQ}-fp32.json"))
-    for layout in ("compact", "replicated"):
-        policy = load_policy("tinypipe").replace(microbatch_size=2, microbatches=2, host_memory=layout)
+    unphased = replace(trace, kinds={k: replace(p, optimizer=replace(p.optimizer, beside_fwd_s={}, async_alone_s={}))
+                                     for k, p in trace.kinds.items() if p.optimizer is not None})
+    for layout, optimizer in (("compact", "sync"), ("replicated", "async")):
+        policy = load_policy("tinypipe").replace(microbatch_size=2, microbatches=2, host_memory=layout,
+                                                 optimizer=optimizer)
         sched = compile_schedule(policy, SPEC, hw, trace)
-        steps = [r for r in simulate(sched, SPEC, hw, trace).timeline.records if r.kind == "OPT_STEP"]
-        assert len(steps) == len(SPEC.layers) * sched.iterations
-        for r in steps:
-            o = trace.kinds[SPEC.layers[r.layer].kind.value].optimizer
-            assert o is not None and r.end_s - r.start_s == pytest.approx(o.in_run_s[layout])
+        for t, phased in ((trace, True), (unphased, False)):
+            steps = [r for r in simulate(sched, SPEC, hw, t).timeline.records if r.kind == "OPT_STEP"]
+            assert len(steps) == len(SPEC.layers) * sched.iterations
+            for r in steps:
+                o = t.kinds[SPEC.layers[r.layer].kind.value].optimizer
+                assert o is not None
+                took = r.end_s - r.start_s
+                if phased:
+                    phases = o.phases_s(layout, o.params, asynchronous=optimizer == "async")
+                    assert phases is not None and min(phases) * (1 - 1e-9) <= took <= max(phases) * (1 + 1e-9)
+                else:
+                    assert took == pytest.approx(o.step_s(layout, o.params, asynchronous=optimizer == "async"))
+
+
+def test_profile_without_the_optimizers_phases(tmp_path: Path) -> None:
+    """`--no-optimizer-phases` times the steps alone and beside the mixed loop only (the simulator then charges
+    a step the same whatever runs)."""
+    assert cli_main(["profile", "--model", "tiny-llama", "--seq-len", str(SEQ), "--threads", "1", "--repeat", "1",
+                     "--warmup", "0", "--no-rates", "--no-loop", "--no-optimizer-phases", "--out", str(tmp_path)]) == 0
+    t = load_trace(str(tmp_path / f"cpu-tiny-llama-mb1-seq{SEQ}-fp32.json"))
+    for p in t.kinds.values():
+        assert p.optimizer is not None and p.optimizer.in_run_s and p.optimizer.async_in_run_s
+        assert not (p.optimizer.beside_fwd_s or p.optimizer.async_alone_s) and "by phase" not in t.source
 
 
 def test_profile_without_the_optimizer(tmp_path: Path) -> None:
@@ -338,3 +366,5 @@ def test_profile_on_cuda_measures_the_workspace(tmp_path: Path, capsys: pytest.C
         o = p.optimizer
         assert o is not None and o.threads == threads and set(o.in_run_s) == {"replicated", "compact"}
         assert min(*o.alone_s.values(), *o.in_run_s.values()) > 0
+        for layout in ("replicated", "compact"):  # and by phase, beside the block's FWD / BWD loops
+            assert all(o.phases_s(layout, o.params, asynchronous=a) is not None for a in (False, True))

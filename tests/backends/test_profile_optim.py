@@ -35,6 +35,17 @@ def test_cycle_actions_are_one_layers_swap_loop() -> None:
                    "12 g0.d2h GRAD_OUT L1 <- [11]", "13 g0.compute EVICT L1 <- []"]
 
 
+def test_cycle_actions_of_one_phase() -> None:
+    """A loop of one phase, literal: FWDs only (no BWD, no GRAD_OUT), or BWDs only, which then wait for the
+    LOAD themselves (no FWD before them does)."""
+    fwd = [f"{a.id} {a} <- {list(a.deps)}" for a in cycle_actions(1, microbatches=2, cycles=1, only="fwd")]
+    assert fwd == ["0 g0.h2d LOAD L1 <- []", "1 g0.compute FWD L1 m0 <- [0]", "2 g0.compute FWD L1 m1 <- [0]",
+                   "3 g0.compute EVICT L1 <- []"]
+    bwd = [f"{a.id} {a} <- {list(a.deps)}" for a in cycle_actions(1, microbatches=2, cycles=1, only="bwd")]
+    assert bwd == ["0 g0.h2d LOAD L1 <- []", "1 g0.compute BWD L1 m1 <- [0]", "2 g0.compute BWD L1 m0 <- [0]",
+                   "3 g0.d2h GRAD_OUT L1 <- [2]", "4 g0.compute EVICT L1 <- []"]
+
+
 def test_steps_for_gives_fewer_steps_to_big_layers() -> None:
     """OPT_BUDGET_S of steps after a warm-up of `warm_s`, at least MIN_STEPS, at most the cap (which wins)."""
     assert (OPT_BUDGET_S, MIN_STEPS) == (1.0, 3)
@@ -60,6 +71,11 @@ def test_device_loop_runs_the_block_through_the_executor(bench: LayerBench) -> N
     assert loop.run_until(done) == 3
     assert loop.it.leftovers() == [] and loop.it.weights == {} and loop.it.grads == {}
     assert loop.it.host.version(loop.layer) == 0  # the loop never steps its own host state
+    for only in ("fwd", "bwd"):  # a loop of one phase leaves nothing behind either
+        one = DeviceLoop(bench, microbatch_size=2, seq_len=SEQ, only=only)  # type: ignore[arg-type]
+        kinds = {r.kind for r in one.window().records}
+        assert kinds == ({"LOAD", "FWD", "EVICT"} if only == "fwd" else {"LOAD", "BWD", "GRAD_OUT", "EVICT"})
+        assert one.it.leftovers() == [] and one.it.weights == {} and one.it.grads == {}
 
 
 class Watched:
@@ -86,7 +102,31 @@ def test_in_run_steps_wait_for_the_loop(bench: LayerBench, layout: str) -> None:
     assert watched.done_before_start == [False, False] and min(watched.windows) >= 1
     assert len(got.alone_s) == len(got.in_run_s) == len(got.async_in_run_s) == 3
     assert min(got.alone_s + got.in_run_s + got.async_in_run_s) > 0
-    assert got.params == bench.spec.layers[1].params
+    assert got.params == bench.spec.layers[1].params and got.phases_s == {}
+
+
+def test_steps_by_phase_run_beside_each_phases_loop(bench: LayerBench) -> None:
+    """With a loop per phase, the sync and the async step are also timed beside each (each started only once
+    its loop has), and the async one alone: as many steps as the others, each > 0; the medians become
+    the OptimizerProfile's phase fields, which `phases_s` reads."""
+    from tinypipe.backends.profile.optim import PHASE_FIELDS, measure_optimizer
+
+    mixed = Watched(DeviceLoop(bench, microbatch_size=1, seq_len=SEQ))
+    phases = {only: Watched(DeviceLoop(bench, microbatch_size=1, seq_len=SEQ, only=only)) for only in ("fwd", "bwd")}
+    got = time_steps(bench, "block", "compact", mixed, max_steps=2, phases=phases)  # type: ignore[arg-type]
+    assert sorted(got.phases_s) == sorted(PHASE_FIELDS)
+    assert all(len(t) == 2 and min(t) > 0 for t in got.phases_s.values())
+    for w in phases.values():
+        assert w.done_before_start == [False, False] and min(w.windows) >= 1  # the sync step, then the async
+    loops = {only: w.loop for only, w in phases.items()}
+    opt, steps = measure_optimizer(bench, mixed.loop, threads=1, max_steps=1, phases=loops)
+    block = opt["block"]
+    for layout in HOST_LAYOUTS:
+        k = steps["block"][layout]
+        assert block.phases_s(layout, block.params) == (k.alone_s[0], k.phases_s["beside_fwd_s"][0],
+                                                        k.phases_s["beside_bwd_s"][0])
+        assert block.phases_s(layout, block.params, asynchronous=True) == tuple(
+            k.phases_s[f][0] for f in ("async_alone_s", "async_beside_fwd_s", "async_beside_bwd_s"))
 
 
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)
@@ -121,3 +161,29 @@ def test_time_loop_takes_every_fwd_and_bwd_of_its_windows(bench: LayerBench) -> 
     assert (t.fwd_s, t.recompute_bwd_beside_optimizer_s) == (statistics.median(got.fwd_alone_s),
                                                             statistics.median(got.bwd_beside_s))
     assert loop.it.leftovers() == [] and loop.it.host.version(loop.layer) == 0
+    # issue gaps: per window 2 cycles x 3 FWDs after a FWD (the first waits for its LOAD) and 4 BWDs
+    gaps = (got.fwd_gap_alone_s, got.bwd_gap_alone_s, got.fwd_gap_beside_s, got.bwd_gap_beside_s)
+    assert [len(g) for g in gaps] == [12, 16, 12, 16] and min(min(g) for g in gaps) >= 0
+    assert (t.fwd_gap_s, t.recompute_bwd_gap_beside_optimizer_s) == (statistics.fmean(got.fwd_gap_alone_s),
+                                                                    statistics.fmean(got.bwd_gap_beside_s))
+
+
+def test_issue_gaps_follow_a_fwd_or_bwd_on_the_same_stream() -> None:
+    """Literal: each FWD / BWD's start minus the end of the record before it on its stream (by start), when
+    that one is a FWD or BWD; 0 when they overlap; a FWD after a LOAD-bound EVICT, and other streams'
+    records, are not counted."""
+    from tinypipe.backends.executor import RunLog
+    from tinypipe.backends.profile.looptimes import issue_gaps
+
+    from tinypipe.schedule import Kind
+    from tinypipe.timeline import Record
+
+    def rec(i: int, res: str, kind: str, t0: float, t1: float) -> Record:
+        return Record(i, f"g0.{res}", kind, kind, 1, 0, 0, t0, t1)
+
+    log = RunLog(records=[rec(0, "h2d", "LOAD", 0.0, 1.0), rec(1, "compute", "FWD", 1.0, 2.0),
+                          rec(2, "compute", "FWD", 2.5, 3.0), rec(3, "compute", "BWD", 3.0, 4.0),
+                          rec(4, "compute", "BWD", 3.9, 5.0), rec(5, "compute", "EVICT", 5.0, 5.0),
+                          rec(6, "compute", "FWD", 7.0, 8.0), rec(7, "d2h", "GRAD_OUT", 5.0, 6.0)])
+    assert issue_gaps([log], Kind.FWD) == (0.5,)
+    assert issue_gaps([log], Kind.BWD) == (0.0, 0.0)
