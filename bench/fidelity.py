@@ -12,11 +12,14 @@ block mode (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) under 
 while there is none), and the hardware.json of that folder, else of pq/. Nothing of the run being
 predicted goes into its prediction: one profile per model, taken once, predicts every configuration of
 that model (profile_h200_fid/README.md says where and when each was taken).
-The host optimizer's steps (each kind's `optimizer`) come from the model's eager folder for every row
-(`--optimizer-from eager`, the default): a step is host work and does not depend on how the block is
-compiled, and the one compiled Qwen3 profile that timed its block's loop before the steps stepped 1.3-2.6x
-slower than the eager profile taken on that machine minutes earlier, alone too (README, "Predicting a
-run"). `--optimizer-from own` predicts with each folder's own steps.
+A record that names `profile_root` (the runs of 2026-12-01's second session) is predicted from the
+profile taken on the same lent machine, minutes before it (`bench/results/profile_h200_fid2/callN`):
+machines lent on different calls differed as much as the errors (the host optimizer's steps by 20-30%).
+Each folder's own host optimizer steps (`--optimizer-from own`, the default; `eager`: the model's eager
+folder's for compiled rows too, which was the default while one compiled profile's steps ran 1.3-2.6x
+slow: in four H200 calls the compiled profile's compact block step was 2.6x, 1.4x, 0.86x and 1.0x the
+eager one's, and the compiled runs' steps were closer to their own folder's in two of the three calls
+that ran one). The steps by phase are left out unless `--phases` (`tinypipe profile --optimizer-phases`).
 One JSON object per configuration, replacing --out; a table on stdout.
 """
 
@@ -55,10 +58,15 @@ def profile_folder(rec: dict[str, Any], profile: Path) -> Path:
     return profile / (FOLDER[rec["model"]] + ("-compiled" if compiled else ""))
 
 
-def with_eager_optimizer(folder: Path, eager: Path, into: Path) -> Path:
-    """A copy of `folder`'s traces in `into`, each kind's optimizer steps taken from `eager`'s traces."""
+PHASE_FIELDS = ("async_alone_s", "beside_fwd_s", "beside_bwd_s", "async_beside_fwd_s", "async_beside_bwd_s")
+
+
+def prepared(folder: Path, eager: Path | None, phases: bool, into: Path) -> Path:
+    """A copy of `folder`'s traces in `into`: each kind's optimizer steps taken from `eager`'s traces (unless
+    None), and without the steps by phase unless `phases` (`tinypipe profile` measures them only with
+    --optimizer-phases; the profile of 2026-12-01 call 3 was taken while it did by default)."""
     steps = {}
-    for f in sorted(eager.glob("h200-*.json")):
+    for f in sorted(eager.glob("h200-*.json")) if eager is not None else ():
         for kind, p in json.loads(f.read_text())["kinds"].items():
             if "optimizer" in p:
                 steps[kind] = p["optimizer"]
@@ -67,20 +75,22 @@ def with_eager_optimizer(folder: Path, eager: Path, into: Path) -> Path:
         trace = json.loads(f.read_text())
         for kind, p in trace["kinds"].items():
             if kind in steps:
-                p["optimizer"] = steps[kind]
+                p["optimizer"] = dict(steps[kind])
+            for key in () if phases or "optimizer" not in p else PHASE_FIELDS:
+                p["optimizer"].pop(key, None)
         (into / f.name).write_text(json.dumps(trace))
     return into
 
 
-def predict(rec: dict[str, Any], profile: Path, optimizer_from: str) -> dict[str, Any]:
+def predict(rec: dict[str, Any], profile: Path, optimizer_from: str, phases: bool = False) -> dict[str, Any]:
     folder = profile_folder(rec, profile)
     hw = folder / "hardware.json"
     if not hw.exists():
         hw = profile / "pq" / "hardware.json"
     tmp = Path(tempfile.mkdtemp(prefix="fidelity-"))
     shown = folder
-    if optimizer_from == "eager" and folder.name.endswith("-compiled"):
-        folder = with_eager_optimizer(folder, profile / FOLDER[rec["model"]], tmp / folder.name)
+    eager = profile / FOLDER[rec["model"]] if optimizer_from == "eager" and folder.name.endswith("-compiled") else None
+    folder = prepared(folder, eager, phases, tmp / folder.name)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(rec["policy"], f)
     cmd = [sys.executable, "-m", "tinypipe.cli", "simulate", "--model", rec["model"], "--hardware", str(hw),
@@ -92,7 +102,7 @@ def predict(rec: dict[str, Any], profile: Path, optimizer_from: str) -> dict[str
         Path(f.name).unlink()
         shutil.rmtree(tmp, ignore_errors=True)
     r = json.loads(out.stdout)["results"][0]
-    note = " (its optimizer steps from the eager folder)" if shown != folder else ""
+    note = " (its optimizer steps from the eager folder)" if eager is not None else ""
     cmd[cmd.index("--profile") + 1] = str(shown) + note
     rel = [str(Path(x).relative_to(ROOT)) if x.startswith(str(ROOT)) else x for x in cmd[3:]]
     r["command"] = "tinypipe " + " ".join(rel).replace(f.name, "<the record's policy JSON>")
@@ -107,14 +117,15 @@ def describe(rec: dict[str, Any]) -> str:
             f"{mode}")
 
 
-def rows(profiles: dict[int, Path], records: Path, optimizer_from: str) -> list[dict[str, Any]]:
+def rows(profiles: dict[int, Path], records: Path, optimizer_from: str, phases: bool = False) -> list[dict[str, Any]]:
     out = []
     for rec in fidelity_records(records):
-        profile = profiles.get(rec["gpus"])
+        # the profile taken on the same lent machine as the run, where the record names it
+        profile = ROOT / rec["profile_root"] if "profile_root" in rec else profiles.get(rec["gpus"])
         if profile is None or not profile.exists():
             print(f"{rec['case']}: left out, no profile for {rec['gpus']} GPU(s) ({profile})", file=sys.stderr)
             continue
-        pred = predict(rec, profile, optimizer_from)
+        pred = predict(rec, profile, optimizer_from, phases)
         out.append({"config": describe(rec), "case": rec["case"], "measured_iteration_s": rec["iteration_s"],
                     "warmup_iterations": rec["warmup_iterations"], "predicted_iteration_s": pred["iteration_s"],
                     "measured_peak_gpu_bytes": rec["peak_gpu_bytes"],
@@ -131,10 +142,12 @@ def main() -> int:
     ap.add_argument("--profile-2gpu", default=str(RESULTS / "profile_h200x2_fid"), help="the 2-GPU runs' profile")
     ap.add_argument("--records", default=str(RESULTS / "cuda_h200.jsonl"))
     ap.add_argument("--out", default=str(RESULTS / "fidelity.jsonl"))
-    ap.add_argument("--optimizer-from", choices=("eager", "own"), default="eager",
+    ap.add_argument("--optimizer-from", choices=("eager", "own"), default="own",
                     help="the host optimizer's steps of compiled rows: the eager folder's, or the compiled folder's")
+    ap.add_argument("--phases", action="store_true",
+                    help="keep the optimizer's steps by phase where a profile has them (left out by default)")
     a = ap.parse_args()
-    rs = rows({1: Path(a.profile), 2: Path(a.profile_2gpu)}, Path(a.records), a.optimizer_from)
+    rs = rows({1: Path(a.profile), 2: Path(a.profile_2gpu)}, Path(a.records), a.optimizer_from, a.phases)
     if not rs:
         print(f"error: {a.records}: no `-fid-` records", file=sys.stderr)
         return 2

@@ -41,7 +41,7 @@ def test_compiled_rows_take_the_eager_folders_optimizer_steps(tmp_path: Path) ->
     """Every kind of the compiled copy carries the eager traces' optimizer steps; all else is the compiled
     trace's own."""
     prof = RESULTS / "profile_h200_fid"
-    out = fidelity.with_eager_optimizer(prof / "pq-compiled", prof / "pq", tmp_path / "pq-compiled")
+    out = fidelity.prepared(prof / "pq-compiled", prof / "pq", False, tmp_path / "pq-compiled")
     (orig,) = (prof / "pq-compiled").glob("h200-*.json")
     got = json.loads((out / orig.name).read_text())
     eager = json.loads(next((prof / "pq").glob("h200-*mb4*.json")).read_text())
@@ -60,7 +60,7 @@ def test_the_committed_table_is_what_the_profile_predicts_today() -> None:
     row = next(r for r in rows if r["case"] == "1gpu-preset-fid-qwen3-mb4-compile")
     rec = next(r for r in fidelity.fidelity_records(RESULTS / "cuda_h200.jsonl") if r["case"] == row["case"])
     assert rec["iteration_s"] == row["measured_iteration_s"]
-    pred = fidelity.predict(rec, RESULTS / "profile_h200_fid", "eager")
+    pred = fidelity.predict(rec, ROOT / rec.get("profile_root", "bench/results/profile_h200_fid"), "own")
     assert pred["iteration_s"] == pytest.approx(row["predicted_iteration_s"], rel=0.01)
     assert pred["peak_gpu_bytes"] == pytest.approx(row["predicted_peak_gpu_bytes"], rel=0.01)
 
@@ -105,3 +105,15 @@ def test_the_eager_async_gap_is_the_main_threads_issue(tmp_path: Path) -> None:
     assert c["issue: compute waits for the main thread"] > sum(v for k, v in c.items() if k.startswith("durations"))
     own = got["issue_gap_model"]["this run's gaps"]["predicted_s"]
     assert got["predicted_s"] + 0.2 < own < got["measured_s"]
+
+
+def test_the_steps_by_phase_are_left_out_unless_asked(tmp_path: Path) -> None:
+    """A profile that has the optimizer's steps by phase (2026-12-01 call 3) predicts without them by default
+    (`tinypipe profile` takes them only with --optimizer-phases), with them under `phases`."""
+    folder = RESULTS / "profile_h200_fid2" / "call3" / "pq-compiled"
+    own = json.loads(next(folder.glob("h200-*.json")).read_text())["kinds"]["block"]["optimizer"]
+    assert all(k in own for k in fidelity.PHASE_FIELDS)
+    for phases in (False, True):
+        out = fidelity.prepared(folder, None, phases, tmp_path / str(phases))
+        got = json.loads(next(out.glob("h200-*.json")).read_text())["kinds"]["block"]["optimizer"]
+        assert got == (own if phases else {k: v for k, v in own.items() if k not in fidelity.PHASE_FIELDS})

@@ -5,7 +5,7 @@ Files written into `--out DIR` (made if missing; files of the same names are rep
   unless bf16), the `ProfileTrace` form `tinypipe.trace.load_trace` reads; `simulate`, `search`
   and `run` take it with `--profile DIR`. Unless `--no-optimizer`, each kind carries its host
   optimizer step (optim.py: measured once, beside the largest microbatch's device work, the same
-  in every trace; unless `--no-optimizer-phases`, also beside a loop of the block's FWDs only and
+  in every trace; with `--optimizer-phases`, also beside a loop of the block's FWDs only and
   one of its BWDs only, and the async step alone: `OptimizerProfile.phases_s`); unless `--no-loop`,
   the block carries its recomputing FWD and BWD timed inside the executor's loop, alone and beside a
   stepping host optimizer (looptimes.py: per microbatch size);
@@ -158,7 +158,7 @@ def profile_main(args: argparse.Namespace) -> int:
         # and 26 ms in a compiled one without the loop); the cause is not known.
         if not args.no_optimizer:  # once, beside the largest microbatch's device work, for every trace
             largest = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
-            phases = None if args.no_optimizer_phases else {
+            phases = None if not args.optimizer_phases else {
                 only: DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed, only=only)
                 for only in ("fwd", "bwd")}
             optimizer, steps = measure_optimizer(bench, largest, threads=opt_threads, max_steps=min(args.repeat, 5),

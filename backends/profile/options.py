@@ -32,10 +32,12 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the host optimizer step of each layer kind (alone and beside the device's work, at the "
                         "thread count of one rank of `run`, or --threads); without it the simulator costs the "
                         "optimizer at the host's rate")
-    p.add_argument("--no-optimizer-phases", action="store_true",
-                   help="time the host optimizer step beside a loop of FWDs and BWDs only, not also beside FWDs only "
-                        "and BWDs only and the async step alone; without those the simulator charges a step the "
-                        "same whatever the compute stream runs")
+    p.add_argument("--optimizer-phases", action="store_true",
+                   help="also time the host optimizer step beside a loop of FWDs only and one of BWDs only, and the "
+                        "async step alone (the simulator then runs the step at the rate of what the compute stream "
+                        "runs); off by default: on an H200 (2026-12-01) these did not reproduce a run's steps beside "
+                        "the forward (40-47 ms against ~80 ms for a Qwen3-1.7B block) and made the compiled async "
+                        "prediction worse (-27%% against -18%%)")
     p.add_argument("--no-loop", action="store_true",
                    help="skip timing the block's FWD and BWD inside the executor's loop (alone and beside a stepping "
                         "host optimizer, what the simulator charges a recomputed block); without it the simulator "

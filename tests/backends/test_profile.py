@@ -60,7 +60,7 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]
         with contextlib.redirect_stdout(buf):
             code = cli_main(["profile", "--model", "tiny-llama", "--seq-len", str(SEQ), "--microbatch-size",
                              *map(str, SIZES), "--threads", "1", "--repeat", "3", "--warmup", "1", "--hardware",
-                             str(base), "--out", str(out)])
+                             str(base), "--optimizer-phases", "--out", str(out)])
     assert code == 0
     return out, base, buf.getvalue()
 
@@ -98,7 +98,7 @@ def test_profile_times_each_kinds_optimizer_step(profiled: tuple[Path, Path, str
             assert o is not None and (o.params, o.threads) == (params[kind], 1), kind
             assert set(o.alone_s) == set(o.in_run_s) == {"replicated", "compact"}
             assert min(*o.alone_s.values(), *o.in_run_s.values()) > 0
-            for layout in ("replicated", "compact"):  # by phase too (unless --no-optimizer-phases)
+            for layout in ("replicated", "compact"):  # by phase too (--optimizer-phases)
                 for asynchronous in (False, True):
                     phases = o.phases_s(layout, o.params, asynchronous=asynchronous)
                     assert phases is not None and min(phases) > 0, (kind, layout, asynchronous)
@@ -163,10 +163,10 @@ def test_simulate_charges_the_profiled_steps(profiled: tuple[Path, Path, str]) -
 
 
 def test_profile_without_the_optimizers_phases(tmp_path: Path) -> None:
-    """`--no-optimizer-phases` times the steps alone and beside the mixed loop only (the simulator then charges
-    a step the same whatever runs)."""
+    """Without `--optimizer-phases` the steps are timed alone and beside the mixed loop only (the simulator then
+    charges a step the same whatever runs)."""
     assert cli_main(["profile", "--model", "tiny-llama", "--seq-len", str(SEQ), "--threads", "1", "--repeat", "1",
-                     "--warmup", "0", "--no-rates", "--no-loop", "--no-optimizer-phases", "--out", str(tmp_path)]) == 0
+                     "--warmup", "0", "--no-rates", "--no-loop", "--out", str(tmp_path)]) == 0
     t = load_trace(str(tmp_path / f"cpu-tiny-llama-mb1-seq{SEQ}-fp32.json"))
     for p in t.kinds.values():
         assert p.optimizer is not None and p.optimizer.in_run_s and p.optimizer.async_in_run_s
