@@ -229,10 +229,18 @@ def test_memory_pass_effects() -> None:
     text = {f"{o.kind.value} L{o.layer} g{o.gpu}": ([m.text() for m in o.allocs], [m.text() for m in o.frees])
             for o in ops}
     assert text["FWD L0 g0"] == (["g0:x.L1.m0=10", "g0:a.L0.m0=30", "g0:ws=5"], ["g0:ws=5"])
+    # without recompute the graph keeps L1's weights from its FWD: the EVICT before the BWD frees nothing,
+    # the LOAD after it makes a second copy (wr), freed with the graph at the last BWD, w at the last EVICT
+    order = [(o.kind.value, [m.text() for m in o.allocs], [m.text() for m in o.frees])
+             for o in ops if o.layer == 1 and o.gpu == 1 and o.kind.value in ("LOAD", "EVICT", "FWD", "BWD")]
+    assert [(k, a, f) for k, a, f in order if k in ("LOAD", "EVICT")] == [
+        ("LOAD", ["g1:w.L1=100"], []), ("EVICT", [], []), ("LOAD", ["g1:wr.L1=100"], []),
+        ("EVICT", [], ["g1:w.L1=100"])]
     assert text["BWD L1 g1"] == (["g1:dx.L1.m0=10", "g1:gr.L1=100", "g1:ws=5"],
-                                 ["g1:x.L1.m0=10", "g1:a.L1.m0=30", "g1:ws=5"])
-    assert text["BWD L0 g0"] == (["g0:gr.L0=100", "g0:ws=5"], ["g0:a.L0.m0=30", "g0:dx.L1.m0=10", "g0:ws=5"])
-    assert text["LOAD L0 g0"] == (["g0:w.L0=100"], [])
+                                 ["g1:x.L1.m0=10", "g1:a.L1.m0=30", "g1:ws=5", "g1:wr.L1=100"])
+    assert text["BWD L0 g0"] == (["g0:gr.L0=100", "g0:ws=5"],
+                                 ["g0:a.L0.m0=30", "g0:dx.L1.m0=10", "g0:ws=5", "g0:wr.L0=100"])
+    assert text["LOAD L0 g0"] == (["g0:wr.L0=100"], [])  # the last LOAD of L0: the copy beside the graph's
     assert text["GRAD_OUT L1 g1"] == (["host:gring.L1=200"], ["g1:gr.L1=100"])
     assert text["OPT_STEP L1 g-1"] == ([], ["host:gring.L1=200"])
 

@@ -13,7 +13,8 @@ activations, the input gradient it makes, the output gradient it reads), the mom
 its GPU are:
 
 - its forward's last op: the window, the held layers, M X of the GPU's packs up to s, the output it
-  hands on, and the workspace of its last layer;
+  hands on, and the workspace of its last layer (and graph_w of its earlier packs: the weights the
+  graphs of layers that do not recompute still hold; at the backward's moments those of s too);
 - its backward's first op (one gradient), its first layer's op of microbatch 0 (every gradient of
   s; microbatch 0's X of s gone but the first layer's), and the start of microbatch 1 (every
   gradient; microbatch 0's X of s gone), and its first layer's op of microbatch 1 (microbatch 1's
@@ -120,8 +121,10 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
     """The per-layer byte vectors the terms read (each layer l):
 
     w: weights (and its gradient); pinned_w: w of pinned layers; kept_w: w of kept ones (held from
-    forward to backward; in the window on the GPU's last pack); win / win_n: window weights / 1 of
-    layers neither pinned nor kept, win_last / win_last_n: not pinned (the last pack's forward);
+    forward to backward; in the window on the GPU's last pack); graph_w: w of the other layers that do
+    not recompute (their graph holds the forward's copy until the backward, which loads another);
+    win / win_n: window weights / 1 of layers neither pinned nor kept, win_last / win_last_n: not
+    pinned (the last pack's forward);
     x: input; a: saved activations kept from forward (no recompute); X: x (activations on the GPU)
     + a; T: a backward's transient, workspace + re-created a + dx.L + dx.L+1; Ta: T of a later
     backward (into the gradient accumulator: its workspace is ws.acc); ws: workspace.
@@ -137,6 +140,7 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
         "w": w, "ws": ws, "x": x, "a": a,
         "pinned_w": tuple(w[i] if i in pinned else 0 for i in range(n)),
         "kept_w": tuple(w[i] if i in kept and i not in pinned else 0 for i in range(n)),
+        "graph_w": tuple(0 if redo[i] or held[i] else w[i] for i in range(n)),
         "win": tuple(0 if held[i] else w[i] for i in range(n)),
         "win_n": tuple(0 if held[i] else 1 for i in range(n)),
         "win_last": tuple(0 if i in pinned else w[i] for i in range(n)),
@@ -171,9 +175,11 @@ def moments(mapping: tuple[int, ...], num_gpus: int, microbatches: int, activati
             base = held + (Term(UPTO, i, "X", big_m, gpu=g),)
             out_x = ((Term(FIRST, s + 1, "x", big_m if mapping[s + 1] == g else 1),) if s + 1 < n_packs else ())
             fwd_x = (Term(LAST, s, "x"),) if host else ()
-            out.append(Moment(g, f"forward of pack {s}", base, fwd_x + out_x + (Term(LAST, s, "ws"),), i))
-            anchor = i if i == k - 1 and kept_last and kept_last[g] else 2 * k - 1 - i
-            x_in = (Term(SUM, s, "x"),) if host else ()
+            graph_f = (Term(UPTO, i - 1, "graph_w", gpu=g),) if i else ()  # graphs of the GPU's earlier packs
+            out.append(Moment(g, f"forward of pack {s}", base, graph_f + fwd_x + out_x + (Term(LAST, s, "ws"),), i))
+            turn = i == k - 1 and bool(kept_last) and kept_last[g]  # the last pack kept: not evicted at the turn
+            anchor = i if turn else 2 * k - 1 - i
+            x_in = ((Term(SUM, s, "x"),) if host else ()) + (graph_f if turn else (Term(UPTO, i, "graph_w", gpu=g),))
             gone = (Term(SUM, s, "X", -1),)
             out.append(Moment(g, f"backward of pack {s}, first op", base, x_in + (
                 Term(LAST, s, "w"), Term(LAST, s, "T")), anchor))

@@ -5,6 +5,8 @@ compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass (o
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from tinypipe.compiler.ops import (
     BWD,
     EVICT,
@@ -250,7 +252,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     devs = {g: (HOST if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
     sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
              "gr": plan.weight_bytes, "ws": plan.layer_workspace_bytes,
-             "ws.acc": plan.accumulate_workspace_bytes, "act": plan.input_bytes,
+             "ws.acc": plan.accumulate_workspace_bytes, "wr": plan.weight_bytes, "act": plan.input_bytes,
              "gring": plan.host_grad_bytes}
     n = plan.num_layers
 
@@ -265,8 +267,21 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
 
     compact = plan.host_memory == "compact"
     seen: set[tuple[int, int]] = set()
+    # A layer that keeps its forward's graph (no recompute) keeps its weights with it: its saved tensors
+    # reference them. An EVICT between its FWDs and its BWDs frees nothing, and the LOAD before the BWDs
+    # makes a second copy (wr.L), freed with the graphs at the layer's last BWD of the step; the first
+    # copy (w.L) goes at the EVICT after the BWDs. Measured on an H200 (2026-12-01, Qwen3-1.7B, resident
+    # none, `run --trace-memory`): the tied head's 0.58 GiB twice from its re-LOAD to its BWDs.
+    graphs: set[tuple[int, int]] = set()  # (layer, step): FWDs kept a graph, no BWD yet
+    held: dict[tuple[int, int], int] = {}  # (layer, step) -> 1 when its EVICT kept the weights, 2 once re-LOADed
+    bwds: dict[tuple[int, int], int] = defaultdict(int)
     for op in ops:
         k, g, lay, m = op.kind, op.gpu, op.layer, op.mb
+        if k is FWD and not plan.recomputes(lay):
+            graphs.add((lay, op.it))
+        elif k is BWD:
+            graphs.discard((lay, op.it))
+            bwds[lay, op.it] += 1
         if k is FWD:
             ws = mem(g, "ws", lay)
             op.allocs = mem(g, "x", lay + 1, m) + (() if plan.recomputes(lay) else mem(g, "a", lay, m)) + ws
@@ -285,10 +300,18 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             rec = a if plan.recomputes(lay) else ()
             op.allocs = mem(g, "dx", lay, m) + gr + ws + rec
             op.frees = mem(g, "x", lay, m) + a + mem(g, "dx", lay + 1, m) + ws
+            if bwds[lay, op.it] == plan.microbatches and held.pop((lay, op.it), 0) == 2:
+                op.frees += mem(g, "wr", lay)
         elif k is LOAD:
-            op.allocs = mem(g, "w", lay)
+            reload = held.get((lay, op.it)) == 1
+            if reload:
+                held[lay, op.it] = 2
+            op.allocs = mem(g, "wr" if reload else "w", lay)
         elif k is EVICT:
-            op.frees = mem(g, "w", lay)
+            if (lay, op.it) in graphs:
+                held[lay, op.it] = 1
+            else:
+                op.frees = mem(g, "w", lay)
         elif k.info.is_half:  # the sender frees the buffer it moves (x, or dx for a gradient); the receiver takes it
             moved = mem(g, "dx" if k.info.carries is Carries.GRADIENT else "x", lay, m)
             if k.info.stream == "send":
