@@ -149,15 +149,22 @@ def step_phases(schedule: Schedule, window: Sequence[Record], ids: Sequence[int]
     return np.array(out)
 
 
-def block_phases_s(trace_path: Path) -> tuple[float, float, float]:
-    """The fluid fit of a run's block OPT_STEPs (the steady iterations' and the one before): seconds of a step
-    wholly beside FWDs, BWDs, and neither; a phase no step overlapped takes the BWD phase's."""
+def replayed(trace_path: Path) -> tuple[Any, Any, Any]:
+    """A run trace's replay setup, its schedule recompiled as the run compiled it, and the run's records
+    matched to that schedule's actions (`tinypipe replay`'s steps)."""
     ap = argparse.ArgumentParser()
     add_replay_arguments(ap)
     trace = load_run_trace(trace_path)
     setup = settle(trace, ap.parse_args([str(trace_path)]))
     sched = compile_schedule(setup.policy, setup.model, setup.hardware, setup.profile, iterations=setup.iterations)
     _, window = match_window(sched, trace)
+    return setup, sched, window
+
+
+def block_phases_s(trace_path: Path) -> tuple[float, float, float]:
+    """The fluid fit of a run's block OPT_STEPs (the steady iterations' and the one before): seconds of a step
+    wholly beside FWDs, BWDs, and neither; a phase no step overlapped takes the BWD phase's."""
+    setup, sched, window = replayed(trace_path)
     blocks = [a.id for a in sched.actions if a.kind.value == "OPT_STEP" and setup.model.layers[a.layer].kind.value
               == "block" and WARMUP - 1 <= a.iteration < sched.iterations - 1]
     over = step_phases(sched, window, blocks)
@@ -171,12 +178,7 @@ def issue_gap_means(trace_path: Path) -> dict[str, float]:
     """A run's mean issue gap (s) before a block's FWD / BWD of the steady iterations that followed a FWD / BWD
     on the compute stream and waited for nothing else, keyed `fwd` / `bwd` and `*_beside` (an OPT_STEP was
     running when the previous one ended): what `tinypipe profile` measures as the loop's `*_gap_s`."""
-    ap = argparse.ArgumentParser()
-    add_replay_arguments(ap)
-    trace = load_run_trace(trace_path)
-    setup = settle(trace, ap.parse_args([str(trace_path)]))
-    sched = compile_schedule(setup.policy, setup.model, setup.hardware, setup.profile, iterations=setup.iterations)
-    _, window = match_window(sched, trace)
+    setup, sched, window = replayed(trace_path)
     acts, preds = sched.actions, predecessors(sched.actions)
     steps = sorted((window[a.id].start_s, window[a.id].end_s) for a in acts if a.kind.value == "OPT_STEP")
     gaps: dict[str, list[float]] = defaultdict(list)

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -65,21 +66,28 @@ def test_the_committed_table_is_what_the_profile_predicts_today() -> None:
     assert pred["peak_gpu_bytes"] == pytest.approx(row["predicted_peak_gpu_bytes"], rel=0.01)
 
 
+def _analysed(case: str, tmp_path: Path) -> dict[str, Any]:
+    """bench/async_gap.py's analysis of a first-session row (its trace, its first record), checked against the
+    committed bench/results/async_gap.json (re-run the script after a simulator change moves it)."""
+    import tarfile
+
+    with tarfile.open(RESULTS / "fidelity_h200_traces.tgz") as tar:
+        tar.extract(f"{case}.trace.json", tmp_path, filter="data")
+    records = [json.loads(line) for line in (RESULTS / "cuda_h200.jsonl").read_text().splitlines()]
+    got: dict[str, Any] = async_gap.analyse(case, tmp_path / f"{case}.trace.json",
+                                            next(r for r in records if r["case"] == case))
+    committed = next(c for c in json.loads((RESULTS / "async_gap.json").read_text())["cases"] if c["case"] == case)
+    assert got["causes_s"] == pytest.approx(committed["causes_s"], abs=1e-6)
+    return got
+
+
 def test_the_async_gap_is_what_the_trace_says(tmp_path: Path) -> None:
     """bench/async_gap.py's split of the compiled async Qwen3 row, computed again from the committed trace,
     record and profile, is the committed bench/results/async_gap.json's (re-run the script after a simulator
     change moves it); its causes add up to the row's gap; the block steps issued beside the forward took
     over 1.8 x those while the compute stream waited, and the profile's one time (43 ms) is below both
     the forward's and the backward's; with the step by phase the prediction comes within 5% of the run."""
-    import tarfile
-
-    case = "1gpu-preset-async-fid-qwen3-mb4-compile"
-    with tarfile.open(RESULTS / "fidelity_h200_traces.tgz") as tar:
-        tar.extract(f"{case}.trace.json", tmp_path, filter="data")
-    records = [json.loads(line) for line in (RESULTS / "cuda_h200.jsonl").read_text().splitlines()]
-    got = async_gap.analyse(case, tmp_path / f"{case}.trace.json", next(r for r in records if r["case"] == case))
-    committed = next(c for c in json.loads((RESULTS / "async_gap.json").read_text())["cases"] if c["case"] == case)
-    assert got["causes_s"] == pytest.approx(committed["causes_s"], abs=1e-6)
+    got = _analysed("1gpu-preset-async-fid-qwen3-mb4-compile", tmp_path)
     assert sum(got["causes_s"].values()) == pytest.approx(got["measured_s"] - got["predicted_s"], abs=1e-9)
     phases = got["block_steps_by_phase"]
     assert phases["FWD"]["mean_ms"] > 1.8 * phases["idle"]["mean_ms"]
@@ -92,15 +100,7 @@ def test_the_eager_async_gap_is_the_main_threads_issue(tmp_path: Path) -> None:
     """In the eager async row the compute stream waits for the main thread (most of the gap: more than the
     optimizer's and the durations' shares together), and the prediction with that run's own issue gaps as the
     block's loop gaps moves over 0.2 s of the way to the measurement; the committed JSON agrees."""
-    import tarfile
-
-    case = "1gpu-preset-async-fid-qwen3-mb2-eager"
-    with tarfile.open(RESULTS / "fidelity_h200_traces.tgz") as tar:
-        tar.extract(f"{case}.trace.json", tmp_path, filter="data")
-    records = [json.loads(line) for line in (RESULTS / "cuda_h200.jsonl").read_text().splitlines()]
-    got = async_gap.analyse(case, tmp_path / f"{case}.trace.json", next(r for r in records if r["case"] == case))
-    committed = next(c for c in json.loads((RESULTS / "async_gap.json").read_text())["cases"] if c["case"] == case)
-    assert got["causes_s"] == pytest.approx(committed["causes_s"], abs=1e-6)
+    got = _analysed("1gpu-preset-async-fid-qwen3-mb2-eager", tmp_path)
     c = got["causes_s"]
     assert c["issue: compute waits for the main thread"] > sum(v for k, v in c.items() if k.startswith("durations"))
     own = got["issue_gap_model"]["this run's gaps"]["predicted_s"]
