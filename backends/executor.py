@@ -22,10 +22,11 @@ schedule needs it:
   (ids), so the gate cannot deadlock: the lowest unfinished action can always be issued.
 - EVICT before LOAD: a LOAD is issued only once the device has run the EVICTs it depends on (their end
   markers). The caching allocator hands a freed block back only once every stream that used it has
-  passed it, while a LOAD allocates when the host issues it: a host running ahead held the old and the
-  new weights at once. Qwen3-1.7B under `resident none` (2026-12-01, H200, `run --trace-memory`): the
-  head's EVICT and LOAD back to back at the turn of the iteration held its 0.58 GiB tied matrix twice,
-  0.55 GiB above the schedule's ledger at the run's peak.
+  passed it, while a LOAD allocates when the host issues it: a host running ahead could hold the old
+  and the new weights at once. Measured on an H200 (2026-12-01, Qwen3-1.7B, resident none, search
+  pick 4): peak 10.91 GiB with the wait against 11.01 without (two calls, so within their noise). The
+  head's 0.55 GiB above the ledger there was its graph holding its weights, which no wait frees
+  (tinypipe.compiler.passes.memory_pass counts that).
 
 Every action is timed into `tinypipe.timeline.Record`s (the streams' markers; the host clock for
 OPT_STEP), the schedule's memory effects are applied to a `tinypipe.ledger.Ledger` (allocs when an action is
