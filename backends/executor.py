@@ -198,13 +198,14 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
             in_flight.popleft()
         return len(in_flight)
 
-    freeing: set[int] = set()  # LOADs held back this pass until the device has run the EVICTs they follow
+    freeing = False  # a LOAD was held back this pass until the device has run the EVICTs it follows
 
     def ready(a: Action) -> bool:
+        nonlocal freeing
         if not all(d in available for d in needs[a.id]):
             return False
         if a.kind == Kind.LOAD and not all(streams.done(d) for d in evicts[a.id]):
-            freeing.add(a.id)
+            freeing = True
             return False
         if a.kind.info.stream == "recv" and compute and compute[0].id < a.id:
             return False  # posted no earlier than its place in the schedule: see "RECV gate" in the module docstring
@@ -233,7 +234,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                     del on_host[aid]
                     finish(a)
                     progressed = True
-            freeing.clear()
+            freeing = False
             heads = [q[0] for r, q in queues.items() if r not in running and ready(q[0])]
             if not heads:
                 if not (running or on_host or freeing or computing() or (carry is not None and carry.steps)):

@@ -78,6 +78,7 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
     gpu_node = [g.name for g in hardware.gpus]
     gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
     profiles = {}
+    computes: dict[tuple[int, bool], tuple[int, Any]] = {}  # (layer, forward) -> its mode and cost, made once
     opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
     opt_phases = [optimizer_step_phases_s(layer, schedule.host_memory, trace, optimizer=schedule.optimizer)
                   for layer in model.layers]
@@ -114,12 +115,16 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
             p = profiles[a.layer]
             if k.info.direction is Direction.NONE:
                 raise ScheduleError(f"`{a}` (action {a.id}): compute kind {k.value} is neither forward nor backward")
-            forward, redo = k.info.direction is Direction.FORWARD, schedule.recomputes(a.layer)
-            alone, beside = p.compute_s(forward, redo), p.compute_s(forward, redo, beside_optimizer=True)
-            gaps = p.issue_gap_s(forward, redo), p.issue_gap_s(forward, redo, beside_optimizer=True)
-            timed = alone == beside and not any(gaps)
-            mode.append(TIMED if timed else LOOP)
-            cost.append(alone if timed else (alone, beside, *gaps))
+            forward = k.info.direction is Direction.FORWARD
+            got = computes.get((a.layer, forward))
+            if got is None:
+                redo = schedule.recomputes(a.layer)
+                alone, beside = p.compute_s(forward, redo), p.compute_s(forward, redo, beside_optimizer=True)
+                gaps = p.issue_gap_s(forward, redo), p.issue_gap_s(forward, redo, beside_optimizer=True)
+                timed = alone == beside and not any(gaps)
+                got = computes[a.layer, forward] = (TIMED, alone) if timed else (LOOP, (alone, beside, *gaps))
+            mode.append(got[0])
+            cost.append(got[1])
         elif c is Cost.FREE:
             mode.append(TIMED)
             cost.append(0.0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tinypipe.hardware import Host
 from tinypipe.model import DTYPE_BYTES, LayerSpec, ModelSpec
-from tinypipe.optimprofile import StepPhases
+from tinypipe.optimprofile import OptimizerProfile, StepPhases
 from tinypipe.policy.modes import HostLayout, OptimizerMode
 from tinypipe.trace import ProfileTrace
 
@@ -121,10 +121,9 @@ def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: Pr
     read (compact: a copy of the high plane; replicated: the upload copy refreshed first); a trace that
     measured that step (`OptimizerProfile.async_in_run_s`) gives its time, else the sync one: on the H200
     the kept copy made a Qwen3-1.7B block's step 1.43x slower (2026-12-01)."""
-    kind = trace.kinds.get(layer.kind.value) if trace is not None else None
-    measured = (kind.optimizer.step_s(layout, layer.params, asynchronous=optimizer == "async")
-                if kind is not None and kind.optimizer else None)
-    return measured if measured is not None else layer.params * optimizer_s_per_param(host, layout)
+    measured = _measured(layer, trace)
+    t = measured.step_s(layout, layer.params, asynchronous=optimizer == "async") if measured else None
+    return t if t is not None else layer.params * optimizer_s_per_param(host, layout)
 
 
 def optimizer_step_phases_s(layer: LayerSpec, layout: HostLayout, trace: ProfileTrace | None = None, *,
@@ -132,10 +131,14 @@ def optimizer_step_phases_s(layer: LayerSpec, layout: HostLayout, trace: Profile
     """Seconds of one OPT_STEP of `layer` by what its rank's main thread does meanwhile (the compute stream
     waits / it issues FWDs / BWDs), when `trace` measured them for the layer's kind, layout and mode
     (`OptimizerProfile.phases_s`), else None: the simulator then charges `optimizer_step_s` whatever runs."""
+    measured = _measured(layer, trace)
+    return measured.phases_s(layout, layer.params, asynchronous=optimizer == "async") if measured else None
+
+
+def _measured(layer: LayerSpec, trace: ProfileTrace | None) -> OptimizerProfile | None:
+    """The optimizer step `trace` measured for `layer`'s kind, if any."""
     kind = trace.kinds.get(layer.kind.value) if trace is not None else None
-    if kind is None or kind.optimizer is None:
-        return None
-    return kind.optimizer.phases_s(layout, layer.params, asynchronous=optimizer == "async")
+    return kind.optimizer if kind is not None else None
 
 
 def optimizer_steps_s(model: ModelSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None, *,
