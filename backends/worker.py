@@ -138,6 +138,18 @@ def _progress(job: Job, step: int, loss: float | None, started: float, done_step
     sys.stderr.flush()
 
 
+def _host_knobs() -> None:
+    """A/B knobs of the host side for experiments on a GPU machine (bench/device/host_ab.sh), from the
+    environment: TINYPIPE_GIL_SWITCH_S (`sys.setswitchinterval`, Python's 5 ms by default) and
+    TINYPIPE_THREADS (torch intra-op threads, instead of the rank's share). Unset: nothing changes."""
+    switch = os.environ.get("TINYPIPE_GIL_SWITCH_S")
+    if switch:
+        sys.setswitchinterval(float(switch))
+    threads = os.environ.get("TINYPIPE_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
 def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
                stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
     """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
@@ -150,6 +162,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     if sched.num_gpus != world:
         raise ExecutionError(f"the schedule is for {sched.num_gpus} GPUs, this run has {world} ranks")
     device = torch.device("cuda", local_rank) if job.backend == "cuda" else torch.device("cpu")
+    _host_knobs()
     if device.type == "cuda" and job.gpu_mem_bytes is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_mem_bytes / total), device)

@@ -1,5 +1,6 @@
 # On a lent H200 machine, from the repository root (carry .whl):
-#   DEADLINE_S=560 [STEPS=8] [GPUS=N] [PROFILES=DIR] [MORE_PROFILES=DIR] [MODELS="qwen3 llama"] [RANK=N] bash bench/device/fidelity_h200.sh RUN...
+#   DEADLINE_S=560 [STEPS=8] [GPUS=N] [PROFILES=DIR] [MORE_PROFILES=DIR] [MODELS="qwen3 llama"] [RANK=N]
+#   [CONTENTION="OPTIONS"] bash bench/device/fidelity_h200.sh RUN...
 # Issue 10's fidelity campaign: profile once, then run every configuration planned from that profile.
 # GPUS (default 1): the machine's GPUs; the profile's hardware.json is the h200xGPUS preset with the
 # measured rates, and the host optimizer is timed at one rank's threads (cores / GPUS - 1).
@@ -11,12 +12,14 @@
 #    profiler's GPU test (NO_TEST=1: not). With RANK=N, bench/search_rank.py pick: the first N distinct candidates of
 #    `tinypipe search --gpu-mem 24GiB` for Qwen3-1.7B on this profile (compiled, pq's hardware.json),
 #    as $OUT/rank/rank-K.json, which a RUN names as its POLICY.
-# 2. Each RUN = MODEL:CASE:MB:MODE[:POLICY] runs bench/cuda_bench.py's CASE (65,536 tokens per step,
+# With CONTENTION, bench/host_contention.py OPTIONS runs after the profiles ($OUT/host_contention.json).
+# 2. Each RUN = MODEL:CASE:MB:MODE[:POLICY[:ENV]] runs bench/cuda_bench.py's CASE (65,536 tokens per step,
 #    --gpu-mem 24GiB) on MODEL (qwen3-1.7b or llama-3.1-8b) at MB sequences per microbatch, MODE
 #    compile or eager (+peaks: with `run --trace-memory`, labelled -mem- instead of -fid-, so that
 #    bench/fidelity.py leaves its perturbed timing out), with POLICY (a file in $OUT/rank/, else under bench/policies/) instead of the case's policy when
 #    given (a path with a / is taken from the repository root); planned with the profile of step 1 that matches (pq / pq-compiled / pl / pl-compiled) and
-#    its hardware.json (MORE_PROFILES: where a folder this call did not make is found), appended to $OUT/cuda_h200.jsonl with its trace. A run that would pass
+#    its hardware.json (MORE_PROFILES: where a folder this call did not make is found), appended to $OUT/cuda_h200.jsonl with its trace. ENV: VAR=VALUE[,VAR=VALUE] set for that run only (an A/B run, labelled -ab-...-VAR_VALUE,
+#    which bench/fidelity.py leaves out; backends/worker.py _host_knobs reads TINYPIPE_GIL_SWITCH_S and TINYPIPE_THREADS). A run that would pass
 #    DEADLINE_S is skipped.
 # What comes back (at most 8 files): log.txt, cuda_h200.jsonl, and results.tgz with the profile folders
 # and the runs' traces.
@@ -55,12 +58,18 @@ else
   [ -z "$NO_TEST" ] && timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$ROOT" "$ROOT/tests/backends/test_profile.py" \
     "$ROOT/tests/backends/test_profile_optim.py" -k cuda 2>&1 | tail -2 | tee -a "$OUT/log.txt"
 fi
+if [ -n "$CONTENTION" ]; then  # bench/host_contention.py first, with these options (e.g. "--steps 5")
+  t0=$(date +%s)
+  (cd "$ROOT/bench" && timeout 200 python3 host_contention.py $CONTENTION --out host_contention.json) 2>&1 | tee -a "$OUT/log.txt" | tail -20
+  cp "$ROOT/bench/results/host_contention.json" "$OUT/" 2>/dev/null
+  echo "host_contention: $(( $(date +%s) - t0 )) s"
+fi
 if [ -n "$RANK" ]; then
   python3 "$ROOT/bench/search_rank.py" pick --model qwen3-1.7b --hardware "$P/pq-compiled/hardware.json" \
     --profile "$P/pq-compiled" --n "$RANK" --out "$OUT/rank" 2>&1 | tee -a "$OUT/log.txt"
 fi
 for spec in "$@"; do
-  IFS=: read -r model case mb mode policy <<<"$spec"
+  IFS=: read -r model case mb mode policy envs <<<"$spec"
   short=${model%%-*}; p=p${short:0:1}; flag=(--no-compile)
   [ "$short" = llama ] && p=pl
   [ "$short" = qwen3 ] && p=pq
@@ -68,6 +77,11 @@ for spec in "$@"; do
   peaks=(); tag=fid
   case "$mode" in *+peaks) mode=${mode%+peaks}; peaks=(--trace-memory); tag=mem;; esac
   label="-$tag-$short-mb$mb-$mode"
+  knobs=()
+  if [ -n "$envs" ]; then  # an A/B run: labelled -ab-, which bench/fidelity.py leaves out
+    IFS=, read -ra knobs <<<"$envs"
+    label="${label/-$tag-/-ab-}-$(echo "$envs" | tr -c 'A-Za-z0-9.\n' _ | sed 's/TINYPIPE_//g')"
+  fi
   pol=()
   if [ -n "$policy" ]; then
     f="$ROOT/bench/policies/$policy"; [ -f "$OUT/rank/$policy" ] && f="$OUT/rank/$policy"
@@ -77,7 +91,7 @@ for spec in "$@"; do
   pp="$P/$p"; [ -d "$pp" ] || pp="$ROOT/$MORE_PROFILES/$p"  # a model not profiled in this call
   need=$([ "$short" = llama ] && echo 230 || echo 90)
   if [ "$(left)" -lt "$need" ]; then echo "$spec: skipped, $(left) s left"; continue; fi
-  timeout -k 10 $(( $(left) - 5 )) python3 "$ROOT/bench/cuda_bench.py" --model "$model" --cases "$case" \
+  env "${knobs[@]}" timeout -k 10 $(( $(left) - 5 )) python3 "$ROOT/bench/cuda_bench.py" --model "$model" --cases "$case" \
     --label="$label" --steps "${STEPS:-8}" --trace-dir "$OUT" --out "$OUT/cuda_h200.jsonl" \
     --extra --microbatch-size "$mb" --profile "$pp" --hardware "$pp/hardware.json" "${flag[@]}" "${pol[@]}" "${peaks[@]}" \
     >>"$OUT/log.txt" 2>&1
