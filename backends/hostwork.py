@@ -11,10 +11,41 @@ cores the rank gets) parallelise each step.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
+
+import torch
+
+# Python's GIL switch interval while a rank runs, and while `tinypipe profile` times what a run does.
+# The worker releases the GIL inside every torch op of a step (a Qwen3-1.7B block's step is ~150 of
+# them) and must take it back from the thread that issues the device's work; a thread that wants the
+# GIL waits up to the switch interval before the holder is made to drop it, and Python's default is
+# 5 ms. Measured on one H200 (2026-12-01, Qwen3-1.7B, async optimizer, 65,536 tokens per step, the same
+# machine and profile; bench/results/host_ab_h200.md): eager 2 x 2048 ran 13,596 tokens/s at 5 ms and
+# 16,545 at 0.2 ms (x1.22), compiled 4 x 2048 27,843 and 28,992 (x1.04).
+GIL_SWITCH_S = 2e-4
+
+
+@contextmanager
+def host_settings() -> Iterator[None]:
+    """The rank's host settings for the block, the previous ones after: the GIL switch interval
+    (GIL_SWITCH_S, or TINYPIPE_GIL_SWITCH_S from the environment) and, where TINYPIPE_THREADS is set,
+    torch's intra-op threads instead of the rank's share (the two environment variables are A/B knobs:
+    bench/device/fidelity_h200.sh's RUN ENV)."""
+    switch, threads = sys.getswitchinterval(), torch.get_num_threads()
+    sys.setswitchinterval(float(os.environ.get("TINYPIPE_GIL_SWITCH_S") or GIL_SWITCH_S))
+    if os.environ.get("TINYPIPE_THREADS"):
+        torch.set_num_threads(int(os.environ["TINYPIPE_THREADS"]))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(switch)
+        torch.set_num_threads(threads)
 
 
 class HostWorker:

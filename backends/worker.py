@@ -33,7 +33,7 @@ from .executor import Carried, RunLog, run_actions
 from .groups import DistGroup, Group
 from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
-from .hostwork import HostWorker
+from .hostwork import HostWorker, host_settings
 from .interpreter import ExecutionError, Interpreter, StepData, owned_layers, rank_actions
 from .pinned import registered_bytes, torch_pinned_peak_bytes
 
@@ -138,21 +138,15 @@ def _progress(job: Job, step: int, loss: float | None, started: float, done_step
     sys.stderr.flush()
 
 
-def _host_knobs() -> None:
-    """A/B knobs of the host side for experiments on a GPU machine (bench/device/host_ab.sh), from the
-    environment: TINYPIPE_GIL_SWITCH_S (`sys.setswitchinterval`, Python's 5 ms by default) and
-    TINYPIPE_THREADS (torch intra-op threads, instead of the rank's share). Unset: nothing changes."""
-    switch = os.environ.get("TINYPIPE_GIL_SWITCH_S")
-    if switch:
-        sys.setswitchinterval(float(switch))
-    threads = os.environ.get("TINYPIPE_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-
-
 def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
                stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
     """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
+    with host_settings():
+        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank)
+
+
+def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
+                stop: threading.Event | None, local_rank: int) -> RankResult:
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
     from .hf import build_model
@@ -162,7 +156,6 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     if sched.num_gpus != world:
         raise ExecutionError(f"the schedule is for {sched.num_gpus} GPUs, this run has {world} ranks")
     device = torch.device("cuda", local_rank) if job.backend == "cuda" else torch.device("cpu")
-    _host_knobs()
     if device.type == "cuda" and job.gpu_mem_bytes is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_mem_bytes / total), device)

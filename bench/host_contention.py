@@ -34,10 +34,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
-from _common import machine, write_json
+from _common import write_json
 from tinypipe.backends.hostlayouts import make_host_state
 from tinypipe.backends.hoststate import AdamWConfig, HostState
 from tinypipe.backends.hostwork import HostWorker
@@ -104,10 +105,14 @@ def beside(kind: str, device: torch.device) -> Iterator[None]:
 
 
 def time_steps(state: HostState, worker: HostWorker, layers: list[int], grads: dict[str, torch.Tensor], *,
-               steps: int, keep_previous: bool) -> list[float]:
-    """`steps` timed steps, layer `layers[k % len(layers)]` at the k-th, each after its gradients' delivery."""
-    out = []
+               steps: int, keep_previous: bool, budget_s: float = float("inf")) -> list[float]:
+    """`steps` timed steps (fewer, at least one, once `budget_s` has passed), layer `layers[k % len(layers)]`
+    at the k-th, each after its gradients' delivery."""
+    out: list[float] = []
+    start = time.perf_counter()
     for k in range(steps):
+        if out and time.perf_counter() - start > budget_s:
+            break
         layer = layers[k % len(layers)]
         fut = worker.submit(lambda layer=layer: state.receive_grads(layer, grads),
                             lambda layer=layer: state.step(layer, keep_previous=keep_previous))
@@ -128,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="default: cores - 1, and half the cores")
     ap.add_argument("--switch", type=float, nargs="+", default=[0.005, 0.0002])
     ap.add_argument("--beside", nargs="+", default=list(BESIDES), choices=BESIDES)
+    ap.add_argument("--cell-s", type=float, default=2.0, help="a cell stops timing after this long (at least one step)")
     ap.add_argument("--out", default="host_contention.json")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -150,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     time_steps(state, worker, list(range(a.layers)), grads, steps=a.layers, keep_previous=True)  # warm-up
     before_switch, before_threads = sys.getswitchinterval(), torch.get_num_threads()
     cells: list[dict[str, Any]] = []
+    print(f"\n{'switch ms':>9} {'thr':>4} {'mode':>6} {'layers':>6} " + " ".join(f"{b:>14}" for b in besides))
+
+    def save() -> Path:
+        return write_json(a.out, {"command": "python bench/host_contention.py " + " ".join(argv or sys.argv[1:]),
+                                  "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+                                  "params_per_layer": params, "layers": a.layers, "cells": cells})
+
     try:
         for switch in a.switch:
             sys.setswitchinterval(switch)
@@ -158,29 +171,30 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in ("sync", "async"):
                     for which in ("one", "cycle"):
                         layers = [0] if which == "one" else list(range(a.layers))
+                        row = []
                         for side in besides:
                             with beside(side, device):
                                 got = time_steps(state, worker, layers, grads, steps=a.steps,
-                                                 keep_previous=mode == "async")
-                            cells.append({"switch_s": switch, "threads": th, "mode": mode, "layers": which,
-                                          "beside": side, "steps_s": got, "median_ms": statistics.median(got) * 1e3})
+                                                 keep_previous=mode == "async", budget_s=a.cell_s)
+                            row.append({"switch_s": switch, "threads": th, "mode": mode, "layers": which,
+                                        "beside": side, "steps_s": got, "median_ms": statistics.median(got) * 1e3})
+                        cells.extend(row)
+                        print_row(row)
+                        save()  # a call cut short keeps the rows done
     finally:
         sys.setswitchinterval(before_switch)
         torch.set_num_threads(before_threads)
         worker.close()
-    print(f"\n{'switch ms':>9} {'thr':>4} {'mode':>6} {'layers':>6} " + " ".join(f"{b:>14}" for b in besides))
-    for k in range(0, len(cells), len(besides)):
-        row = cells[k:k + len(besides)]
-        base = row[0]["median_ms"] if row[0]["beside"] == "none" else None
-        c = row[0]
-        text = " ".join(f"{r['median_ms']:7.1f}" + (f" x{r['median_ms'] / base:4.2f}" if base else "      ")
-                        for r in row)
-        print(f"{c['switch_s'] * 1e3:9.2f} {c['threads']:4d} {c['mode']:>6} {c['layers']:>6} {text}")
-    path = write_json(a.out, {"command": "python bench/host_contention.py " + " ".join(argv or sys.argv[1:]),
-                              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "params_per_layer": params,
-                              "layers": a.layers, "cells": cells, "machine_detail": machine()})
-    print(f"\nwrote {path}")
+    print(f"\nwrote {save()}")
     return 0
+
+
+def print_row(row: list[dict[str, Any]]) -> None:
+    """One table row: each side work's median ms, and its ratio to the row's `none` cell."""
+    base = row[0]["median_ms"] if row[0]["beside"] == "none" else None
+    c = row[0]
+    text = " ".join(f"{r['median_ms']:7.1f}" + (f" x{r['median_ms'] / base:4.2f}" if base else "      ") for r in row)
+    print(f"{c['switch_s'] * 1e3:9.2f} {c['threads']:4d} {c['mode']:>6} {c['layers']:>6} {text}", flush=True)
 
 
 if __name__ == "__main__":

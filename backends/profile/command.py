@@ -36,6 +36,7 @@ from tinypipe.outputs import check_dir
 from tinypipe.progress import Progress
 from tinypipe.trace import ProfileTrace
 
+from ..hostwork import host_settings
 from ..settings import SEED_LIMIT, rank_threads
 from .devloop import DeviceLoop
 from .layers import KindMeasurement, LayerBench, profile_trace
@@ -112,6 +113,11 @@ def _check(args: argparse.Namespace) -> None:
 
 def profile_main(args: argparse.Namespace) -> int:
     """The `tinypipe profile` command (options: tinypipe.cli); returns the exit code."""
+    with host_settings():  # the GIL switch interval a run has (the threads are set per measurement)
+        return _profile(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
     from ..hf import load_source
 
     _check(args)

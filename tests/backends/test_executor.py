@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import compiled, job  # noqa: E402
-from tinypipe.backends.hostwork import HostWorker  # noqa: E402
+from tinypipe.backends.hostwork import GIL_SWITCH_S, HostWorker, host_settings  # noqa: E402
 from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.backends.streams import CpuStreams, make_streams  # noqa: E402
 
@@ -73,6 +73,27 @@ def test_host_worker_runs_in_order_and_times_the_work() -> None:
         bad.result()
     w.close()
     assert out == ["wait0", "run0", "wait1", "run1", "wait2", "run2"]
+
+
+def test_host_settings_set_the_switch_interval_and_restore_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank runs at GIL_SWITCH_S (the environment may override it, and the thread count), and the
+    process's own settings come back after, also when the body fails."""
+    import sys
+
+    before, threads = sys.getswitchinterval(), torch.get_num_threads()
+    monkeypatch.delenv("TINYPIPE_GIL_SWITCH_S", raising=False)
+    monkeypatch.delenv("TINYPIPE_THREADS", raising=False)
+    with host_settings():
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S)
+        assert torch.get_num_threads() == threads
+    assert sys.getswitchinterval() == before
+    monkeypatch.setenv("TINYPIPE_GIL_SWITCH_S", "0.003")
+    monkeypatch.setenv("TINYPIPE_THREADS", "1")
+    with pytest.raises(RuntimeError), host_settings():
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("the body failed")
+    assert sys.getswitchinterval() == before and torch.get_num_threads() == threads
 
 
 def test_cpu_streams_complete_at_once_and_time_the_body() -> None:
