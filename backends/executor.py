@@ -120,6 +120,9 @@ class RunLog:
     # allocations, made when it is issued, whatever the streams do later)
     peaks: list[tuple[float, int, int]] = field(default_factory=list)
     reserved_peak: int = 0  # the allocator's reserved bytes at most, over the same reads
+    # (record id, start, end) on the host clock of each device action's issue by this thread: its handler
+    # dispatching the work (an eager layer's kernels are launched here; the device may wait for them)
+    issue: list[tuple[int, float, float]] = field(default_factory=list)
 
     def extend(self, other: RunLog) -> None:
         self.records += other.records
@@ -129,6 +132,7 @@ class RunLog:
         self.losses.update(other.losses)
         self.issued += other.issued
         self.peaks += other.peaks
+        self.issue += other.issue
         self.reserved_peak = max(self.reserved_peak, other.reserved_peak)
 
 
@@ -267,10 +271,12 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                                     functools.partial(interp.dispatch, a, step))
                 on_host[a.id] = (a, fut)
             else:
+                t_issue = time.perf_counter()
                 with streams.issuing(a.resource, a.id, (d for d in a.deps if d in by_id)):
                     started = streams.settle(interp.dispatch(a, step))
                     if started is None:
                         streams.mark_end(a.id)
+                log.issue.append((a.id + shift * id_stride, t_issue, time.perf_counter()))
                 if memory:
                     got = streams.take_peak()
                     if got is not None:

@@ -131,7 +131,8 @@ def run_main(args: argparse.Namespace) -> int:
     trace_error = None
     if args.trace:
         try:
-            timeline(plan, results).save_chrome_trace(args.trace, other_data=trace_data(plan, results))
+            timeline(plan, results).save_chrome_trace(args.trace, other_data=trace_data(plan, results),
+                                                      issue={f"g{res.rank}": res.issue for res in results})
         except OSError as exc:
             trace_error = f"--trace {args.trace}: cannot write ({exc.strerror or exc}); the run itself is complete"
     print(summary(plan, results, before, after, trace_path=None if trace_error else args.trace))

@@ -98,6 +98,7 @@ class RankResult:
     masters: dict[int, dict[str, torch.Tensor]] | None = None
     issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
     peaks: list[tuple[float, int, int]] = field(default_factory=list)  # RunLog.peaks (CUDA with Job.trace_memory)
+    issue: list[tuple[int, float, float]] = field(default_factory=list)  # RunLog.issue: the main thread's issue spans
     # host RSS at points of the rank's life: phase -> (resident now, peak so far), bytes
     rss_phases: dict[str, tuple[int, int]] = field(default_factory=dict)
     # most pinned host bytes held at once: the slabs this rank registered with CUDA, and PyTorch's pinned
@@ -263,7 +264,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
         peak_reserved_bytes=max(int(stats.get("reserved_bytes.all.peak", 0)), log.reserved_peak),
         alloc_retries=int(stats.get("num_alloc_retries", 0)),
-        masters=host.masters() if job.keep_masters else None, issued=log.issued, peaks=log.peaks,
+        masters=host.masters() if job.keep_masters else None, issued=log.issued, peaks=log.peaks, issue=log.issue,
         pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()})
 
 

@@ -47,6 +47,11 @@ class LoopTimes:
     recompute_bwd_gap_s: float = 0.0
     fwd_gap_beside_optimizer_s: float = 0.0
     recompute_bwd_gap_beside_optimizer_s: float = 0.0
+    # the main thread's time issuing a FWD / BWD (its handler, from the executor's `RunLog.issue`; 0: not measured)
+    fwd_issue_s: float = 0.0
+    recompute_bwd_issue_s: float = 0.0
+    fwd_issue_beside_optimizer_s: float = 0.0
+    recompute_bwd_issue_beside_optimizer_s: float = 0.0
 
     def compute_s(self, forward: bool, beside_optimizer: bool) -> float:
         """The FWD's or the BWD's time, alone or beside a running optimizer step."""
@@ -60,9 +65,15 @@ class LoopTimes:
             return self.fwd_gap_beside_optimizer_s if beside_optimizer else self.fwd_gap_s
         return self.recompute_bwd_gap_beside_optimizer_s if beside_optimizer else self.recompute_bwd_gap_s
 
+    def issue_s(self, forward: bool, beside_optimizer: bool) -> float:
+        """The main thread's time issuing a FWD or BWD, alone or beside a running optimizer step (0: not measured)."""
+        if forward:
+            return self.fwd_issue_beside_optimizer_s if beside_optimizer else self.fwd_issue_s
+        return self.recompute_bwd_issue_beside_optimizer_s if beside_optimizer else self.recompute_bwd_issue_s
+
     def scaled(self, factor: float) -> LoopTimes:
-        """Every time times `factor` (linear in tokens, as `KindProfile.scaled`); the issue gaps, the host's
-        time between two actions, kept."""
+        """Every time times `factor` (linear in tokens, as `KindProfile.scaled`); the issue gaps and issue
+        times, the host's time between and inside two actions' issue, kept."""
         return replace(self, **{k: getattr(self, k) * factor for k in COMPUTE_FIELDS})
 
     def to_json(self) -> dict[str, Any]:
@@ -71,8 +82,10 @@ class LoopTimes:
     @classmethod
     def from_json(cls, f: Fields) -> LoopTimes:
         return cls(**{k: f.float(k, positive=True) for k in COMPUTE_FIELDS},
-                   **{k: f.float(k, 0.0, minimum=0.0) for k in GAP_FIELDS})
+                   **{k: f.float(k, 0.0, minimum=0.0) for k in (*GAP_FIELDS, *ISSUE_FIELDS)})
 
 
 COMPUTE_FIELDS = ("fwd_s", "recompute_bwd_s", "fwd_beside_optimizer_s", "recompute_bwd_beside_optimizer_s")
 GAP_FIELDS = ("fwd_gap_s", "recompute_bwd_gap_s", "fwd_gap_beside_optimizer_s", "recompute_bwd_gap_beside_optimizer_s")
+ISSUE_FIELDS = ("fwd_issue_s", "recompute_bwd_issue_s", "fwd_issue_beside_optimizer_s",
+                "recompute_bwd_issue_beside_optimizer_s")

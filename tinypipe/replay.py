@@ -48,7 +48,7 @@ from tinypipe.kinds import recorded_as
 from tinypipe.order import run_lanes
 from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.timeline import FORMAT as TIMELINE_FORMAT
-from tinypipe.timeline import Record, Timeline
+from tinypipe.timeline import ISSUE_CAT, Record, Timeline
 
 # How much earlier than a dependency's end a record may start and still count as after it: the host
 # clock (OPT_STEP) and the CUDA events of a rank are aligned once per window; the committed H200
@@ -104,8 +104,8 @@ def load_run_trace(path: str | Path) -> RunTrace:
             threads[(e.get("pid"), e.get("tid"))] = str((e.get("args") or {}).get("name"))
     records = []
     for n, e in enumerate(events):
-        if not isinstance(e, dict) or e.get("ph") != "X":
-            continue
+        if not isinstance(e, dict) or e.get("ph") != "X" or e.get("cat") == ISSUE_CAT:
+            continue  # not an action: metadata, or the main thread's issue spans
         args = e.get("args") or {}
         try:
             res = threads[(e.get("pid"), e.get("tid"))]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,6 +29,8 @@ from tinypipe.units import MIB
 
 FORMAT = "tinypipe.timeline/1"
 STREAM_ORDER = (*GPU_STREAMS, "optim")
+ISSUE_CAT = "ISSUE"  # a Chrome trace's events of the main thread's issue spans (`Timeline.to_chrome_trace`)
+ISSUE_TID = 90  # their thread ids: ISSUE_TID + n, below the extra streams' 100+
 
 
 def steady_state(iteration_times_s: list[float]) -> float:
@@ -146,11 +148,15 @@ class Timeline:
         return {d: max((b for _, b in s), default=0) for d, s in self.memory.items()}
 
     # ---- Chrome trace ----------------------------------------------------------------------------
-    def to_chrome_trace(self, other_data: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def to_chrome_trace(self, other_data: Mapping[str, Any] | None = None,
+                        issue: Mapping[str, Sequence[tuple[int, float, float]]] | None = None) -> dict[str, Any]:
         """Chrome trace JSON (Perfetto, chrome://tracing): pid per device, tid per stream, times in µs.
 
         `otherData` holds the source and `meta`, then `other_data` (a real run adds what `tinypipe
-        replay` needs to recompile its schedule, under "run")."""
+        replay` needs to recompile its schedule, under "run"). `issue`: per device, (record id, start,
+        end) of each action's issue by the rank's main thread (a real run's `RunLog.issue`), drawn on
+        the device's thread `<device>.issue` as events of cat ISSUE_CAT named as the action (readers of
+        the actions skip them: `tinypipe.replay`)."""
         devices = sorted({r.device for r in self.records} | set(self.memory),
                          key=lambda d: resource_sort_key(d + "."))
         pid = {d: i for i, d in enumerate(devices)}
@@ -176,6 +182,15 @@ class Timeline:
                 args["microbatch"] = r.microbatch
             events.append({"ph": "X", "name": r.label, "cat": r.kind, "pid": pid[r.device], "tid": tids[r.resource],
                            "ts": (r.start_s - t0) * 1e6, "dur": (r.end_s - r.start_s) * 1e6, "args": args})
+        labels = {r.id: r.label for r in self.records}
+        for n, (d, spans) in enumerate(sorted((issue or {}).items())):
+            if d not in pid or not spans:
+                continue
+            tid = ISSUE_TID + n
+            events += [{"ph": "M", "name": "thread_name", "pid": pid[d], "tid": tid, "args": {"name": f"{d}.issue"}},
+                       {"ph": "M", "name": "thread_sort_index", "pid": pid[d], "tid": tid, "args": {"sort_index": 0}}]
+            events += [{"ph": "X", "name": labels.get(rid, str(rid)), "cat": ISSUE_CAT, "pid": pid[d], "tid": tid,
+                        "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6, "args": {"id": rid}} for rid, a, b in spans]
         for d, samples in self.memory.items():
             for t, b in samples:
                 events.append({"ph": "C", "name": "memory", "pid": pid[d], "tid": 0,
@@ -183,8 +198,9 @@ class Timeline:
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"source": self.source, **self.meta, **(other_data or {})}}
 
-    def save_chrome_trace(self, path: str | Path, other_data: Mapping[str, Any] | None = None) -> None:
-        Path(path).write_text(json.dumps(self.to_chrome_trace(other_data)), encoding="utf-8")
+    def save_chrome_trace(self, path: str | Path, other_data: Mapping[str, Any] | None = None,
+                          issue: Mapping[str, Sequence[tuple[int, float, float]]] | None = None) -> None:
+        Path(path).write_text(json.dumps(self.to_chrome_trace(other_data, issue)), encoding="utf-8")
 
     # ---- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

@@ -246,15 +246,18 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
     rows = [[t.microbatch_size, o.fwd_s * 1e3, o.recompute_bwd_s * 1e3, o.fwd_beside_optimizer_s * 1e3,
              o.recompute_bwd_beside_optimizer_s * 1e3,
              " / ".join(f"{g * 1e6:.0f}" for g in (o.fwd_gap_s, o.recompute_bwd_gap_s, o.fwd_gap_beside_optimizer_s,
-                                                    o.recompute_bwd_gap_beside_optimizer_s))]
+                                                    o.recompute_bwd_gap_beside_optimizer_s)),
+             " / ".join(f"{g * 1e3:.2f}" for g in (o.fwd_issue_s, o.recompute_bwd_issue_s,
+                                                    o.fwd_issue_beside_optimizer_s,
+                                                    o.recompute_bwd_issue_beside_optimizer_s))]
             for t in traces if (o := t.kinds["block"].loop) is not None]
     if rows:
         lines += ["", "the block inside the executor's loop (what the simulator charges a recomputed block: beside "
                       "the optimizer while an OPT_STEP runs; the issue gap before a back-to-back FWD / BWD, alone "
-                      "and beside)",
+                      "and beside; the main thread's time issuing each)",
                   table.render(["mb size", "fwd ms", "recompute+bwd ms", "fwd beside opt ms",
-                                "recompute+bwd beside opt ms", "issue gap us (fwd / bwd / beside)"], rows,
-                               align="rrrrrr")]
+                                "recompute+bwd beside opt ms", "issue gap us (fwd / bwd / beside)",
+                                "issue ms (fwd / bwd / beside)"], rows, align="rrrrrrr")]
     opt = {k: p.optimizer for k, p in traces[0].kinds.items() if p.optimizer is not None} if traces else {}
     if opt:
         threads = next(iter(opt.values())).threads

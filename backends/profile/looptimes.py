@@ -72,9 +72,15 @@ class LoopSamples:
     bwd_gap_alone_s: tuple[float, ...] = ()
     fwd_gap_beside_s: tuple[float, ...] = ()
     bwd_gap_beside_s: tuple[float, ...] = ()
+    # the main thread's issue of each FWD / BWD (`RunLog.issue`); empty: none measured
+    fwd_issue_alone_s: tuple[float, ...] = ()
+    bwd_issue_alone_s: tuple[float, ...] = ()
+    fwd_issue_beside_s: tuple[float, ...] = ()
+    bwd_issue_beside_s: tuple[float, ...] = ()
 
     def times(self) -> LoopTimes:
-        med = statistics.median
+        def med(times: tuple[float, ...]) -> float:
+            return statistics.median(times) if times else 0.0
 
         def mean(gaps: tuple[float, ...]) -> float:
             return statistics.fmean(gaps) if gaps else 0.0
@@ -84,11 +90,23 @@ class LoopSamples:
                          recompute_bwd_beside_optimizer_s=med(self.bwd_beside_s),
                          fwd_gap_s=mean(self.fwd_gap_alone_s), recompute_bwd_gap_s=mean(self.bwd_gap_alone_s),
                          fwd_gap_beside_optimizer_s=mean(self.fwd_gap_beside_s),
-                         recompute_bwd_gap_beside_optimizer_s=mean(self.bwd_gap_beside_s))
+                         recompute_bwd_gap_beside_optimizer_s=mean(self.bwd_gap_beside_s),
+                         fwd_issue_s=med(self.fwd_issue_alone_s), recompute_bwd_issue_s=med(self.bwd_issue_alone_s),
+                         fwd_issue_beside_optimizer_s=med(self.fwd_issue_beside_s),
+                         recompute_bwd_issue_beside_optimizer_s=med(self.bwd_issue_beside_s))
 
 
 def _durations(logs: list[RunLog], kind: Kind) -> tuple[float, ...]:
     return tuple(r.duration_s for log in logs for r in log.records if r.kind == kind.value)
+
+
+def issue_times(logs: list[RunLog], kind: Kind) -> tuple[float, ...]:
+    """The main thread's issue time of each `kind` action (`RunLog.issue`)."""
+    out = []
+    for log in logs:
+        ids = {r.id for r in log.records if r.kind == kind.value}
+        out += [b - a for rid, a, b in log.issue if rid in ids]
+    return tuple(out)
 
 
 def issue_gaps(logs: list[RunLog], kind: Kind) -> tuple[float, ...]:
@@ -146,7 +164,10 @@ def time_loop(bench: LayerBench, loop: DeviceLoop, *, max_windows: int) -> LoopS
                        bwd_alone_s=_durations(alone, Kind.BWD), fwd_beside_s=_durations(beside, Kind.FWD),
                        bwd_beside_s=_durations(beside, Kind.BWD), fwd_gap_alone_s=issue_gaps(alone, Kind.FWD),
                        bwd_gap_alone_s=issue_gaps(alone, Kind.BWD), fwd_gap_beside_s=issue_gaps(beside, Kind.FWD),
-                       bwd_gap_beside_s=issue_gaps(beside, Kind.BWD))
+                       bwd_gap_beside_s=issue_gaps(beside, Kind.BWD),
+                       fwd_issue_alone_s=issue_times(alone, Kind.FWD), bwd_issue_alone_s=issue_times(alone, Kind.BWD),
+                       fwd_issue_beside_s=issue_times(beside, Kind.FWD),
+                       bwd_issue_beside_s=issue_times(beside, Kind.BWD))
 
 
 def describe(samples: LoopSamples, loop: DeviceLoop, threads: int) -> str:

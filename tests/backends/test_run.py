@@ -23,7 +23,9 @@ from tinypipe.backends.run import add_run_arguments, sparkline  # noqa: E402
 
 from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.errors import InputError  # noqa: E402
+from tinypipe.replay import load_run_trace  # noqa: E402
 from tinypipe.schedule import Kind  # noqa: E402
+from tinypipe.timeline import ISSUE_CAT  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,6 +80,12 @@ def test_run_trains_two_processes_saves_and_traces(tmp_path: Path, capfd: pytest
     assert "training [" in captured.err
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["args"]["name"] for e in events if e["name"] == "process_name"} >= {"g0", "g1"}
+    # each device action's issue by its rank's main thread, on a thread of its own, named as the action
+    assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} >= {"g0.issue", "g1.issue"}
+    actions = {e["args"]["id"]: e["name"] for e in events if e.get("ph") == "X" and e["cat"] != ISSUE_CAT}
+    issued = [e for e in events if e.get("cat") == ISSUE_CAT]
+    assert issued and all(actions[e["args"]["id"]] == e["name"] and e["dur"] >= 0 for e in issued)
+    assert len(load_run_trace(trace).records) == len(actions)  # replay reads the actions only
     ref = reference("tiny-llama", 4)
     model = AutoModelForCausalLM.from_pretrained(str(out))
     from tinypipe.backends.hf import build_model
