@@ -14,6 +14,7 @@ import importlib.util
 import os
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
@@ -131,8 +132,7 @@ def run_main(args: argparse.Namespace) -> int:
     trace_error = None
     if args.trace:
         try:
-            timeline(plan, results).save_chrome_trace(args.trace, other_data=trace_data(plan, results),
-                                                      issue={f"g{res.rank}": res.issue for res in results})
+            save_trace(plan, results, args.trace)
         except OSError as exc:
             trace_error = f"--trace {args.trace}: cannot write ({exc.strerror or exc}); the run itself is complete"
     print(summary(plan, results, before, after, trace_path=None if trace_error else args.trace))
@@ -169,6 +169,13 @@ def timeline(plan: Any, results: list[Any]) -> Any:
     memory = {f"g{res.rank}": tuple(res.memory) for res in results}
     return Timeline(records, memory, source=plan.job.backend,
                     meta={"model": plan.spec.name, "policy": plan.policy.name, "hardware": plan.hardware.name})
+
+
+def save_trace(plan: Any, results: list[Any], path: str | Path, tl: Any = None) -> None:
+    """Write the run's Chrome trace to `path`: its records (`tl`, else `timeline`), each rank's issue spans
+    (`RankResult.issue`) and `trace_data`."""
+    (tl or timeline(plan, results)).save_chrome_trace(path, other_data=trace_data(plan, results),
+                                                      issue={f"g{res.rank}": res.issue for res in results})
 
 
 def trace_data(plan: Any, results: list[Any]) -> dict[str, Any]:

@@ -74,7 +74,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     import torch
     from tinypipe.backends.launch import launch
     from tinypipe.backends.plan import make_run_plan
-    from tinypipe.backends.run import add_run_arguments, timeline, trace_data
+    from tinypipe.backends.run import add_run_arguments, save_trace, timeline
 
     from tinypipe.floor import schedule_floor
 
@@ -94,8 +94,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     wall = time.perf_counter() - t0
     tl = timeline(plan, results)
     if trace_dir:
-        tl.save_chrome_trace(str(Path(trace_dir) / f"{name}{label}.trace.json"),
-                             other_data=trace_data(plan, results))
+        save_trace(plan, results, Path(trace_dir) / f"{name}{label}.trace.json", tl)
     shutil.rmtree(out, ignore_errors=True)
     each = tl.iteration_times_s()
     iteration_s = statistics.fmean(each[WARMUP:]) if len(each) > WARMUP else tl.steady_iteration_s()

@@ -22,6 +22,17 @@ starts such an action no earlier than that gap after the lane's previous FWD / B
 stream waited 0.30 s of each 5.2 s iteration for the main thread, on average 0.36 ms before a block's BWD
 and 0.08 ms before its FWD with no optimizer step running, 0.69 and 0.26 ms beside one; the sync run
 0.14 s (bench/async_gap.py). The mean, not the median: the waits add up.
+
+Issue times (`*_issue_s`, optional: 0 in traces before them): the median time the main thread spends
+issuing a FWD / BWD (its handler; the executor's `RunLog.issue`). An eager layer's kernels are launched
+during its issue, so where issuing takes longer than the device's work, FWDs and BWDs issued back to back
+run at the issue's pace, and `compute_s` charges the larger of the two. Why: in the eager sync Qwen3-1.7B
+run on an H200 (2 x 2048, 16 microbatches; 2026-12-01, session 3's call 5, its trace's `g0.issue`
+thread) a block's FWD took 2.41 ms to issue and its record 2.45 ms on the device, against 1.37 ms for
+the first microbatch's FWD, which was issued while the device waited for the layer's upload; the main
+thread issued for 3.73 s of the 3.99 s iteration. The profile's loop measured the device's FWD at
+1.45 ms and its issue at 2.17 ms (2.51 beside a stepping optimizer). Compiled blocks issue in less
+than their device time (1.0 / 2.7 ms against 1.6 / 4.9 ms), and so do eager ones at 4 x 2048.
 """
 
 from __future__ import annotations
@@ -54,10 +65,13 @@ class LoopTimes:
     recompute_bwd_issue_beside_optimizer_s: float = 0.0
 
     def compute_s(self, forward: bool, beside_optimizer: bool) -> float:
-        """The FWD's or the BWD's time, alone or beside a running optimizer step."""
+        """The FWD's or the BWD's time, alone or beside a running optimizer step: the device's, or the main
+        thread's issue where that is longer (module docstring: back to back, the device waits for it)."""
         if forward:
-            return self.fwd_beside_optimizer_s if beside_optimizer else self.fwd_s
-        return self.recompute_bwd_beside_optimizer_s if beside_optimizer else self.recompute_bwd_s
+            device = self.fwd_beside_optimizer_s if beside_optimizer else self.fwd_s
+        else:
+            device = self.recompute_bwd_beside_optimizer_s if beside_optimizer else self.recompute_bwd_s
+        return max(device, self.issue_s(forward, beside_optimizer))
 
     def gap_s(self, forward: bool, beside_optimizer: bool) -> float:
         """The issue gap before a back-to-back FWD or BWD, alone or beside a running optimizer step."""

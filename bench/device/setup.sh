@@ -4,7 +4,7 @@
 # (carry it). The project installs without dependencies into /tmp/site.
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # a run that hangs prints every thread's Python stack (backends/worker.py) instead of dying silently
