@@ -26,7 +26,7 @@ import torch
 # them) and must take it back from the thread that issues the device's work; a thread that wants the
 # GIL waits up to the switch interval before the holder is made to drop it, and Python's default is
 # 5 ms. Measured on one H200 (2026-12-01, Qwen3-1.7B, async optimizer, 65,536 tokens per step, the same
-# machine and profile; bench/results/host_ab_h200.md): eager 2 x 2048 ran 13,596 tokens/s at 5 ms and
+# machine and profile; bench/results/profile_h200_fid3/README.md): eager 2 x 2048 ran 13,596 tokens/s at 5 ms and
 # 16,545 at 0.2 ms (x1.22), compiled 4 x 2048 27,843 and 28,992 (x1.04).
 GIL_SWITCH_S = 2e-4
 
