@@ -16,7 +16,8 @@ halves are ready and both end when it ends; each half's record starts when its o
 Memory effects go through the ledgers (sim/memory.py).
 
 Loop times, beside the optimizer or alone: a FWD / BWD with loop times costs the
-`*_beside_optimizer_s` one when an OPT_STEP is running on any host optimizer lane at the instant it
+`*_beside_optimizer_s` one (the larger of the device's time and the main thread's issue time,
+`LoopTimes.compute_s`) when an OPT_STEP is running on any host optimizer lane at the instant it
 starts, else the alone one; the choice is made at the start and holds for the whole action. With the
 loop's issue gaps (`KindProfile.issue_gap_s`, chosen the same way when the action is ready) it starts no
 earlier than that long after the previous FWD / BWD on its lane ended: the main thread issuing it. A

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tinypipe.errors import InputError
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
+from tinypipe.jsonio import Fields
 from tinypipe.looptimes import LoopTimes
 from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes
 from tinypipe.plan import base_plan
@@ -275,6 +276,20 @@ LOOP = LoopTimes(fwd_s=1.5e-3, recompute_bwd_s=6e-3, fwd_beside_optimizer_s=1.6e
 
 def with_loop(t: ProfileTrace, loop: LoopTimes = LOOP) -> ProfileTrace:
     return replace(t, kinds={**t.kinds, "block": replace(t.kinds["block"], loop=loop)})
+
+
+def test_loop_charges_the_issue_where_it_is_longer_than_the_device() -> None:
+    """A looped FWD / BWD costs the larger of its device time and its issue time, in each condition; the
+    issue times survive JSON and scaling (the host's work does not grow with tokens); without them
+    (traces before them) the device's times are charged as before."""
+    issued = replace(LOOP, fwd_issue_s=2.2e-3, recompute_bwd_issue_s=1e-3, fwd_issue_beside_optimizer_s=1.0e-3,
+                     recompute_bwd_issue_beside_optimizer_s=9e-3)
+    assert issued.compute_s(True, False) == 2.2e-3 and issued.compute_s(False, False) == LOOP.recompute_bwd_s
+    assert issued.compute_s(True, True) == LOOP.fwd_beside_optimizer_s and issued.compute_s(False, True) == 9e-3
+    assert LoopTimes.from_json(Fields(issued.to_json(), "loop")) == issued
+    assert issued.scaled(2).fwd_issue_s == 2.2e-3 and issued.scaled(2).compute_s(True, False) == 3e-3
+    assert LOOP.issue_s(True, False) == 0.0 and LOOP.compute_s(True, False) == LOOP.fwd_s
+    assert "fwd_issue_s" not in LOOP.to_json()
 
 
 def test_json_round_trip_with_and_without_loop(tmp_path: Path) -> None:
