@@ -289,6 +289,10 @@ def test_loop_charges_the_issue_where_it_is_longer_than_the_device() -> None:
     assert LoopTimes.from_json(Fields(issued.to_json(), "loop")) == issued
     assert issued.scaled(2).fwd_issue_s == 2.2e-3 and issued.scaled(2).compute_s(True, False) == 3e-3
     assert LOOP.issue_s(True, False) == 0.0 and LOOP.compute_s(True, False) == LOOP.fwd_s
+    kp = KindProfile(fwd_s=2e-3, bwd_s=4e-3, recompute_bwd_s=6e-3, saved_act_bytes=1, saved_act_bytes_recompute=1,
+                     workspace_bytes=1, loop=issued)
+    assert kp.compute_s(True, True) == 2.2e-3 and kp.least_compute_s(True, True) == LOOP.fwd_beside_optimizer_s
+    assert kp.least_compute_s(True, True, issue=False) == LOOP.fwd_s  # the floor's: the device's time
     assert "fwd_issue_s" not in LOOP.to_json()
 
 

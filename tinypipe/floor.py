@@ -25,7 +25,8 @@ from tinypipe.trace import KindProfile, ProfileTrace
 class Floor:
     """Seconds of work per iteration of each resource kind (the busiest instance of each)."""
 
-    compute_s: float  # the busiest GPU's FWD + BWD at the trace's times (a loop's: the lesser, alone or beside)
+    compute_s: float  # the busiest GPU's FWD + BWD at the trace's device times (a loop's: the lesser, alone or
+    # beside; not the main thread's issue, which is dispatch: module docstring)
     h2d_s: float  # the busiest GPU's uploads over its link's rate
     d2h_s: float  # the busiest GPU's downloads over its link's rate
     host_dma_s: float  # all host <-> GPU bytes over the host's DMA cap
@@ -70,7 +71,7 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
             if p is None:
                 p = profiles[a.layer] = trace.layer(model.layers[a.layer])
             forward = info.direction is Direction.FORWARD
-            compute[g] += p.least_compute_s(forward, schedule.recomputes(a.layer))
+            compute[g] += p.least_compute_s(forward, schedule.recomputes(a.layer), issue=False)
         elif info.cost is Cost.UPLOAD and g is not None:
             up[g] += a.nbytes
         elif info.cost is Cost.DOWNLOAD and g is not None:

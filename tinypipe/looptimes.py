@@ -67,11 +67,13 @@ class LoopTimes:
     def compute_s(self, forward: bool, beside_optimizer: bool) -> float:
         """The FWD's or the BWD's time, alone or beside a running optimizer step: the device's, or the main
         thread's issue where that is longer (module docstring: back to back, the device waits for it)."""
+        return max(self.device_s(forward, beside_optimizer), self.issue_s(forward, beside_optimizer))
+
+    def device_s(self, forward: bool, beside_optimizer: bool) -> float:
+        """The FWD's or the BWD's time on the device, alone or beside a running optimizer step."""
         if forward:
-            device = self.fwd_beside_optimizer_s if beside_optimizer else self.fwd_s
-        else:
-            device = self.recompute_bwd_beside_optimizer_s if beside_optimizer else self.recompute_bwd_s
-        return max(device, self.issue_s(forward, beside_optimizer))
+            return self.fwd_beside_optimizer_s if beside_optimizer else self.fwd_s
+        return self.recompute_bwd_beside_optimizer_s if beside_optimizer else self.recompute_bwd_s
 
     def gap_s(self, forward: bool, beside_optimizer: bool) -> float:
         """The issue gap before a back-to-back FWD or BWD, alone or beside a running optimizer step."""

@@ -120,8 +120,11 @@ class KindProfile:
             return self.loop.gap_s(forward, beside_optimizer)
         return 0.0
 
-    def least_compute_s(self, forward: bool, recomputed: bool) -> float:
-        """The least of `compute_s` alone and beside the optimizer (lower bounds: floor, search)."""
+    def least_compute_s(self, forward: bool, recomputed: bool, *, issue: bool = True) -> float:
+        """The least of `compute_s` alone and beside the optimizer (lower bounds: floor, search); without
+        `issue`, the loop's device times only (`LoopTimes.device_s`: the floor leaves dispatch out)."""
+        if recomputed and self.loop is not None and not issue:
+            return min(self.loop.device_s(forward, False), self.loop.device_s(forward, True))
         return min(self.compute_s(forward, recomputed), self.compute_s(forward, recomputed, beside_optimizer=True))
 
     def scaled(self, factor: float) -> KindProfile:
