@@ -163,6 +163,18 @@ def test_a_simulated_timeline_replays_exactly(tmp_path: Path) -> None:
     assert rep.replayed_s == pytest.approx(rep.measured_s, abs=1e-9)
     assert rep.predicted_s == pytest.approx(rep.measured_s, abs=1e-9)
     assert load_run_trace(plain).records == tl.records
+    assert back.issue == () and rep.issue_busy_s == {}
+    # with the main thread's issue spans (a real run's gN.issue): the same actions; each steady iteration's
+    # issue time summed per device (here: 1 ms before each g0 compute action's start)
+    spans = [(r.id, r.start_s - 1e-3, r.start_s) for r in mine if r.resource == "g0.compute"]
+    tl.save_chrome_trace(chrome, other_data={"run": run}, issue={"g0": spans})
+    back = load_run_trace(chrome)
+    assert [(r.id, r.kind) for r in sorted(back.records)] == [(r.id, r.kind) for r in mine]
+    assert len(back.issue) == len(spans) and {d for d, *_ in back.issue} == {"g0"}
+    rep = replay_of([str(chrome), "--warmup", "1"])
+    per_iteration = sum(1 for r in mine if r.resource == "g0.compute" and r.iteration == 1) * 1e-3
+    assert rep.issue_busy_s["g0"] == pytest.approx(per_iteration, rel=1e-6)
+    assert "main thread issuing the device's work" in rep.table() and rep.to_json()["issue_busy_s"]
     (tmp_path / "p.json").write_text(policy.dumps())
     rep = replay_of([str(plain), "--policy", str(tmp_path / "p.json"), "--seq-len", "64"])  # names only: flags
     assert rep.replayed_s == pytest.approx(rep.measured_s, abs=1e-9)

@@ -70,6 +70,8 @@ class RunTrace:
     source: str  # cpu | cuda (| sim)
     meta: dict[str, Any] = field(default_factory=dict)
     where: str = "trace"
+    # (device, record id, start s, end s) of each action's issue by its rank's main thread (ISSUE_CAT events)
+    issue: tuple[tuple[str, int, float, float], ...] = ()
 
     @property
     def run(self) -> dict[str, Any]:
@@ -103,13 +105,17 @@ def load_run_trace(path: str | Path) -> RunTrace:
         if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "thread_name":
             threads[(e.get("pid"), e.get("tid"))] = str((e.get("args") or {}).get("name"))
     records = []
+    issue = []
     for n, e in enumerate(events):
-        if not isinstance(e, dict) or e.get("ph") != "X" or e.get("cat") == ISSUE_CAT:
-            continue  # not an action: metadata, or the main thread's issue spans
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
         args = e.get("args") or {}
         try:
             res = threads[(e.get("pid"), e.get("tid"))]
             t0, t1 = float(e["ts"]) / 1e6, (float(e["ts"]) + float(e["dur"])) / 1e6
+            if e.get("cat") == ISSUE_CAT:  # not an action: the main thread's issue of one (`gN.issue`)
+                issue.append((res.partition(".")[0], int(args["id"]), t0, t1))
+                continue
             layer, mb = args.get("layer"), args.get("microbatch")
             records.append(Record(int(args["id"]), res, str(e["cat"]), str(e.get("name", "")),
                                   None if layer is None else int(layer), None if mb is None else int(mb),
@@ -120,7 +126,7 @@ def load_run_trace(path: str | Path) -> RunTrace:
                              "args.iteration)") from None
     if not records:
         raise InputError(f"{where}: no action events (ph 'X'): not the trace of a run")
-    return RunTrace(tuple(records), str(other.get("source", "")), dict(other), where)
+    return RunTrace(tuple(records), str(other.get("source", "")), dict(other), where, tuple(issue))
 
 
 def _describe(resource: str, kind: str, layer: int | None, mb: int | None, iteration: int) -> str:

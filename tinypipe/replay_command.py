@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from tinypipe.replay import (
 )
 from tinypipe.replay_report import ReplayReport, critical_gaps, kind_rows, resource_rows
 from tinypipe.schedule import Schedule
-from tinypipe.timeline import Timeline
+from tinypipe.timeline import Record, Timeline
 from tinypipe.trace import ProfileTrace, trace_for
 from tinypipe.units import parse_bytes
 
@@ -182,7 +182,19 @@ def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1
         predicted_s=tuple(predicted.iteration_times_s), gap_s=gap_s, warmup=warmup,
         resources=resource_rows(schedule, measured, predicted.timeline, warmup, opt_threads(schedule)),
         kinds=kind_rows(s.model, window, sorted(predicted.timeline.records, key=lambda r: r.id), partner, warmup),
-        gaps=gaps)
+        gaps=gaps, issue_busy_s=issue_busy(trace, window, first_step * len(schedule.actions), warmup))
+
+
+def issue_busy(trace: RunTrace, window: Sequence[Record], first_id: int, warmup: int) -> dict[str, float]:
+    """Per device, the seconds per steady iteration its main thread spent issuing the window's actions
+    (`RunTrace.issue`; the window's records renumbered from `first_id`); empty for a trace without them."""
+    steady = {r.id: r.iteration for r in window if r.iteration >= warmup}
+    iterations = len(set(steady.values())) or 1
+    out: dict[str, float] = {}
+    for device, rid, t0, t1 in trace.issue:
+        if rid - first_id in steady:
+            out[device] = out.get(device, 0.0) + (t1 - t0) / iterations
+    return dict(sorted(out.items()))
 
 
 def replay_main(args: argparse.Namespace, *, simulate: Simulate) -> int:

@@ -22,7 +22,7 @@ import bisect
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tinypipe import table
@@ -88,6 +88,7 @@ class ReplayReport:
     resources: tuple[ResourceRow, ...]
     kinds: tuple[KindRow, ...]
     gaps: tuple[GapRow, ...]
+    issue_busy_s: Mapping[str, float] = field(default_factory=dict)  # device -> main thread issuing, s / iteration
 
     def steady(self, times: Sequence[float]) -> float:
         return steady(times, self.warmup)
@@ -114,6 +115,7 @@ class ReplayReport:
             "resources": [asdict(r) for r in self.resources],
             "kinds": [{**asdict(k), "ratio": k.ratio, "delta_s": k.delta_s} for k in self.kinds],
             "gaps": [asdict(g) for g in self.gaps],
+            "issue_busy_s": dict(self.issue_busy_s),
         }
 
     def table(self, top: int = 8) -> str:
@@ -140,6 +142,11 @@ class ReplayReport:
             ["resource", "threads", "busy measured", "busy predicted", "idle measured", "idle predicted"],
             [[x.resource, x.threads, k * x.busy_measured_s, k * x.busy_predicted_s, k * x.idle_measured_s,
               k * x.idle_predicted_s] for x in self.resources], align="lrrrrr"))
+        if self.issue_busy_s:
+            busy = ", ".join(f"{d} {k * b:.3f} {u} ({b / sm:.0%})" for d, b in self.issue_busy_s.items())
+            out.append(f"main thread issuing the device's work (the trace's gN.issue), per steady iteration: {busy} "
+                       "(near 100%: the run waits for its host to issue; the simulator charges that through the "
+                       "profile's issue times)")
         out += ["", f"per action kind, steady iterations, largest |delta| first (delta = count x (measured - "
                 f"predicted), {u} per iteration):"]
         out.append(table.render(
