@@ -19,6 +19,8 @@ compiled block's FWD 27% faster). So per microbatch size, on one `devloop.Device
 
 Each action's time is its executor record (`RunLog.records`: CUDA events on its stream on CUDA, the
 host clock around the work on the CPU stand-in); the medians of the FWDs and of the BWDs are kept.
+The issue times (`tinypipe.looptimes`, `*_issue_s`; CUDA only, `issue_fields`): the main thread's time in each
+FWD's / BWD's handler (`RunLog.issue`), the median per kind and condition.
 The issue gaps (`tinypipe.looptimes`, `*_gap_s`): before each FWD / BWD whose predecessor on the compute
 stream is a FWD / BWD (not the cycle's first FWD, which waits for its LOAD), its record's start minus
 that predecessor's end, 0 if it overlapped; the mean per kind and condition is kept.
@@ -100,6 +102,14 @@ def _durations(logs: list[RunLog], kind: Kind) -> tuple[float, ...]:
     return tuple(r.duration_s for log in logs for r in log.records if r.kind == kind.value)
 
 
+def issue_fields(alone: list[RunLog], beside: list[RunLog]) -> dict[str, tuple[float, ...]]:
+    """LoopSamples' issue times of each FWD and BWD, alone and beside the optimizer. CUDA only: on the CPU
+    stand-in the issue runs the work itself, so it is the record plus the executor's overhead, and kept
+    unscaled across microbatch sizes (`LoopTimes.scaled`) it would overcharge smaller ones."""
+    return {"fwd_issue_alone_s": issue_times(alone, Kind.FWD), "bwd_issue_alone_s": issue_times(alone, Kind.BWD),
+            "fwd_issue_beside_s": issue_times(beside, Kind.FWD), "bwd_issue_beside_s": issue_times(beside, Kind.BWD)}
+
+
 def issue_times(logs: list[RunLog], kind: Kind) -> tuple[float, ...]:
     """The main thread's issue time of each `kind` action (`RunLog.issue`)."""
     out = []
@@ -165,9 +175,7 @@ def time_loop(bench: LayerBench, loop: DeviceLoop, *, max_windows: int) -> LoopS
                        bwd_beside_s=_durations(beside, Kind.BWD), fwd_gap_alone_s=issue_gaps(alone, Kind.FWD),
                        bwd_gap_alone_s=issue_gaps(alone, Kind.BWD), fwd_gap_beside_s=issue_gaps(beside, Kind.FWD),
                        bwd_gap_beside_s=issue_gaps(beside, Kind.BWD),
-                       fwd_issue_alone_s=issue_times(alone, Kind.FWD), bwd_issue_alone_s=issue_times(alone, Kind.BWD),
-                       fwd_issue_beside_s=issue_times(beside, Kind.FWD),
-                       bwd_issue_beside_s=issue_times(beside, Kind.BWD))
+                       **(issue_fields(alone, beside) if bench.device.type == "cuda" else {}))
 
 
 def describe(samples: LoopSamples, loop: DeviceLoop, threads: int) -> str:

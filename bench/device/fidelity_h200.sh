@@ -19,7 +19,7 @@
 #    bench/fidelity.py leaves its perturbed timing out), with POLICY (a file in $OUT/rank/, else under bench/policies/) instead of the case's policy when
 #    given (a path with a / is taken from the repository root); planned with the profile of step 1 that matches (pq / pq-compiled / pl / pl-compiled) and
 #    its hardware.json (MORE_PROFILES: where a folder this call did not make is found), appended to $OUT/cuda_h200.jsonl with its trace. ENV: VAR=VALUE[,VAR=VALUE] set for that run only (an A/B run, labelled -ab-...-VAR_VALUE,
-#    which bench/fidelity.py leaves out; backends/worker.py _host_knobs reads TINYPIPE_GIL_SWITCH_S and TINYPIPE_THREADS). A run that would pass
+#    which bench/fidelity.py leaves out; backends/hostwork.py host_settings reads TINYPIPE_GIL_SWITCH_S and TINYPIPE_THREADS). A run that would pass
 #    DEADLINE_S is skipped.
 # What comes back (at most 8 files): log.txt, cuda_h200.jsonl, and results.tgz with the profile folders
 # and the runs' traces.
