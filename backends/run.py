@@ -271,6 +271,33 @@ def _host_lines(plan: Any, results: list[Any]) -> list[str]:
     return out
 
 
+ISSUE_BOUND = 0.8  # a main thread issuing this share of each step or more: the GPU waits for its host
+
+
+def issue_shares(tl: Any, results: list[Any], iteration_s: float) -> dict[int, float]:
+    """Per rank, the share of a steady step (the iterations after the first) its main thread spent issuing
+    device actions (`RankResult.issue`)."""
+    iteration = {r.id: r.iteration for r in tl.records}
+    steady = sorted(set(iteration.values()))[1:]
+    if not steady or iteration_s <= 0:
+        return {}
+    keep = set(steady)
+    return {res.rank: sum(b - a for rid, a, b in res.issue if iteration.get(rid) in keep) / (len(steady) * iteration_s)
+            for res in sorted(results, key=lambda r: r.rank)}
+
+
+def _issue_lines(tl: Any, results: list[Any], iteration_s: float, *, compiled: bool) -> list[str]:
+    shares = issue_shares(tl, results, iteration_s)
+    if not shares:
+        return []
+    text = ", ".join(f"g{rank} {share:.0%}" for rank, share in shares.items())
+    hint = ""
+    if max(shares.values()) >= ISSUE_BOUND:
+        hint = "; the GPU likely waits for its host" + ("" if compiled else
+                                                         " (--compile issues a block in fewer calls)")
+    return [f"host      main thread issuing the GPU's work: {text} of each steady step{hint}"]
+
+
 def summary(plan: Any, results: list[Any], before: float | None, after: float | None, *,
             trace_path: str | None = None) -> str:
     """The end-of-run report for people."""
@@ -299,6 +326,8 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
     lines.append(f"          {sim.tokens_per_s:,.0f} tokens/s predicted by the simulator "
                  f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, "
                  f"{'analytic' if plan.trace.analytic else 'measured'} trace)")
+    if plan.job.backend == "cuda":
+        lines += _issue_lines(tl, results, iteration_s, compiled=plan.job.compile_blocks)
     ranks = sorted(results, key=lambda r: r.rank)
     dev = ", ".join(f"g{r.rank} {_mib(r.peak_device_bytes)}" for r in ranks)
     planned = ", ".join(f"g{r.rank} {_mib(r.ledger_peak.get(f'g{r.rank}', 0))}" for r in ranks)

@@ -276,6 +276,27 @@ def test_checkpoints_by_time_keep_the_last_two(tmp_path: Path) -> None:
         assert not (out / checkpoint.TMP).exists()
 
 
+def test_issue_lines_give_each_ranks_share_of_a_steady_step() -> None:
+    """Literal: per rank, its main thread's issue spans in the iterations after the first over those
+    iterations' time; at 80% or more the line says the GPU likely waits (and suggests --compile when the
+    blocks are eager); a run of one iteration has no steady step and no line."""
+    from tinypipe.backends.run import _issue_lines, issue_shares
+
+    from tinypipe.timeline import Record, Timeline
+
+    recs = tuple(Record(i, "g0.compute", "FWD", "F", 1, 0, i // 2, float(i), i + 1.0) for i in range(6))
+    tl = Timeline(recs, {}, source="cuda")
+    g0 = argparse.Namespace(rank=0, issue=[(i, float(i), i + 0.9) for i in range(6)])  # 0.9 s of each 1 s action
+    g1 = argparse.Namespace(rank=1, issue=[(2, 2.0, 2.5), (0, 0.0, 1.0)])
+    assert issue_shares(tl, [g1, g0], 2.0) == pytest.approx({0: 0.9, 1: 0.125})
+    assert _issue_lines(tl, [g0], 2.0, compiled=False) == [
+        "host      main thread issuing the GPU's work: g0 90% of each steady step; the GPU likely waits for its host "
+        "(--compile issues a block in fewer calls)"]
+    assert _issue_lines(tl, [g1], 2.0, compiled=True) == [
+        "host      main thread issuing the GPU's work: g1 12% of each steady step"]
+    assert _issue_lines(Timeline(recs[:2], {}, source="cuda"), [g0], 2.0, compiled=True) == []
+
+
 def test_sparkline_is_compact_and_ordered() -> None:
     """The loss curve in the summary: one character per bin, lowest value lowest bar."""
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
