@@ -12,8 +12,9 @@ block mode (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) under 
 while there is none), and the hardware.json of that folder, else of pq/. Nothing of the run being
 predicted goes into its prediction: one profile per model, taken once, predicts every configuration of
 that model (profile_h200_fid/README.md says where and when each was taken).
-A record that names `profile_root` (the runs of 2026-12-01's second session) is predicted from the
-profile taken on the same lent machine, minutes before it (`bench/results/profile_h200_fid2/callN`):
+A record that names `profile_root` (the runs of 2026-12-01's second and third sessions) is predicted from
+the profile taken on the same lent machine, minutes before it (`bench/results/profile_h200_fid2/callN`,
+`profile_h200_fid3/callN`):
 machines lent on different calls differed as much as the errors (the host optimizer's steps by 20-30%).
 Each folder's own host optimizer steps (`--optimizer-from own`, the default; `eager`: the model's eager
 folder's for compiled rows too, which was the default while one compiled profile's steps ran 1.3-2.6x
