@@ -276,11 +276,12 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
                     started = streams.settle(interp.dispatch(a, step))
                     if started is None:
                         streams.mark_end(a.id)
-                log.issue.append((a.id + shift * id_stride, t_issue, time.perf_counter()))
+                rid = a.id + shift * id_stride
+                log.issue.append((rid, t_issue, time.perf_counter()))
                 if memory:
                     got = streams.take_peak()
                     if got is not None:
-                        log.peaks.append((time.perf_counter(), a.id + shift * id_stride, got[0]))
+                        log.peaks.append((time.perf_counter(), rid, got[0]))
                         log.reserved_peak = max(log.reserved_peak, got[1])
                 if a.kind.info.is_compute:
                     in_flight.append(a.id)

@@ -277,12 +277,13 @@ ISSUE_BOUND = 0.8  # a main thread issuing this share of each step or more: the 
 def issue_shares(tl: Any, results: list[Any], iteration_s: float) -> dict[int, float]:
     """Per rank, the share of a steady step (the iterations after the first) its main thread spent issuing
     device actions (`RankResult.issue`)."""
+    from tinypipe.timeline import issue_s_per_iteration
+
     iteration = {r.id: r.iteration for r in tl.records}
     steady = sorted(set(iteration.values()))[1:]
     if not steady or iteration_s <= 0:
         return {}
-    keep = set(steady)
-    return {res.rank: sum(b - a for rid, a, b in res.issue if iteration.get(rid) in keep) / (len(steady) * iteration_s)
+    return {res.rank: issue_s_per_iteration(res.issue, iteration, steady) / iteration_s
             for res in sorted(results, key=lambda r: r.rank)}
 
 

@@ -71,21 +71,15 @@ class LoopTimes:
 
     def device_s(self, forward: bool, beside_optimizer: bool) -> float:
         """The FWD's or the BWD's time on the device, alone or beside a running optimizer step."""
-        if forward:
-            return self.fwd_beside_optimizer_s if beside_optimizer else self.fwd_s
-        return self.recompute_bwd_beside_optimizer_s if beside_optimizer else self.recompute_bwd_s
+        return float(getattr(self, _field("", forward, beside_optimizer)))
 
     def gap_s(self, forward: bool, beside_optimizer: bool) -> float:
         """The issue gap before a back-to-back FWD or BWD, alone or beside a running optimizer step."""
-        if forward:
-            return self.fwd_gap_beside_optimizer_s if beside_optimizer else self.fwd_gap_s
-        return self.recompute_bwd_gap_beside_optimizer_s if beside_optimizer else self.recompute_bwd_gap_s
+        return float(getattr(self, _field("_gap", forward, beside_optimizer)))
 
     def issue_s(self, forward: bool, beside_optimizer: bool) -> float:
         """The main thread's time issuing a FWD or BWD, alone or beside a running optimizer step (0: not measured)."""
-        if forward:
-            return self.fwd_issue_beside_optimizer_s if beside_optimizer else self.fwd_issue_s
-        return self.recompute_bwd_issue_beside_optimizer_s if beside_optimizer else self.recompute_bwd_issue_s
+        return float(getattr(self, _field("_issue", forward, beside_optimizer)))
 
     def scaled(self, factor: float) -> LoopTimes:
         """Every time times `factor` (linear in tokens, as `KindProfile.scaled`); the issue gaps and issue
@@ -101,7 +95,15 @@ class LoopTimes:
                    **{k: f.float(k, 0.0, minimum=0.0) for k in (*GAP_FIELDS, *ISSUE_FIELDS)})
 
 
-COMPUTE_FIELDS = ("fwd_s", "recompute_bwd_s", "fwd_beside_optimizer_s", "recompute_bwd_beside_optimizer_s")
-GAP_FIELDS = ("fwd_gap_s", "recompute_bwd_gap_s", "fwd_gap_beside_optimizer_s", "recompute_bwd_gap_beside_optimizer_s")
-ISSUE_FIELDS = ("fwd_issue_s", "recompute_bwd_issue_s", "fwd_issue_beside_optimizer_s",
-                "recompute_bwd_issue_beside_optimizer_s")
+def _field(what: str, forward: bool, beside_optimizer: bool) -> str:
+    """The LoopTimes field of `what` ("": the device's time, "_gap", "_issue") for a FWD or a BWD, alone or beside."""
+    return ("fwd" if forward else "recompute_bwd") + what + ("_beside_optimizer_s" if beside_optimizer else "_s")
+
+
+def _fields(what: str) -> tuple[str, ...]:
+    return tuple(_field(what, forward, beside) for beside in (False, True) for forward in (True, False))
+
+
+COMPUTE_FIELDS = _fields("")
+GAP_FIELDS = _fields("_gap")
+ISSUE_FIELDS = _fields("_issue")

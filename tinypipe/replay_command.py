@@ -33,7 +33,7 @@ from tinypipe.replay import (
 )
 from tinypipe.replay_report import ReplayReport, critical_gaps, kind_rows, resource_rows
 from tinypipe.schedule import Schedule
-from tinypipe.timeline import Record, Timeline
+from tinypipe.timeline import Record, Timeline, issue_s_per_iteration
 from tinypipe.trace import ProfileTrace, trace_for
 from tinypipe.units import parse_bytes
 
@@ -188,13 +188,12 @@ def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1
 def issue_busy(trace: RunTrace, window: Sequence[Record], first_id: int, warmup: int) -> dict[str, float]:
     """Per device, the seconds per steady iteration its main thread spent issuing the window's actions
     (`RunTrace.issue`; the window's records renumbered from `first_id`); empty for a trace without them."""
-    steady = {r.id: r.iteration for r in window if r.iteration >= warmup}
-    iterations = len(set(steady.values())) or 1
-    out: dict[str, float] = {}
+    iteration_of = {r.id + first_id: r.iteration for r in window}
+    steady = {i for i in iteration_of.values() if i >= warmup}
+    spans: dict[str, list[tuple[int, float, float]]] = {}
     for device, rid, t0, t1 in trace.issue:
-        if rid - first_id in steady:
-            out[device] = out.get(device, 0.0) + (t1 - t0) / iterations
-    return dict(sorted(out.items()))
+        spans.setdefault(device, []).append((rid, t0, t1))
+    return {d: issue_s_per_iteration(s, iteration_of, steady) for d, s in sorted(spans.items())}
 
 
 def replay_main(args: argparse.Namespace, *, simulate: Simulate) -> int:

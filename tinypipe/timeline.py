@@ -43,6 +43,14 @@ def steady_state(iteration_times_s: list[float]) -> float:
     return statistics.fmean(t[1:]) if len(t) > 1 else (t[0] if t else 0.0)
 
 
+def issue_s_per_iteration(spans: Iterable[tuple[int, float, float]], iteration_of: Mapping[int, int],
+                          iterations: Iterable[int]) -> float:
+    """Seconds per iteration of `iterations` that a main thread spent issuing their actions: `spans` are
+    (record id, start, end) of each issue (`RunLog.issue`), `iteration_of` maps a record id to its iteration."""
+    keep = set(iterations)
+    return sum(b - a for rid, a, b in spans if iteration_of.get(rid) in keep) / max(1, len(keep))
+
+
 class Record(NamedTuple):
     """One action as it ran: times in seconds (a tuple: cheap to make by the ten thousand)."""
 
