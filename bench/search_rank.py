@@ -1,15 +1,20 @@
 """Does the search rank its top candidates as they run? (issue 10: `tinypipe search --gpu-mem 24GiB`.)
 
-    python bench/search_rank.py pick --model M --hardware H --profile DIR --out DIR [--n 5]
-    python bench/search_rank.py score [--records bench/results/cuda_h200.jsonl] [--picked DIR] [--out FILE]
+    python bench/search_rank.py pick --model M --hardware H --profile DIR --out DIR [--n 5] [--min-gap F]
+    python bench/search_rank.py score [--records bench/results/cuda_h200.jsonl] [--picked DIR] [--call TEXT]
+                                      [--out FILE]
 
 pick: runs `tinypipe search --json` (24 GiB per GPU, 65,536 tokens per step, seq 2048) and writes
 the first N distinct candidates as policy files rank-1.json .. rank-N.json, with picked.json (each
 one's predicted tokens/s and peak GPU memory, and the search command). Distinct: candidates with
 the same predicted tokens/s, peak GPU and peak host memory compile to the same work (on one GPU
 the GPU mapping, for one, changes nothing) and count once, the first in the search's order.
-bench/device/fidelity_h200.sh runs pick on the GPU machine right after its profile, then runs each
-rank-K.json as a configuration (`RANK_RUNS=N`), recorded with a label ending `-rank-K`.
+--min-gap F (a ladder, files ladder-K.json): each pick after the first is the search's next candidate
+predicted at least F (a fraction) slower than the one picked before it. The search's own top five
+often lie within 1% of each other, closer than one run's iterations vary, where a measured order says
+nothing of the model; a ladder asks whether the model orders candidates it says differ.
+bench/device/fidelity_h200.sh runs pick on the GPU machine right after its profile (RANK=N, RANK_GAP=F),
+then runs each policy file a RUN names, recorded with a label ending `-rank-K` (`-ladder-K`).
 
 score: each picked candidate's measured run beside its prediction; the predicted order against the
 measured one (Kendall's tau over all pairs, and each pair in the wrong order with its two gaps),
@@ -40,20 +45,24 @@ def pick(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     seen: set[tuple[float, int, int]] = set()
-    picked = []
+    picked: list[dict] = []
+    prefix = "ladder" if a.min_gap > 0 else "rank"
     for e in found["top"]:
         key = (round(e["tokens_per_s"], 3), e["peak_gpu_bytes"], e["peak_host_bytes"])
         if not e["fits"] or key in seen:
             continue
+        if picked and e["iteration_s"] < picked[-1]["predicted_iteration_s"] * (1 + a.min_gap):
+            continue
         seen.add(key)
         rank = len(picked) + 1
-        policy = dict(e["policy"], name=f"search-rank-{rank}")
-        (out / f"rank-{rank}.json").write_text(json.dumps(policy, indent=1) + "\n")
+        policy = dict(e["policy"], name=f"search-{prefix}-{rank}")
+        (out / f"{prefix}-{rank}.json").write_text(json.dumps(policy, indent=1) + "\n")
         picked.append({"rank": rank, "policy": policy, "predicted_tokens_per_s": e["tokens_per_s"],
                        "predicted_iteration_s": e["iteration_s"], "predicted_peak_gpu_bytes": e["peak_gpu_bytes"]})
         if len(picked) == a.n:
             break
     (out / "picked.json").write_text(json.dumps({"command": "tinypipe " + " ".join(cmd[3:]), "model": a.model,
+                                                 "prefix": prefix, "min_gap": a.min_gap,
                                                  "considered": found["considered"], "picked": picked}, indent=1))
     for p in picked:
         print(f"rank {p['rank']}: {p['predicted_tokens_per_s']:,.0f} tokens/s predicted, "
@@ -72,11 +81,12 @@ def kendall_tau(predicted: list[float], measured: list[float]) -> float:
 
 def score(a: argparse.Namespace) -> int:
     picked = json.loads((Path(a.picked) / "picked.json").read_text())
+    prefix = picked.get("prefix", "rank")
     recs = {}
     for line in Path(a.records).read_text().splitlines():
         r = json.loads(line)
-        m = re.search(r"-rank-(\d+)$", r.get("case", ""))
-        if r.get("tokens_per_s") and m:
+        m = re.search(rf"-{prefix}-(\d+)$", r.get("case", ""))
+        if r.get("tokens_per_s") and m and a.call in r.get("machine_call", ""):
             recs[int(m.group(1))] = r
     rows = []
     for p in picked["picked"]:
@@ -131,10 +141,12 @@ def main() -> int:
     p.add_argument("--profile", required=True)
     p.add_argument("--gpu-mem", default="24GiB")
     p.add_argument("--n", type=int, default=5)
+    p.add_argument("--min-gap", type=float, default=0.0, help="a ladder: each pick at least this fraction slower")
     p.add_argument("--out", required=True)
     s = sub.add_parser("score")
     s.add_argument("--records", default=str(RESULTS / "cuda_h200.jsonl"))
     s.add_argument("--picked", default=str(RESULTS / "search_rank_h200"))
+    s.add_argument("--call", default="", help="only records whose machine_call contains this")
     s.add_argument("--out", default=str(RESULTS / "search_rank_h200.json"))
     a = ap.parse_args()
     return pick(a) if a.cmd == "pick" else score(a)

@@ -1,17 +1,18 @@
 # On a lent H200 machine, from the repository root (carry .whl):
-#   DEADLINE_S=560 [STEPS=8] [GPUS=N] [PROFILES=DIR] [MORE_PROFILES=DIR] [MODELS="qwen3 llama"] [RANK=N]
-#   [CONTENTION="OPTIONS"] bash bench/device/fidelity_h200.sh RUN...
+#   DEADLINE_S=560 [STEPS=8] [GPUS=N] [PROFILES=DIR] [MORE_PROFILES=DIR] [MODELS="qwen3 llama"] [EAGER=0]
+#   [RANK=N] [RANK_GAP=F] [CONTENTION="OPTIONS"] bash bench/device/fidelity_h200.sh RUN...
 # Issue 10's fidelity campaign: profile once, then run every configuration planned from that profile.
 # GPUS (default 1): the machine's GPUs; the profile's hardware.json is the h200xGPUS preset with the
 # measured rates, and the host optimizer is timed at one rank's threads (cores / GPUS - 1).
 # 1. Unless PROFILES names the folders of an earlier call (committed under bench/results/), `tinypipe
 #    profile` with each kind's host optimizer step: Qwen3-1.7B at 2 and 4 x 2048 eager ($OUT/pq), at
 #    4 x 2048 compiled ($OUT/pq-compiled), Llama-3.1-8B at 4 x 2048 eager ($OUT/pl) and compiled
-#    ($OUT/pl-compiled) (MODELS: which of the two); the first one also measures the copy and optimizer
+#    ($OUT/pl-compiled) (MODELS: which of the two; EAGER=0: the compiled folders only); the first one also measures the copy and optimizer
 #    rates (rates.json, hardware.json, copied into every folder); then the
 #    profiler's GPU test (NO_TEST=1: not). With RANK=N, bench/search_rank.py pick: the first N distinct candidates of
 #    `tinypipe search --gpu-mem 24GiB` for Qwen3-1.7B on this profile (compiled, pq's hardware.json),
-#    as $OUT/rank/rank-K.json, which a RUN names as its POLICY.
+#    as $OUT/rank/rank-K.json, which a RUN names as its POLICY; with RANK_GAP=F also a ladder of N, each
+#    pick at least F slower than the one before ($OUT/ladder/ladder-K.json).
 # With CONTENTION, bench/host_contention.py OPTIONS runs after the profiles ($OUT/host_contention.json).
 # 2. Each RUN = MODEL:CASE:MB:MODE[:POLICY[:ENV]] runs bench/cuda_bench.py's CASE (65,536 tokens per step,
 #    --gpu-mem 24GiB) on MODEL (qwen3-1.7b or llama-3.1-8b) at MB sequences per microbatch, MODE
@@ -28,7 +29,7 @@ ROOT=$(pwd)
 START=$(date +%s)
 cd /tmp
 nproc; free -g | head -2
-pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* rank *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
+pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* rank ladder *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
 trap pack EXIT
 GPUS=${GPUS:-1}
 RATES_TAKEN=
@@ -47,11 +48,11 @@ if [ -n "$PROFILES" ]; then
 else
   P="$OUT"
   case " ${MODELS:-qwen3 llama} " in *" qwen3 "*)
-    prof pq --model qwen3-1.7b --microbatch-size 2 4 --no-compile
+    [ "${EAGER:-1}" = 0 ] || prof pq --model qwen3-1.7b --microbatch-size 2 4 --no-compile
     prof pq-compiled --model qwen3-1.7b --microbatch-size 4 --compile;;
   esac
   case " ${MODELS:-qwen3 llama} " in *" llama "*)
-    prof pl --model llama-3.1-8b --microbatch-size 4 --no-compile
+    [ "${EAGER:-1}" = 0 ] || prof pl --model llama-3.1-8b --microbatch-size 4 --no-compile
     prof pl-compiled --model llama-3.1-8b --microbatch-size 4 --compile;;
   esac
   for d in "$OUT"/p*/; do [ -f "$d/hardware.json" ] || cp "$OUT/$RATES_TAKEN/hardware.json" "$d" 2>/dev/null; done
@@ -67,6 +68,8 @@ fi
 if [ -n "$RANK" ]; then
   python3 "$ROOT/bench/search_rank.py" pick --model qwen3-1.7b --hardware "$P/pq-compiled/hardware.json" \
     --profile "$P/pq-compiled" --n "$RANK" --out "$OUT/rank" 2>&1 | tee -a "$OUT/log.txt"
+  [ -n "$RANK_GAP" ] && python3 "$ROOT/bench/search_rank.py" pick --model qwen3-1.7b --hardware "$P/pq-compiled/hardware.json" \
+    --profile "$P/pq-compiled" --n "$RANK" --min-gap "$RANK_GAP" --out "$OUT/ladder" 2>&1 | tee -a "$OUT/log.txt"
 fi
 for spec in "$@"; do
   IFS=: read -r model case mb mode policy envs <<<"$spec"
@@ -85,6 +88,7 @@ for spec in "$@"; do
   pol=()
   if [ -n "$policy" ]; then
     f="$ROOT/bench/policies/$policy"; [ -f "$OUT/rank/$policy" ] && f="$OUT/rank/$policy"
+    [ -f "$OUT/ladder/$policy" ] && f="$OUT/ladder/$policy"
     case "$policy" in */*) f="$ROOT/$policy";; esac
     pol=(--policy "$f"); policy=$(basename "$policy"); label="$label-${policy%.json}"
   fi
