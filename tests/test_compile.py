@@ -152,12 +152,14 @@ def test_swap_pass_kept_and_pinned() -> None:
 
 
 def test_transfer_pass_pairs_and_offload() -> None:
-    """Cross-GPU deps become SEND/RECV right after the producer; host activations offload and return."""
-    plan = Plan.toy((1, 1), (0, 1), 2, activation_home="host")
+    """Cross-GPU deps become SEND/RECV right after the producer; host activations offload and return,
+    except the head's (L2), which its kept forward graph holds on the GPU anyway."""
+    plan = Plan.toy((1, 1, 1), (0, 1, 1), 2, activation_home="host")
     ops = transfer_pass(plan, compute_plan(plan))
     assert short(ops) == [
         "FWD L0 m0 g0", "SEND_F L1 m0 g0", "RECV_F L1 m0 g1", "FWD L0 m1 g0", "SEND_F L1 m1 g0", "RECV_F L1 m1 g1",
         "FWD L1 m0 g1", "OFFLOAD_ACT L1 m0 g1", "FWD L1 m1 g1", "OFFLOAD_ACT L1 m1 g1",
+        "FWD L2 m0 g1", "FWD L2 m1 g1", "BWD L2 m0 g1", "BWD L2 m1 g1",
         "FETCH_ACT L1 m0 g1", "BWD L1 m0 g1", "SEND_B L1 m0 g1", "RECV_B L1 m0 g0",
         "FETCH_ACT L1 m1 g1", "BWD L1 m1 g1", "SEND_B L1 m1 g1", "RECV_B L1 m1 g0", "BWD L0 m0 g0", "BWD L0 m1 g0"]
     fwd1 = next(o for o in ops if o.kind is Kind.FWD and o.layer == 1)

@@ -125,9 +125,10 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
     not recompute (their graph holds the forward's copy until the backward, which loads another);
     win / win_n: window weights / 1 of layers neither pinned nor kept, win_last / win_last_n: not
     pinned (the last pack's forward);
-    x: input; a: saved activations kept from forward (no recompute); X: x (activations on the GPU)
-    + a; T: a backward's transient, workspace + re-created a + dx.L + dx.L+1; Ta: T of a later
-    backward (into the gradient accumulator: its workspace is ws.acc); ws: workspace.
+    x: input; a: saved activations kept from forward (no recompute); X: x (activations on the GPU, or
+    a layer that keeps its graph, which holds its input) + a; T: a backward's transient, workspace +
+    re-created a + dx.L + dx.L+1; Ta: T of a later backward (into the gradient accumulator: its
+    workspace is ws.acc); ws: workspace.
     """
     n = len(m.weight_bytes)
     w, x, ws = m.weight_bytes, m.input_bytes, m.layer_workspace_bytes
@@ -145,7 +146,7 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
         "win_n": tuple(0 if held[i] else 1 for i in range(n)),
         "win_last": tuple(0 if i in pinned else w[i] for i in range(n)),
         "win_last_n": tuple(0 if i in pinned else 1 for i in range(n)),
-        "X": tuple(a[i] + (x[i] if on_gpu else 0) for i in range(n)),
+        "X": tuple(a[i] + (x[i] if on_gpu or not redo[i] else 0) for i in range(n)),  # a kept graph keeps x
         "T": tuple(ws[i] + rest[i] for i in range(n)),
         "Ta": tuple(m.accumulate_workspace_bytes[i] + rest[i] for i in range(n)),
     }

@@ -68,6 +68,10 @@ class Plan:
     pinned: frozenset[int] = frozenset()  # held for the whole iteration
     # ws.acc of each later BWD (into the gradient accumulator; KindProfile.accumulate_workspace); () = ws
     accumulate_workspace_bytes: tuple[int, ...] = ()
+    # what a GRAD_OUT moves; () = weight_bytes. The replicated layout lands the gradients in fp32 host
+    # buffers, and torch converts a GPU -> host copy across dtypes on the GPU first: twice the bytes in
+    # bf16 (an H200, 2026-12-01, Qwen3-1.7B: a block's GRAD_OUT 4.65 ms replicated, 2.0 ms compact)
+    grad_out_bytes: tuple[int, ...] = ()
 
     num_layers: int = field(init=False)
     owner: tuple[int, ...] = field(init=False, repr=False, compare=False)  # GPU of each layer
@@ -80,11 +84,13 @@ class Plan:
         n = len(self.weight_bytes)
         if not self.accumulate_workspace_bytes:
             object.__setattr__(self, "accumulate_workspace_bytes", self.layer_workspace_bytes)
+        if not self.grad_out_bytes:
+            object.__setattr__(self, "grad_out_bytes", self.weight_bytes)
         for name, choices in _MODE_FIELDS.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"plan: {name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         for name in ("fwd_s", "bwd_s", "input_bytes", "saved_bytes", "layer_workspace_bytes", "host_grad_bytes",
-                     "master_bytes", "opt_s", "accumulate_workspace_bytes"):
+                     "master_bytes", "opt_s", "accumulate_workspace_bytes", "grad_out_bytes"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"plan: {name} has {len(getattr(self, name))} layers, weight_bytes {n}")
         owner: list[int] = []
@@ -173,12 +179,13 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     else:
         dyn = 0
     if policy.activation_home == "host":
-        dyn += policy.microbatches * sum(inp)
+        dyn += policy.microbatches * sum(b for i, b in enumerate(inp) if recomputes(policy.recompute, i, len(inp)))
     return Plan(
         microbatches=policy.microbatches, iterations=iterations, fwd_s=tuple(fwd), bwd_s=tuple(bwd),
         weight_bytes=tuple(layer.param_bytes(dt) for layer in model.layers), input_bytes=tuple(inp),
         saved_bytes=tuple(saved), layer_workspace_bytes=tuple(ws), accumulate_workspace_bytes=tuple(ws_acc),
         host_grad_bytes=tuple(x.gpu_params * DTYPE_BYTES[dt] for x in model.layers),
+        grad_out_bytes=tuple(grad_fp32) if policy.host_memory == "replicated" else (),
         master_bytes=tuple(x.params * 4 for x in model.layers),
         opt_s=optimizer_steps_s(model, policy.host_memory, hardware.host, trace, optimizer=policy.optimizer),
         num_gpus=g, h2d_gbps=hardware.host_to_gpu_gbps(),

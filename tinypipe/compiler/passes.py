@@ -177,7 +177,10 @@ def transfer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     sit right after the producer, so the send and recv streams order pairs by producer, the same
     on both sides. activation_home=host: OFFLOAD_ACT L m after FWD L m (the input's last forward
     reader); FETCH_ACT L m before BWD L m, after the offload and after BWD L m-1 (inputs come
-    back one microbatch ahead).
+    back one microbatch ahead). Only for layers that recompute: a layer that keeps its forward's graph
+    (the head) keeps its input in it, so an offload would free nothing on the GPU and the fetch would
+    make a second copy (an H200, 2026-12-01, Qwen3-1.7B 4 x 2048, `run --trace-memory`: the peak at the
+    head's second backward was the ledger's plus its 8 inputs, 0.25 GiB, when they were offloaded).
     """
     before: dict[Op, list[Op]] = {}
     after: dict[Op, list[Op]] = {}
@@ -198,7 +201,7 @@ def transfer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
                 recv = Op(RECV_B if grad else RECV_F, op.gpu, lay, None, op.mb, op.it, nb, d.gpu, [])
                 deps[j] = recv
                 after.setdefault(d, []).extend((send, recv))
-        if offload and op.layer > 0:
+        if offload and op.layer > 0 and plan.recomputes(op.layer):
             key = (op.layer, op.mb or 0, op.it)
             nb = plan.input_bytes[op.layer]
             if kind is FWD:
@@ -232,7 +235,7 @@ def gradient_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             last[op.layer, op.it] = op
     after: dict[Op, list[Op]] = {}
     for (lay, it), b in last.items():
-        go = Op(GRAD_OUT, b.gpu, lay, b.pack, None, it, plan.weight_bytes[lay], deps=[b])
+        go = Op(GRAD_OUT, b.gpu, lay, b.pack, None, it, plan.grad_out_bytes[lay], deps=[b])
         after.setdefault(b, []).append(go)
         nxt = first.get((lay, it + 1))
         if nxt is not None:

@@ -1,0 +1,43 @@
+"""Append a device call's run records to bench/results/cuda_h200.jsonl, naming the call and its profile.
+
+    python bench/device/ingest.py RECORDS --call TEXT [--profile-root DIR] [--into FILE]
+
+RECORDS: the call's cuda_h200.jsonl (bench/device/fidelity_h200.sh writes it under $OUT). Each record
+gains `machine_call` (which lent machine and call ran it) and, with --profile-root, `profile_root`: the
+folder, relative to the repository root, holding the profile taken on that machine in that call, from
+which bench/fidelity.py predicts the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records")
+    ap.add_argument("--call", required=True, help="e.g. '2026-12-01 session 4, device call 1'")
+    ap.add_argument("--profile-root", help="the call's profile folder, relative to the repository root")
+    ap.add_argument("--into", default=str(ROOT / "bench" / "results" / "cuda_h200.jsonl"))
+    a = ap.parse_args()
+    if a.profile_root and not (ROOT / a.profile_root).is_dir():
+        raise SystemExit(f"--profile-root {a.profile_root}: no such folder under {ROOT}")
+    lines = []
+    for line in Path(a.records).read_text().splitlines():
+        rec = json.loads(line)
+        rec["machine_call"] = a.call
+        if a.profile_root:
+            rec["profile_root"] = a.profile_root
+        lines.append(json.dumps(rec) + "\n")
+    with open(a.into, "a") as f:
+        f.writelines(lines)
+    print(f"appended {len(lines)} records to {a.into}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
