@@ -45,12 +45,14 @@ FOLDER = {"qwen3-1.7b": "pq", "llama-3.1-8b": "pl"}
 
 
 def fidelity_records(path: Path) -> list[dict[str, Any]]:
-    """The latest successful record of each `-fid-` case, in the order first seen."""
-    out: dict[str, dict[str, Any]] = {}
+    """The latest successful record of each `-fid-` case and policy, in the order first seen (a search
+    pick's label, `-rank-K`, names another policy when the search ran on another profile)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if "-fid-" in rec.get("case", "") and rec.get("tokens_per_s"):
-            out[rec["case"]] = rec
+            policy = {k: v for k, v in rec.get("policy", {}).items() if k != "name"}
+            out[rec["case"], json.dumps(policy, sort_keys=True)] = rec
     return list(out.values())
 
 
