@@ -28,6 +28,9 @@ schedule needs it:
   head's 0.55 GiB above the ledger there was its graph holding its weights, which no wait frees
   (tinypipe.compiler.passes.memory_pass counts that).
 
+The readiness rules and the loop's constants are `tinypipe.issueloop`'s; the simulator replays this loop
+with a run's measured issue times (sim/issuer.py, `tinypipe replay`).
+
 Every action is timed into `tinypipe.timeline.Record`s (the streams' markers; the host clock for
 OPT_STEP), the schedule's memory effects are applied to a `tinypipe.ledger.Ledger` (allocs when an action is
 issued, frees when it has finished), and the executed per-resource order kept.
@@ -42,9 +45,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from tinypipe.issueloop import IDLE_SLEEP_S, RUNAHEAD_COMPUTE, issue_rules
 from tinypipe.kinds import Kind
 from tinypipe.ledger import Ledger
-from tinypipe.order import predecessors
 from tinypipe.schedule import Action, gpu_resource
 from tinypipe.timeline import Record
 
@@ -54,14 +57,6 @@ from .interpreter import ExecutionError, Interpreter, StepData
 from .streams import make_streams
 
 STUCK_S = 300.0  # no progress for this long: report what each resource waits for
-# FWD / BWD the host may have issued beyond the oldest one the device has not finished. Each is
-# milliseconds of GPU work and under a millisecond of issuing, so 2 keeps the device fed.
-RUNAHEAD_COMPUTE = 2
-# The loop's pause when nothing can be issued. The host optimizer's compact step is hundreds of
-# torch calls per layer, each taking the GIL back; with a 50 us poll here the step measured ~95 ms
-# per 8B block in the steady state on an H200 host (2026-11-30), where the fused-AdamW rate x 1.69
-# predicts ~62 ms. A longer pause leaves the GIL free; 0.5 ms is far below a layer's GPU work.
-IDLE_SLEEP_S = 5e-4
 
 
 @dataclass
@@ -159,15 +154,12 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     queues: dict[str, deque[Action]] = defaultdict(deque)
     for a in actions:
         queues[a.resource].append(a)
-    # what each action waits for (tinypipe.order) on other resources; on its own resource the queue
-    # issues it after the earlier ones, and the stream (or the host worker) runs them in order
-    before = predecessors(actions)
-    needs = {a.id: tuple(d for d in before[a.id] if d in by_id and by_id[d].resource != a.resource)
-             for a in actions}
-    # a LOAD allocates when the host issues it, but the weights an EVICT drops stay allocated until the
-    # device has passed their last use (they were used on another stream): see "EVICT before LOAD"
-    evicts = {a.id: tuple(d for d in needs[a.id] if by_id[d].kind == Kind.EVICT) for a in actions
-              if a.kind == Kind.LOAD}
+    # what each action waits for (tinypipe.issueloop) on other resources; on its own resource the queue
+    # issues it after the earlier ones, and the stream (or the host worker) runs them in order. A LOAD
+    # allocates when the host issues it, but the weights an EVICT drops stay allocated until the device
+    # has passed their last use (they were used on another stream): see "EVICT before LOAD"
+    rules = issue_rules(actions)
+    needs, evicts = rules.needs, rules.evicts
     loads_left: dict[tuple[int, int], int] = defaultdict(int)
     for a in actions:
         if a.kind == Kind.LOAD:

@@ -22,8 +22,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tinypipe.issueloop import owned_layers as owned_layers
+from tinypipe.issueloop import rank_actions as rank_actions
 from tinypipe.kinds import Carries, Kind
-from tinypipe.schedule import Action, Schedule, resource_gpu
+from tinypipe.schedule import Action, Schedule
 
 from .comm import Comm, Handle
 from .compiled import LayerCaller
@@ -48,18 +50,6 @@ class StepData:
 
     microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     denom: float
-
-
-def owned_layers(schedule: Schedule, rank: int) -> list[int]:
-    """The layers of the packs that run on GPU `rank` (whose host state this rank holds)."""
-    return sorted(L for p, g in enumerate(schedule.pack_gpu) if g == rank for L in schedule.pack_layers[p])
-
-
-def rank_actions(schedule: Schedule, rank: int) -> list[Action]:
-    """The actions rank `rank` runs: those on its GPU's streams and the OPT_STEPs of its layers."""
-    owned = set(owned_layers(schedule, rank))
-    return [a for a in schedule.actions
-            if resource_gpu(a.resource) == rank or (a.kind == Kind.OPT_STEP and a.layer in owned)]
 
 
 class Interpreter:

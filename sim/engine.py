@@ -51,8 +51,10 @@ lane runs at its own measured speed whatever the others do; bench/host_optim_rat
 ranks stepping at once).
 
 Replay (`tinypipe replay`) swaps in measured times: `durations` gives actions a fixed duration instead
-of their cost (a SEND / RECV half: its time after both halves are ready), and `lanes` gives the
-lists to run instead of `run_lanes`' (e.g. under the CPU backend, one lane per rank's thread).
+of their cost (a SEND / RECV half: its time after both halves are ready), `lanes` gives the
+lists to run instead of `run_lanes`' (e.g. under the CPU backend, one lane per rank's thread), and
+`issue` (per action: the issue loop's pass before it and its handler, in seconds) runs each rank's
+host issue loop (sim/issuer.py): an action of the rank starts no earlier than its issue began.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ import simpy
 
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
+from tinypipe.issueloop import issue_rules, rank_actions
 from tinypipe.kinds import Cost, Direction, Kind
 from tinypipe.model import ModelSpec
 from tinypipe.optimprofile import Phase, StepPhases
@@ -74,6 +77,7 @@ from tinypipe.timeline import Record, Timeline
 from tinypipe.trace import ProfileTrace
 
 from .costs import COPY, LOOP, OPT, PAIR, PHASED, TIMED, action_costs, link_capacities
+from .issuer import Issuer
 from .memory import Memory
 from .network import Network
 from .result import SimResult, build_result
@@ -86,7 +90,8 @@ class Engine:
 
     def __init__(self, schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
                  memory: Memory, *, durations: Mapping[int, float] | None = None,
-                 lanes: Mapping[str, Sequence[int]] | None = None) -> None:
+                 lanes: Mapping[str, Sequence[int]] | None = None,
+                 issue: Mapping[int, tuple[float, float]] | None = None) -> None:
         self.schedule = schedule
         self.env = simpy.Environment()
         self.memory = memory
@@ -123,6 +128,14 @@ class Engine:
             if g in phased and a.kind.info.cost is Cost.COMPUTE and self._cost[a.id] != 0:
                 self._sets_phase[a.id] = Phase.FWD if a.kind.info.direction is Direction.FORWARD else Phase.BWD
         self._phase = {g: Phase.IDLE for g in phased}
+        self._issuer: list[Issuer | None] = [None] * n  # the loop that issues each action (`issue` given)
+        if issue is not None:
+            for g in range(schedule.num_gpus):
+                acts = rank_actions(schedule, g)
+                if acts:
+                    it = Issuer(self.env, schedule.actions, issue_rules(acts), issue, self.end_s)
+                    for a in acts:
+                        self._issuer[a.id] = it
         for ids in self.lanes.values():
             if ids:
                 self.env.process(self._run(ids))
@@ -164,6 +177,13 @@ class Engine:
                     if ev is None:
                         ev = waiters[d] = env.event()
                     yield ev
+            issuer = self._issuer[aid]
+            if issuer is not None:
+                ev = issuer.wait(aid)
+                if ev is not None:
+                    if lane_gpu is not None:
+                        self._set_phase(lane_gpu, Phase.IDLE)  # the lane waits for the host
+                    yield ev  # the host has not begun to issue it
             m = mode[aid]
             beside = 0
             if m == LOOP:  # (alone, beside, gap alone, gap beside): picked now
@@ -219,6 +239,8 @@ class Engine:
             ev = waiters.pop(aid, None)
             if ev is not None:
                 ev.succeed()
+            if issuer is not None:
+                issuer.ended()
         if lane_gpu is not None:
             self._set_phase(lane_gpu, Phase.IDLE)  # the lane has nothing left
 
@@ -271,7 +293,8 @@ class Engine:
 def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
              gpu_mem_bytes: int | Sequence[int] | None = None, host_mem_bytes: int | None = None,
              on_capacity: str = "raise", durations: Mapping[int, float] | None = None,
-             lanes: Mapping[str, Sequence[int]] | None = None) -> SimResult:
+             lanes: Mapping[str, Sequence[int]] | None = None,
+             issue: Mapping[int, tuple[float, float]] | None = None) -> SimResult:
     """Simulate `schedule` on `hardware` with compute times from `trace`; return its SimResult.
 
     Capacities are the hardware's memory sizes unless `gpu_mem_bytes` (one value for every GPU, or
@@ -298,7 +321,7 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
     static = {d: schedule.static(d) for d in capacity}
     wall0 = time.perf_counter()
     memory = Memory(capacity, static, on_capacity=on_capacity)
-    engine = Engine(schedule, model, hardware, trace, memory, durations=durations, lanes=lanes)
+    engine = Engine(schedule, model, hardware, trace, memory, durations=durations, lanes=lanes, issue=issue)
     timeline = engine.run()
     wall_s = time.perf_counter() - wall0
     return build_result(schedule, timeline, partner=engine.partner, lanes=engine.lanes, params=model.params,

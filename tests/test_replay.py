@@ -22,7 +22,7 @@ from tinypipe.compiler import compile_schedule
 from tinypipe.hardware import load_hardware
 from tinypipe.hfconfig import load_model
 from tinypipe.policy import load_policy
-from tinypipe.replay import load_run_trace
+from tinypipe.replay import RunTrace, issue_durations, load_run_trace
 from tinypipe.replay_command import add_replay_arguments, replay, settle
 from tinypipe.replay_report import ReplayReport
 from tinypipe.trace import trace_for
@@ -178,6 +178,24 @@ def test_a_simulated_timeline_replays_exactly(tmp_path: Path) -> None:
     (tmp_path / "p.json").write_text(policy.dumps())
     rep = replay_of([str(plain), "--policy", str(tmp_path / "p.json"), "--seq-len", "64"])  # names only: flags
     assert rep.replayed_s == pytest.approx(rep.measured_s, abs=1e-9)
+
+
+def test_issue_spans_give_each_action_the_loops_pass_and_its_handler() -> None:
+    """`issue_durations` renumbers a CUDA run's issue spans to the window (ids from `first_id`) and gives each
+    action its handler's time and the loop's pass before it: the gap since the previous issue ended, or,
+    where the loop paused (a gap of IDLE_SLEEP_S or more) or nothing came before, the device's mean pass.
+    A CPU run (its thread lane is the host's order already) or a trace without spans: None."""
+    spans = (("g0", 10, 1.000, 1.002), ("g0", 11, 1.00204, 1.003), ("g0", 12, 1.010, 1.011),
+             ("g0", 13, 1.01106, 1.012), ("g0", 99, 1.01205, 1.013))
+    trace = RunTrace((), "cuda", issue=spans)
+    got = issue_durations(trace, first_id=10, n=4)
+    assert got is not None and sorted(got) == [0, 1, 2, 3]
+    usual = (40e-6 + 60e-6 + 50e-6) / 3  # the passes of every window's spans, 99 of the next one's too
+    want = {0: (usual, 2e-3), 1: (40e-6, 0.96e-3), 2: (usual, 1e-3), 3: (60e-6, 0.94e-3)}
+    for aid, (pass_s, handler_s) in want.items():
+        assert got[aid] == pytest.approx((pass_s, handler_s), abs=1e-9), aid
+    assert issue_durations(RunTrace((), "cpu", issue=spans), 10, 4) is None
+    assert issue_durations(RunTrace((), "cuda"), 10, 4) is None
 
 
 def test_a_run_of_the_current_compiler_replays_without_its_schedule() -> None:

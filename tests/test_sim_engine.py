@@ -382,6 +382,63 @@ def test_replay_lanes_replace_the_resource_lists() -> None:
     assert two.busy_fraction["host.optim"] == pytest.approx(1.0)  # two lanes, each busy all along
 
 
+def test_a_slow_host_issues_each_load_after_the_fwd_before_it() -> None:
+    """`issue` (replay's hook: per action the loop's pass and the handler's time) starts a device action no
+    earlier than its issue began, and the host issues one action at a time, lowest id first among the ready
+    list heads (backends/executor.py). With 500 us handlers for 300 us FWDs the compute head is always
+    ready, so LOAD L1 goes only after FWD L0 m1's issue (1150 us, after its 50 us pass from 600) and FWD L1
+    m0 waits for it; without the loop LOAD L1 ran at 200 us and FWD L1 m0 followed FWD L0 m1 at once."""
+    b = Builder()
+    ld0 = b("LOAD", "g0.h2d", layer=0, nbytes=1_000_000)
+    f00 = b("FWD", "g0.compute", layer=0, microbatch=0, deps=(ld0,))
+    f01 = b("FWD", "g0.compute", layer=0, microbatch=1)
+    ld1 = b("LOAD", "g0.h2d", layer=1, nbytes=1_000_000)
+    f10 = b("FWD", "g0.compute", layer=1, microbatch=0, deps=(ld1,))
+    durations = {ld0: 200e-6, f00: 300e-6, f01: 300e-6, ld1: 200e-6, f10: 300e-6}
+    issue = {ld0: (0.0, 100e-6), f00: (0.0, 500e-6), f01: (50e-6, 500e-6), ld1: (0.0, 100e-6), f10: (0.0, 500e-6)}
+    assert log(sim(b.schedule(), durations=durations, issue=issue)) == [
+        "0.000 200.000 g0.h2d LD0",
+        "200.000 500.000 g0.compute F0.0",
+        "650.000 950.000 g0.compute F0.1",
+        "1150.000 1350.000 g0.h2d LD1",
+        "1350.000 1650.000 g0.compute F1.0",
+    ]
+    assert log(sim(b.schedule(), durations=durations)) == [
+        "0.000 200.000 g0.h2d LD0",
+        "200.000 500.000 g0.compute F0.0",
+        "200.000 400.000 g0.h2d LD1",
+        "500.000 800.000 g0.compute F0.1",
+        "800.000 1100.000 g0.compute F1.0",
+    ]
+
+
+def test_a_fast_host_runs_ahead_by_two_computes_and_polls_for_the_evict_before_a_load() -> None:
+    """With issue times of 0 the host keeps RUNAHEAD_COMPUTE (2) FWD / BWD in flight, so LOAD L1, listed
+    after FWD L0 m2, goes at 0 while FWD L0 m2 waits for FWD L0 m0 to end. LOAD L2 waits for the device to
+    have run EVICT L1 (ends at 2100 us with FWD L1 m0); the sleeping host sees that at the end of its
+    0.5 ms pause (2500 us), and FWD L2 m0 waits for the upload."""
+    b = Builder()
+    f = [b("FWD", "g0.compute", layer=0, microbatch=m) for m in range(3)]
+    ld1 = b("LOAD", "g0.h2d", layer=1, nbytes=1_000_000)
+    f10 = b("FWD", "g0.compute", layer=1, microbatch=0, deps=(ld1,))
+    ev1 = b("EVICT", "g0.compute", layer=1)
+    ld2 = b("LOAD", "g0.h2d", layer=2, nbytes=1_000_000, deps=(ev1,))
+    f20 = b("FWD", "g0.compute", layer=2, microbatch=0, deps=(ld2,))
+    durations = {**{i: 600e-6 for i in f}, ld1: 200e-6, f10: 300e-6, ev1: 0.0, ld2: 200e-6, f20: 300e-6}
+    issue = {i: (0.0, 0.0) for i in range(len(b.actions))}
+    assert log(sim(b.schedule(), durations=durations, issue=issue)) == [
+        "0.000 600.000 g0.compute F0.0",
+        "0.000 200.000 g0.h2d LD1",
+        "600.000 1200.000 g0.compute F0.1",
+        "1200.000 1800.000 g0.compute F0.2",
+        "1800.000 2100.000 g0.compute F1.0",
+        "2100.000 2100.000 g0.compute EV1",
+        "2500.000 2700.000 g0.h2d LD2",
+        "2700.000 3000.000 g0.compute F2.0",
+    ]
+    assert "2100.000 2300.000 g0.h2d LD2" in log(sim(b.schedule(), durations=durations))  # no loop: at once
+
+
 def test_opt_step_takes_the_traces_measured_step_per_kind() -> None:
     """A trace that carries a kind's measured step (`KindProfile.optimizer`) sets OPT_STEP for its layers
     and layout: the block's compact step measured at 5 ms for 1M parameters costs the 2M-parameter

@@ -26,6 +26,7 @@ from tinypipe.replay import (
     RunTrace,
     TraceMismatch,
     effective_durations,
+    issue_durations,
     lanes,
     load_run_trace,
     match_window,
@@ -163,8 +164,9 @@ def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1
     first_step, window = match_window(schedule, trace)
     partner = pair_halves(schedule.actions)
     lane_lists = lanes(schedule, window, trace.source)
+    issue = issue_durations(trace, first_step * len(schedule.actions), len(schedule.actions))  # CUDA runs only
     replayed = simulate(schedule, s.model, s.hardware, s.profile, on_capacity="record",
-                        durations=effective_durations(window, partner), lanes=lane_lists)
+                        durations=effective_durations(window, partner), lanes=lane_lists, issue=issue)
     predicted = simulate(schedule, s.model, s.hardware, s.profile, gpu_mem_bytes=s.gpu_mem_bytes,
                          on_capacity="record")
     measured = Timeline(window, source=trace.source)

@@ -13,7 +13,9 @@ Unexplained waits. The replay starts every action as soon as its lane predecesso
 have ended. Walking the measured timeline's critical path back from the window's last FWD / BWD,
 each action that started later than everything it waits for had ended shows a gap the replay does
 not have: host dispatch, one rank starting after another, work outside the schedule. The gaps are
-summed per resource and kind, and per iteration beside measured minus replayed.
+summed per resource and kind, and per iteration beside measured minus replayed. (Where the trace has
+the main thread's issue spans the replay runs the host's issue loop, so part of such a gap is then
+replayed: the report still lists it.)
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ class ReplayReport:
         if self.issue_busy_s:
             busy = ", ".join(f"{d} {k * b:.3f} {u} ({b / sm:.0%})" for d, b in self.issue_busy_s.items())
             out.append(f"main thread issuing the device's work (the trace's gN.issue), per steady iteration: {busy} "
-                       "(near 100%: the run waits for its host to issue; the simulator charges that through the "
-                       "profile's issue times)")
+                       "(near 100%: the run waits for its host to issue; the replay runs the host's issue loop with "
+                       "these spans, the prediction charges the profile's issue times)")
         out += ["", f"per action kind, steady iterations, largest |delta| first (delta = count x (measured - "
                 f"predicted), {u} per iteration):"]
         out.append(table.render(
