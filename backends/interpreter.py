@@ -22,8 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tinypipe.issueloop import owned_layers as owned_layers
-from tinypipe.issueloop import rank_actions as rank_actions
+from tinypipe.issueloop import owned_layers
 from tinypipe.kinds import Carries, Kind
 from tinypipe.schedule import Action, Schedule
 

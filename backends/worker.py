@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tinypipe.issueloop import owned_layers, rank_actions
 from tinypipe.ledger import Ledger
 from tinypipe.schedule import Schedule
 from tinypipe.timeline import Record
@@ -34,7 +35,7 @@ from .groups import DistGroup, Group
 from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, host_settings
-from .interpreter import ExecutionError, Interpreter, StepData, owned_layers, rank_actions
+from .interpreter import ExecutionError, Interpreter, StepData
 from .pinned import registered_bytes, torch_pinned_peak_bytes
 
 

@@ -12,22 +12,26 @@ block mode (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) under 
 while there is none), and the hardware.json of that folder, else of pq/. Nothing of the run being
 predicted goes into its prediction: one profile per model, taken once, predicts every configuration of
 that model (profile_h200_fid/README.md says where and when each was taken).
-A record that names `profile_root` (the runs of 2026-12-01's second and third sessions) is predicted from
+A record that names `profile_root` (the runs of 2026-12-01's second to fourth sessions) is predicted from
 the profile taken on the same lent machine, minutes before it (`bench/results/profile_h200_fid2/callN`,
-`profile_h200_fid3/callN`):
+`profile_h200_fid3/callN`, `profile_h200_fid4/callN`; the fourth session's call 2 alone was planned from
+its call 1's profile, on another machine, and says so in its `machine_call`):
 machines lent on different calls differed as much as the errors (the host optimizer's steps by 20-30%).
 Each folder's own host optimizer steps (`--optimizer-from own`, the default; `eager`: the model's eager
 folder's for compiled rows too, which was the default while one compiled profile's steps ran 1.3-2.6x
 slow: in four H200 calls the compiled profile's compact block step was 2.6x, 1.4x, 0.86x and 1.0x the
 eager one's, and the compiled runs' steps were closer to their own folder's in two of the three calls
 that ran one). The steps by phase are left out unless `--phases` (`tinypipe profile --optimizer-phases`).
-One JSON object per configuration, replacing --out; a table on stdout.
+One JSON object per configuration, replacing --out; a table on stdout, whose `run` column says where each
+row was measured (run_label: s4c2 is 2026-12-01's fourth session's device call 2; * marks a run planned
+from a profile taken on another lent machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -135,8 +139,18 @@ def rows(profiles: dict[int, Path], records: Path, optimizer_from: str, phases: 
                     "predicted_peak_gpu_bytes": pred["peak_gpu_bytes"],
                     "iteration_error": pred["iteration_s"] / rec["iteration_s"] - 1,
                     "peak_gpu_error": pred["peak_gpu_bytes"] / rec["peak_gpu_bytes"] - 1,
-                    "predict_command": pred["command"], "device": DEVICE, "date": rec["date"]})
+                    "predict_command": pred["command"], "device": DEVICE, "date": rec["date"],
+                    "machine_call": rec.get("machine_call", ""), "run": run_label(rec)})
     return out
+
+
+def run_label(rec: dict[str, Any]) -> str:
+    """Where a record was measured, short: s4c2 (session 4's device call 2), marked * when its profile was
+    taken on another lent machine; `s1` for the first session's records, which name no call."""
+    m = re.search(r"session (\d+), device call (\d+)", rec.get("machine_call", ""))
+    if m is None:
+        return "s1"
+    return f"s{m.group(1)}c{m.group(2)}" + ("*" if "another lent machine" in rec["machine_call"] else "")
 
 
 def main() -> int:
@@ -156,10 +170,10 @@ def main() -> int:
         return 2
     Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in rs))
     w = max(len(r["config"]) for r in rs)
-    print(f"{'config':{w}s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s} {'GPU GiB':>8s} "
+    print(f"{'config':{w}s} {'run':5s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s} {'GPU GiB':>8s} "
           f"{'pred GiB':>8s} {'error':>7s}")
     for r in rs:
-        print(f"{r['config']:{w}s} {r['measured_iteration_s']:10.3f} {r['predicted_iteration_s']:11.3f} "
+        print(f"{r['config']:{w}s} {r['run']:5s} {r['measured_iteration_s']:10.3f} {r['predicted_iteration_s']:11.3f} "
               f"{100 * r['iteration_error']:+6.1f}% {r['measured_peak_gpu_bytes'] / GIB:8.2f} "
               f"{r['predicted_peak_gpu_bytes'] / GIB:8.2f} {100 * r['peak_gpu_error']:+6.1f}%")
     errs = [abs(r["iteration_error"]) for r in rs]

@@ -17,8 +17,9 @@ bench/device/fidelity_h200.sh runs pick on the GPU machine right after its profi
 then runs each policy file a RUN names, recorded with a label ending `-rank-K` (`-ladder-K`).
 
 score: each picked candidate's measured run beside its prediction; the predicted order against the
-measured one (Kendall's tau over all pairs, and each pair in the wrong order with its two gaps),
-whether the winner fit the GPU cap when run, and the spread of each run's steady iterations (what
+measured one (Kendall's tau-a over all pairs, which counts a pair predicted equal as neither; each pair
+in the wrong order with its two gaps), whether the winner fit the GPU cap when run, how far it ran below
+the best candidate as run (`winner_regret`), and the spread of each run's steady iterations (what
 a measured order between two candidates closer than that means). A table on stdout; JSON to --out.
 """
 
@@ -37,6 +38,24 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
+def choose(top: list[dict], n: int, min_gap: float = 0.0) -> list[dict]:
+    """The first `n` distinct fitting candidates of the search's list, in its order; with `min_gap`, each
+    after the first predicted at least that fraction slower than the one chosen before it."""
+    seen: set[tuple[float, int, int]] = set()
+    chosen: list[dict] = []
+    for e in top:
+        key = (round(e["tokens_per_s"], 3), e["peak_gpu_bytes"], e["peak_host_bytes"])
+        if not e["fits"] or key in seen:
+            continue
+        if chosen and e["iteration_s"] < chosen[-1]["iteration_s"] * (1 + min_gap):
+            continue
+        seen.add(key)
+        chosen.append(e)
+        if len(chosen) == n:
+            break
+    return chosen
+
+
 def pick(a: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "tinypipe.cli", "search", "--model", a.model, "--hardware", a.hardware,
            "--profile", a.profile, "--gpu-mem", a.gpu_mem, "--seq-len", "2048", "--batch-tokens", "65536",
@@ -44,23 +63,13 @@ def pick(a: argparse.Namespace) -> int:
     found = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    seen: set[tuple[float, int, int]] = set()
-    picked: list[dict] = []
     prefix = "ladder" if a.min_gap > 0 else "rank"
-    for e in found["top"]:
-        key = (round(e["tokens_per_s"], 3), e["peak_gpu_bytes"], e["peak_host_bytes"])
-        if not e["fits"] or key in seen:
-            continue
-        if picked and e["iteration_s"] < picked[-1]["predicted_iteration_s"] * (1 + a.min_gap):
-            continue
-        seen.add(key)
-        rank = len(picked) + 1
+    picked = []
+    for rank, e in enumerate(choose(found["top"], a.n, a.min_gap), 1):
         policy = dict(e["policy"], name=f"search-{prefix}-{rank}")
         (out / f"{prefix}-{rank}.json").write_text(json.dumps(policy, indent=1) + "\n")
         picked.append({"rank": rank, "policy": policy, "predicted_tokens_per_s": e["tokens_per_s"],
                        "predicted_iteration_s": e["iteration_s"], "predicted_peak_gpu_bytes": e["peak_gpu_bytes"]})
-        if len(picked) == a.n:
-            break
     (out / "picked.json").write_text(json.dumps({"command": "tinypipe " + " ".join(cmd[3:]), "model": a.model,
                                                  "prefix": prefix, "min_gap": a.min_gap,
                                                  "considered": found["considered"], "picked": picked}, indent=1))
@@ -68,6 +77,11 @@ def pick(a: argparse.Namespace) -> int:
         print(f"rank {p['rank']}: {p['predicted_tokens_per_s']:,.0f} tokens/s predicted, "
               f"{p['predicted_peak_gpu_bytes'] / 2**30:.2f} GiB")
     return 0
+
+
+def _tie(x: dict, y: dict) -> bool:
+    """Two candidates the search predicts equally fast (within 0.1%: the same work, one option apart)."""
+    return abs(x["predicted_tokens_per_s"] / y["predicted_tokens_per_s"] - 1) < 1e-3
 
 
 def kendall_tau(predicted: list[float], measured: list[float]) -> float:
@@ -107,11 +121,16 @@ def score(a: argparse.Namespace) -> int:
     wrong = [{"higher_predicted": x["rank"], "lower_predicted": y["rank"],
               "predicted_gap": x["predicted_tokens_per_s"] / y["predicted_tokens_per_s"] - 1,
               "measured_gap": x["measured_tokens_per_s"] / y["measured_tokens_per_s"] - 1}
-             for x, y in combinations(rows, 2) if x["measured_tokens_per_s"] < y["measured_tokens_per_s"]]
+             for x, y in combinations(rows, 2) if x["measured_tokens_per_s"] < y["measured_tokens_per_s"]
+             and not _tie(x, y)]
+    ties = sum(_tie(x, y) for x, y in combinations(rows, 2))
     winner = next((x for x in rows if x["rank"] == 1), None)
     fits = None if winner is None else winner["measured_peak_gpu_bytes"] <= winner["gpu_cap_bytes"]
+    # what picking the search's winner cost against the best of the candidates as run
+    regret = None if winner is None else 1 - winner["measured_tokens_per_s"] / max(meas)
     result = {"search": picked["command"], "candidates": rows, "measured_order": [x["rank"] for x in by_meas],
-              "kendall_tau": kendall_tau(pred, meas), "pairs_in_the_wrong_order": wrong, "winner_fits_cap": fits}
+              "kendall_tau": kendall_tau(pred, meas), "pairs_in_the_wrong_order": wrong,
+              "pairs_predicted_equal": ties, "winner_fits_cap": fits, "winner_regret": regret}
     print(f"{'rank':>4s} {'predicted tok/s':>15s} {'measured tok/s':>14s} {'error':>7s} {'GPU GiB':>8s} "
           f"{'steady spread':>13s}  policy")
     for x in rows:
@@ -122,10 +141,11 @@ def score(a: argparse.Namespace) -> int:
               f"{p['packing']} {p.get('pack_size')}, resident {p['resident']}, depth {p['prefetch_depth']}, "
               f"{p['host_memory']}, acts on {p['activation_home']}")
     print(f"measured order: {result['measured_order']}; Kendall's tau {result['kendall_tau']:+.2f}; "
-          f"{len(wrong)} of {len(rows) * (len(rows) - 1) // 2} pairs in the wrong order"
+          f"{len(wrong)} of {len(rows) * (len(rows) - 1) // 2} pairs in the wrong order, {ties} predicted equal"
           + "".join(f"; {w['higher_predicted']} over {w['lower_predicted']}: predicted "
                     f"{100 * w['predicted_gap']:+.1f}%, measured {100 * w['measured_gap']:+.1f}%" for w in wrong))
-    print(f"winner fits its GPU cap when run: {result['winner_fits_cap']}")
+    print(f"winner fits its GPU cap when run: {result['winner_fits_cap']}"
+          + ("" if regret is None else f"; it ran {100 * regret:.1f}% below the best candidate as run"))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {a.out}")

@@ -38,6 +38,18 @@ def test_kendall_tau_counts_pairs() -> None:
     assert search_rank.kendall_tau([3, 2, 1], [30, 10, 20]) == pytest.approx(1 / 3)  # one of three pairs swapped
 
 
+def test_pick_skips_duplicates_and_ladders_by_the_gap() -> None:
+    """A candidate that compiles to the same work as an earlier one (same predicted speed and memory) or
+    does not fit is skipped; a ladder takes the next candidate at least the gap slower than its last."""
+    def cand(it: float, gpu: int = 1, fits: bool = True) -> dict[str, Any]:
+        return {"iteration_s": it, "tokens_per_s": 65536 / it, "peak_gpu_bytes": gpu, "peak_host_bytes": 0,
+                "fits": fits}
+    top = [cand(2.0), cand(2.0), cand(2.01, fits=False), cand(2.02), cand(2.05), cand(2.07), cand(2.2)]
+    assert [e["iteration_s"] for e in search_rank.choose(top, 3)] == [2.0, 2.02, 2.05]
+    assert [e["iteration_s"] for e in search_rank.choose(top, 3, min_gap=0.03)] == [2.0, 2.07, 2.2]
+    assert [e["iteration_s"] for e in search_rank.choose(top, 9, min_gap=0.03)] == [2.0, 2.07, 2.2]
+
+
 def test_compiled_rows_take_the_eager_folders_optimizer_steps(tmp_path: Path) -> None:
     """Every kind of the compiled copy carries the eager traces' optimizer steps; all else is the compiled
     trace's own."""

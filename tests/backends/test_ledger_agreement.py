@@ -20,11 +20,11 @@ torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
 from test_interpreter import MBS, SEQ, K, compiled, job  # noqa: E402
-from tinypipe.backends.interpreter import owned_layers  # noqa: E402
 from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 
 from tinypipe.hfconfig import load_model  # noqa: E402
+from tinypipe.issueloop import owned_layers  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
 from tinypipe.schedule import Kind, Schedule, resource_gpu  # noqa: E402
 from tinypipe.trace import analytic_trace  # noqa: E402
