@@ -8,8 +8,9 @@ The traces predate `otherData.run`, so each replay is given the run's policy and
 bench/cuda_bench.py ran it (seq 2048, 65,536 tokens per step, --gpu-mem 24GiB). Steady state: the
 first window's iterations 1..3 (`--warmup 1`, Timeline's definition) and 2..3 (`--warmup 2`, the
 bench's, which leaves out the first AdamW steps' first touch of their moments). The sync runs were
-compiled before the head's OPT_STEP moved after the others (tinypipe/compiler/optimizer.py): they are
-replayed against the schedules they ran (`--schedule`, bench/results/cuda_h200_<case>.schedule.txt).
+compiled before the head's OPT_STEP moved after the others (tinypipe/compiler/optimizer.py), the 1-GPU
+async run while the head's inputs were still offloaded (tinypipe/compiler/passes.py): they are replayed
+against the schedules they ran (`--schedule`, bench/results/cuda_h200_<case>.schedule.txt).
 """
 
 from __future__ import annotations

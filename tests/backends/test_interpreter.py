@@ -19,13 +19,7 @@ from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.executor import run_actions  # noqa: E402
 from tinypipe.backends.hostlayouts import make_host_state  # noqa: E402
 from tinypipe.backends.hoststate import AdamWConfig  # noqa: E402
-from tinypipe.backends.interpreter import (  # noqa: E402
-    ExecutionError,
-    Interpreter,
-    UnknownKindError,
-    owned_layers,
-    rank_actions,
-)
+from tinypipe.backends.interpreter import ExecutionError, Interpreter, UnknownKindError  # noqa: E402
 from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402
 from tinypipe.backends.worker import Job  # noqa: E402
@@ -33,6 +27,7 @@ from tinypipe.sim import simulate  # noqa: E402
 
 from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.hfconfig import load_model  # noqa: E402
+from tinypipe.issueloop import owned_layers, rank_actions  # noqa: E402
 from tinypipe.policy import PRESETS, Policy  # noqa: E402
 from tinypipe.schedule import HOST_OPTIM, Action, Kind, Schedule, resource_gpu  # noqa: E402
 from tinypipe.timeline import Timeline  # noqa: E402
