@@ -126,7 +126,7 @@ def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
     tail = sum(w.opt_s[: starts[1]]) if w.optimizer == "sync" and n_packs else 0.0
     # uploads, gradients out, and activations out and back when they live on the host
     offloaded = sum(b for i, b in enumerate(w.input_bytes) if w.recomputes(i))  # a kept graph keeps its input
-    moved = (up_bytes + sum(wb) + 2 * m * offloaded * (w.activation_home == "host")
+    moved = (up_bytes + sum(w.grad_out_bytes) + 2 * m * offloaded * (w.activation_home == "host")
              + 2 * handed * w.p2p_through_host)
     dma_s = moved / (w.host_dma_gbps * 1e9)
     it = max(max(busy, default=0.0) + fill + tail, opt_total, dma_s)
