@@ -11,6 +11,7 @@ cores the rank gets) parallelise each step.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -46,6 +47,28 @@ def host_settings() -> Iterator[None]:
     finally:
         sys.setswitchinterval(switch)
         torch.set_num_threads(threads)
+
+
+@contextmanager
+def gc_pauses(into: list[tuple[str, float, float]], min_s: float = 1e-3) -> Iterator[None]:
+    """Within the block, append ("gc genN", start, end) on `time.perf_counter`'s clock to `into` for each of
+    Python's garbage collections that took `min_s` or more: a collection holds the GIL, so every thread of
+    the rank (the one issuing the device's work, the optimizer's) waits for it."""
+    started: list[float] = []
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            t1 = time.perf_counter()
+            if t1 - started[0] >= min_s:
+                into.append((f"gc gen{info.get('generation')}", started[0], t1))
+
+    gc.callbacks.append(note)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(note)
 
 
 class HostWorker:

@@ -173,9 +173,10 @@ def timeline(plan: Any, results: list[Any]) -> Any:
 
 def save_trace(plan: Any, results: list[Any], path: str | Path, tl: Any = None) -> None:
     """Write the run's Chrome trace to `path`: its records (`tl`, else `timeline`), each rank's issue spans
-    (`RankResult.issue`) and `trace_data`."""
+    (`RankResult.issue`) and other host spans (`RankResult.host`), and `trace_data`."""
     (tl or timeline(plan, results)).save_chrome_trace(path, other_data=trace_data(plan, results),
-                                                      issue={f"g{res.rank}": res.issue for res in results})
+                                                      issue={f"g{res.rank}": res.issue for res in results},
+                                                      host={f"g{res.rank}": res.host for res in results})
 
 
 def trace_data(plan: Any, results: list[Any]) -> dict[str, Any]:

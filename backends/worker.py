@@ -34,7 +34,7 @@ from .executor import Carried, RunLog, run_actions
 from .groups import DistGroup, Group
 from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
-from .hostwork import HostWorker, host_settings
+from .hostwork import HostWorker, gc_pauses, host_settings
 from .interpreter import ExecutionError, Interpreter, StepData
 from .pinned import registered_bytes, torch_pinned_peak_bytes
 
@@ -100,6 +100,9 @@ class RankResult:
     issued: list[int] = field(default_factory=list)  # action ids in the order the host issued them
     peaks: list[tuple[float, int, int]] = field(default_factory=list)  # RunLog.peaks (CUDA with Job.trace_memory)
     issue: list[tuple[int, float, float]] = field(default_factory=list)  # RunLog.issue: the main thread's issue spans
+    # (name, start, end) on the host clock: the rank's work between windows and garbage collections of 1 ms
+    # or more (hostwork.gc_pauses), drawn on the trace's `gN.host`
+    host: list[tuple[str, float, float]] = field(default_factory=list)
     # host RSS at points of the rank's life: phase -> (resident now, peak so far), bytes
     rss_phases: dict[str, tuple[int, int]] = field(default_factory=dict)
     # most pinned host bytes held at once: the slabs this rank registered with CUDA, and PyTorch's pinned
@@ -143,12 +146,14 @@ def _progress(job: Job, step: int, loss: float | None, started: float, done_step
 def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
                stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
     """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
-    with host_settings():
-        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank)
+    host_spans: list[tuple[str, float, float]] = []  # RankResult.host
+    with host_settings(), gc_pauses(host_spans):
+        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, host_spans=host_spans)
 
 
 def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
-                stop: threading.Event | None, local_rank: int) -> RankResult:
+                stop: threading.Event | None, local_rank: int,
+                host_spans: list[tuple[str, float, float]]) -> RankResult:
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
     from .hf import build_model
@@ -213,6 +218,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
 
     step = start
     optimizer = HostWorker(f"rank{rank}-optim")  # runs the OPT_STEPs beside GPU dispatch
+    window_end = None  # when the last window's run_actions returned
     while step < job.steps:
         n = min(sched.iterations, job.steps - step)
         if job.checkpoint_every and job.out:
@@ -223,8 +229,11 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         if window is None:
             window = by_prefix[n] = [a for a in actions if a.iteration < n]
         data = {step + k: step_data(batches, step + k) for k in range(n)}
+        if window_end is not None:
+            host_spans.append(("between windows", window_end, time.perf_counter()))
         part = run_actions(interp, window, data, shift=step, ledger=ledger, id_stride=len(sched.actions),
                            host_worker=optimizer, carry=carry, memory=job.trace_memory)
+        window_end = time.perf_counter()
         log.extend(part)
         losses.update(part.losses)
         if "first window run" not in rss:
@@ -266,6 +275,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         peak_reserved_bytes=max(int(stats.get("reserved_bytes.all.peak", 0)), log.reserved_peak),
         alloc_retries=int(stats.get("num_alloc_retries", 0)),
         masters=host.masters() if job.keep_masters else None, issued=log.issued, peaks=log.peaks, issue=log.issue,
+        host=[h for h in host_spans if h[2] >= t_begin],  # the training loop's, not the model build's
         pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()})
 
 

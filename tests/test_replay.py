@@ -168,7 +168,11 @@ def test_a_simulated_timeline_replays_exactly(tmp_path: Path) -> None:
     # with the main thread's issue spans (a real run's gN.issue): the same actions; each steady iteration's
     # issue time summed per device (here: 1 ms before each g0 compute action's start)
     spans = [(r.id, r.start_s - 1e-3, r.start_s) for r in mine if r.resource == "g0.compute"]
-    tl.save_chrome_trace(chrome, other_data={"run": run}, issue={"g0": spans})
+    # and the rank's other host spans (gN.host: between windows, garbage collections), which are no actions
+    host = [("between windows", mine[-1].end_s, mine[-1].end_s + 0.01), ("gc gen2", mine[0].start_s, mine[0].end_s)]
+    tl.save_chrome_trace(chrome, other_data={"run": run}, issue={"g0": spans}, host={"g0": host})
+    threads = {e["args"]["name"] for e in json.loads(chrome.read_text())["traceEvents"] if e["name"] == "thread_name"}
+    assert {"g0.issue", "g0.host"} <= threads
     back = load_run_trace(chrome)
     assert [(r.id, r.kind) for r in sorted(back.records)] == [(r.id, r.kind) for r in mine]
     assert len(back.issue) == len(spans) and {d for d, *_ in back.issue} == {"g0"}

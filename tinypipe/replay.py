@@ -59,7 +59,7 @@ from tinypipe.kinds import recorded_as
 from tinypipe.order import run_lanes
 from tinypipe.schedule import Schedule, resource_gpu
 from tinypipe.timeline import FORMAT as TIMELINE_FORMAT
-from tinypipe.timeline import ISSUE_CAT, Record, Timeline
+from tinypipe.timeline import HOST_CAT, ISSUE_CAT, Record, Timeline
 
 # How much earlier than a dependency's end a record may start and still count as after it: the host
 # clock (OPT_STEP) and the CUDA events of a rank are aligned once per window; the committed H200
@@ -126,6 +126,8 @@ def load_run_trace(path: str | Path) -> RunTrace:
             t0, t1 = float(e["ts"]) / 1e6, (float(e["ts"]) + float(e["dur"])) / 1e6
             if e.get("cat") == ISSUE_CAT:  # not an action: the main thread's issue of one (`gN.issue`)
                 issue.append((res.partition(".")[0], int(args["id"]), t0, t1))
+                continue
+            if e.get("cat") == HOST_CAT:  # nor the rank's host between actions (`gN.host`)
                 continue
             layer, mb = args.get("layer"), args.get("microbatch")
             records.append(Record(int(args["id"]), res, str(e["cat"]), str(e.get("name", "")),

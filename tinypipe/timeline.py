@@ -31,6 +31,10 @@ FORMAT = "tinypipe.timeline/1"
 STREAM_ORDER = (*GPU_STREAMS, "optim")
 ISSUE_CAT = "ISSUE"  # a Chrome trace's events of the main thread's issue spans (`Timeline.to_chrome_trace`)
 ISSUE_TID = 90  # their thread ids: ISSUE_TID + n, below the extra streams' 100+
+# the rank's host between its device actions: its work between windows and Python's garbage collections
+# (`RankResult.host`), on thread `<device>.host`; not actions either
+HOST_CAT = "HOST"
+HOST_TID = 80
 
 
 def steady_state(iteration_times_s: list[float]) -> float:
@@ -157,14 +161,16 @@ class Timeline:
 
     # ---- Chrome trace ----------------------------------------------------------------------------
     def to_chrome_trace(self, other_data: Mapping[str, Any] | None = None,
-                        issue: Mapping[str, Sequence[tuple[int, float, float]]] | None = None) -> dict[str, Any]:
+                        issue: Mapping[str, Sequence[tuple[int, float, float]]] | None = None,
+                        host: Mapping[str, Sequence[tuple[str, float, float]]] | None = None) -> dict[str, Any]:
         """Chrome trace JSON (Perfetto, chrome://tracing): pid per device, tid per stream, times in µs.
 
         `otherData` holds the source and `meta`, then `other_data` (a real run adds what `tinypipe
         replay` needs to recompile its schedule, under "run"). `issue`: per device, (record id, start,
         end) of each action's issue by the rank's main thread (a real run's `RunLog.issue`), drawn on
         the device's thread `<device>.issue` as events of cat ISSUE_CAT named as the action (readers of
-        the actions skip them: `tinypipe.replay`)."""
+        the actions skip them: `tinypipe.replay`). `host`: per device, (name, start, end) of the rank's other
+        host spans (`RankResult.host`), on `<device>.host` as events of cat HOST_CAT."""
         devices = sorted({r.device for r in self.records} | set(self.memory),
                          key=lambda d: resource_sort_key(d + "."))
         pid = {d: i for i, d in enumerate(devices)}
@@ -199,6 +205,14 @@ class Timeline:
                        {"ph": "M", "name": "thread_sort_index", "pid": pid[d], "tid": tid, "args": {"sort_index": 0}}]
             events += [{"ph": "X", "name": labels.get(rid, str(rid)), "cat": ISSUE_CAT, "pid": pid[d], "tid": tid,
                         "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6, "args": {"id": rid}} for rid, a, b in spans]
+        for n, (d, named) in enumerate(sorted((host or {}).items())):
+            if d not in pid or not named:
+                continue
+            tid = HOST_TID + n
+            events += [{"ph": "M", "name": "thread_name", "pid": pid[d], "tid": tid, "args": {"name": f"{d}.host"}},
+                       {"ph": "M", "name": "thread_sort_index", "pid": pid[d], "tid": tid, "args": {"sort_index": 0}}]
+            events += [{"ph": "X", "name": name, "cat": HOST_CAT, "pid": pid[d], "tid": tid, "ts": (a - t0) * 1e6,
+                        "dur": (b - a) * 1e6, "args": {}} for name, a, b in named]
         for d, samples in self.memory.items():
             for t, b in samples:
                 events.append({"ph": "C", "name": "memory", "pid": pid[d], "tid": 0,
@@ -207,8 +221,9 @@ class Timeline:
                 "otherData": {"source": self.source, **self.meta, **(other_data or {})}}
 
     def save_chrome_trace(self, path: str | Path, other_data: Mapping[str, Any] | None = None,
-                          issue: Mapping[str, Sequence[tuple[int, float, float]]] | None = None) -> None:
-        Path(path).write_text(json.dumps(self.to_chrome_trace(other_data, issue)), encoding="utf-8")
+                          issue: Mapping[str, Sequence[tuple[int, float, float]]] | None = None,
+                          host: Mapping[str, Sequence[tuple[str, float, float]]] | None = None) -> None:
+        Path(path).write_text(json.dumps(self.to_chrome_trace(other_data, issue, host)), encoding="utf-8")
 
     # ---- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

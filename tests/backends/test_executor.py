@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import compiled, job  # noqa: E402
-from tinypipe.backends.hostwork import GIL_SWITCH_S, HostWorker, host_settings  # noqa: E402
+from tinypipe.backends.hostwork import GIL_SWITCH_S, HostWorker, gc_pauses, host_settings  # noqa: E402
 from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.backends.streams import CpuStreams, make_streams  # noqa: E402
 
@@ -94,6 +94,23 @@ def test_host_settings_set_the_switch_interval_and_restore_it(monkeypatch: pytes
         assert torch.get_num_threads() == 1
         raise RuntimeError("the body failed")
     assert sys.getswitchinterval() == before and torch.get_num_threads() == threads
+
+
+def test_gc_pauses_records_each_collection_within_the_block_only() -> None:
+    """Inside the block a collection of at least `min_s` is noted with its generation and host-clock span;
+    the callback is gone after, also when the body fails."""
+    import gc
+
+    spans: list[tuple[str, float, float]] = []
+    with gc_pauses(spans, min_s=0.0):
+        gc.collect()
+    assert spans and spans[-1][0] == "gc gen2" and spans[-1][1] <= spans[-1][2]
+    n = len(spans)
+    with pytest.raises(RuntimeError), gc_pauses(spans, min_s=10.0):
+        gc.collect()  # shorter than 10 s: not noted
+        raise RuntimeError("the body failed")
+    gc.collect()
+    assert len(spans) == n
 
 
 def test_cpu_streams_complete_at_once_and_time_the_body() -> None:

@@ -25,7 +25,7 @@ from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.errors import InputError  # noqa: E402
 from tinypipe.replay import load_run_trace  # noqa: E402
 from tinypipe.schedule import Kind  # noqa: E402
-from tinypipe.timeline import ISSUE_CAT  # noqa: E402
+from tinypipe.timeline import HOST_CAT, ISSUE_CAT  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,13 +64,14 @@ def reference(model: str, steps: int) -> object:
 
 def test_run_trains_two_processes_saves_and_traces(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """`tinypipe run --gpus 2` (gloo, several packs per process, layer swap, compact host) exits 0,
-    prints the summary, writes a Chrome trace of both ranks, and saves a model that
-    `AutoModelForCausalLM.from_pretrained` loads with exactly the reference's trained weights."""
+    prints the summary, writes a Chrome trace of both ranks (5 steps: two windows, with the work between
+    them on each rank's `gN.host`), and saves a model that `AutoModelForCausalLM.from_pretrained` loads
+    with exactly the reference's trained weights."""
     from transformers import AutoModelForCausalLM
 
     out, trace = tmp_path / "out", tmp_path / "trace.json"
     pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1])
-    code = cli_main(["run", "--gpus", "2", "--policy", pol, "--steps", "4", "--seq-len", str(SEQ),
+    code = cli_main(["run", "--gpus", "2", "--policy", pol, "--steps", "5", "--seq-len", str(SEQ),
                      "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), "--out", str(out), "--trace", str(trace)])
     captured = capfd.readouterr()
     assert code == 0, captured.err
@@ -82,11 +83,14 @@ def test_run_trains_two_processes_saves_and_traces(tmp_path: Path, capfd: pytest
     assert {e["args"]["name"] for e in events if e["name"] == "process_name"} >= {"g0", "g1"}
     # each device action's issue by its rank's main thread, on a thread of its own, named as the action
     assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} >= {"g0.issue", "g1.issue"}
-    actions = {e["args"]["id"]: e["name"] for e in events if e.get("ph") == "X" and e["cat"] != ISSUE_CAT}
+    not_actions = (ISSUE_CAT, HOST_CAT)
+    actions = {e["args"]["id"]: e["name"] for e in events if e.get("ph") == "X" and e["cat"] not in not_actions}
     issued = [e for e in events if e.get("cat") == ISSUE_CAT]
     assert issued and all(actions[e["args"]["id"]] == e["name"] and e["dur"] >= 0 for e in issued)
+    between = [e for e in events if e.get("cat") == HOST_CAT and e["name"] == "between windows"]
+    assert len(between) == 2 and all(e["dur"] >= 0 for e in between)  # one per rank: steps 0-3, then 4
     assert len(load_run_trace(trace).records) == len(actions)  # replay reads the actions only
-    ref = reference("tiny-llama", 4)
+    ref = reference("tiny-llama", 5)
     model = AutoModelForCausalLM.from_pretrained(str(out))
     from tinypipe.backends.hf import build_model
 
