@@ -197,22 +197,25 @@ class Timeline:
             events.append({"ph": "X", "name": r.label, "cat": r.kind, "pid": pid[r.device], "tid": tids[r.resource],
                            "ts": (r.start_s - t0) * 1e6, "dur": (r.end_s - r.start_s) * 1e6, "args": args})
         labels = {r.id: r.label for r in self.records}
-        for n, (d, spans) in enumerate(sorted((issue or {}).items())):
-            if d not in pid or not spans:
-                continue
-            tid = ISSUE_TID + n
-            events += [{"ph": "M", "name": "thread_name", "pid": pid[d], "tid": tid, "args": {"name": f"{d}.issue"}},
-                       {"ph": "M", "name": "thread_sort_index", "pid": pid[d], "tid": tid, "args": {"sort_index": 0}}]
-            events += [{"ph": "X", "name": labels.get(rid, str(rid)), "cat": ISSUE_CAT, "pid": pid[d], "tid": tid,
-                        "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6, "args": {"id": rid}} for rid, a, b in spans]
-        for n, (d, named) in enumerate(sorted((host or {}).items())):
-            if d not in pid or not named:
-                continue
-            tid = HOST_TID + n
-            events += [{"ph": "M", "name": "thread_name", "pid": pid[d], "tid": tid, "args": {"name": f"{d}.host"}},
-                       {"ph": "M", "name": "thread_sort_index", "pid": pid[d], "tid": tid, "args": {"sort_index": 0}}]
-            events += [{"ph": "X", "name": name, "cat": HOST_CAT, "pid": pid[d], "tid": tid, "ts": (a - t0) * 1e6,
-                        "dur": (b - a) * 1e6, "args": {}} for name, a, b in named]
+
+        def host_threads(spans: Mapping[str, Sequence[tuple[str, dict[str, Any], float, float]]], suffix: str,
+                         first_tid: int, cat: str) -> None:
+            """Per device, a thread `<device>.<suffix>` of (name, args, start, end) spans on the host clock."""
+            for n, (d, named) in enumerate(sorted(spans.items())):
+                if d not in pid or not named:
+                    continue
+                tid = first_tid + n
+                events.extend([{"ph": "M", "name": "thread_name", "pid": pid[d], "tid": tid,
+                                "args": {"name": f"{d}.{suffix}"}},
+                               {"ph": "M", "name": "thread_sort_index", "pid": pid[d], "tid": tid,
+                                "args": {"sort_index": 0}}])
+                events.extend({"ph": "X", "name": name, "cat": cat, "pid": pid[d], "tid": tid, "ts": (a - t0) * 1e6,
+                               "dur": (b - a) * 1e6, "args": args} for name, args, a, b in named)
+
+        host_threads({d: [(labels.get(rid, str(rid)), {"id": rid}, a, b) for rid, a, b in spans]
+                      for d, spans in (issue or {}).items()}, "issue", ISSUE_TID, ISSUE_CAT)
+        host_threads({d: [(name, {}, a, b) for name, a, b in named] for d, named in (host or {}).items()},
+                     "host", HOST_TID, HOST_CAT)
         for d, samples in self.memory.items():
             for t, b in samples:
                 events.append({"ph": "C", "name": "memory", "pid": pid[d], "tid": 0,
