@@ -22,9 +22,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tinypipe.issueloop import owned_layers
 from tinypipe.kinds import Carries, Kind
-from tinypipe.schedule import Action, Schedule
+from tinypipe.schedule import Action, Schedule, owned_layers
 
 from .comm import Comm, Handle
 from .compiled import LayerCaller

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from tinypipe.issueloop import owned_layers, rank_actions
 from tinypipe.ledger import Ledger
-from tinypipe.schedule import Schedule
+from tinypipe.schedule import Schedule, owned_layers, rank_actions
 from tinypipe.timeline import Record
 
 from . import checkpoint

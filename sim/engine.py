@@ -67,12 +67,12 @@ import simpy
 
 from tinypipe.errors import InputError, ScheduleError
 from tinypipe.hardware import HOST, Hardware
-from tinypipe.issueloop import issue_rules, rank_actions
+from tinypipe.issueloop import issue_rules
 from tinypipe.kinds import Cost, Direction, Kind
 from tinypipe.model import ModelSpec
 from tinypipe.optimprofile import Phase, StepPhases
 from tinypipe.order import pair_halves, predecessors, run_lanes
-from tinypipe.schedule import Schedule, resource_gpu
+from tinypipe.schedule import Schedule, rank_actions, resource_gpu
 from tinypipe.timeline import Record, Timeline
 from tinypipe.trace import ProfileTrace
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tinypipe.issueloop import issue_rules, rank_actions
-from tinypipe.schedule import Action, Kind, Schedule
+from tinypipe.issueloop import issue_rules
+from tinypipe.schedule import Action, Kind, Schedule, rank_actions
 
 
 def _schedule() -> Schedule:

@@ -1,8 +1,9 @@
-"""The executor's issue loop as data: which actions a rank's main thread issues, what it waits for first.
+"""The executor's issue loop as data: what a rank's main thread waits for before it issues an action.
 
-One host thread per rank issues all its actions (backends/executor.py): it takes the lowest-id action
-among its resources' list heads that is ready, issues it (an eager layer's kernels are launched while its
-handler runs) and loops; with nothing ready it sleeps IDLE_SLEEP_S. An action is ready when
+One host thread per rank issues all its actions (backends/executor.py; `tinypipe.schedule.rank_actions`):
+it takes the lowest-id action among its resources' list heads that is ready, issues it (an eager layer's
+kernels are launched while its handler runs) and loops; with nothing ready it sleeps IDLE_SLEEP_S. An
+action is ready when
 - each predecessor on another of the rank's resources (`tinypipe.order.predecessors`) is available: a
   device action once the host issued it (its stream waits for the rest), a host OPT_STEP once it has
   finished on the optimizer thread (the loop polls its future);
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from tinypipe.kinds import Kind
 from tinypipe.order import predecessors
-from tinypipe.schedule import Action, Schedule, resource_gpu
+from tinypipe.schedule import Action
 
 # FWD / BWD the host may have issued beyond the oldest one the device has not finished. Each is
 # milliseconds of GPU work and under a millisecond of issuing, so 2 keeps the device fed.
@@ -53,15 +54,3 @@ def issue_rules(actions: Sequence[Action]) -> IssueRules:
     evicts = {a.id: tuple(d for d in needs[a.id] if by_id[d].kind == Kind.EVICT) for a in actions
               if a.kind == Kind.LOAD}
     return IssueRules(tuple(tuple(q) for q in queues.values()), needs, evicts)
-
-
-def owned_layers(schedule: Schedule, rank: int) -> list[int]:
-    """The layers of the packs that run on GPU `rank` (whose host state and optimizer thread this rank holds)."""
-    return sorted(L for p, g in enumerate(schedule.pack_gpu) if g == rank for L in schedule.pack_layers[p])
-
-
-def rank_actions(schedule: Schedule, rank: int) -> list[Action]:
-    """The actions rank `rank` issues: those on its GPU's streams and the OPT_STEPs of its layers."""
-    owned = set(owned_layers(schedule, rank))
-    return [a for a in schedule.actions
-            if resource_gpu(a.resource) == rank or (a.kind == Kind.OPT_STEP and a.layer in owned)]

@@ -84,6 +84,13 @@ class RunTrace:
     # (device, record id, start s, end s) of each action's issue by its rank's main thread (ISSUE_CAT events)
     issue: tuple[tuple[str, int, float, float], ...] = ()
 
+    def issue_by_device(self) -> dict[str, list[tuple[int, float, float]]]:
+        """`issue` per device: (record id, start, end) of each span, in the trace's order."""
+        out: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+        for device, rid, t0, t1 in self.issue:
+            out[device].append((rid, t0, t1))
+        return dict(out)
+
     @property
     def run(self) -> dict[str, Any]:
         """The run settings recorded for replay (empty for traces written before they were)."""
@@ -234,17 +241,14 @@ def issue_durations(trace: RunTrace, first_id: int, n: int) -> dict[int, tuple[f
     module docstring); None for a trace without issue spans."""
     if not trace.issue or trace.source != "cuda":  # the CPU stand-in's thread lane has the host's order already
         return None
-    spans: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
-    for device, rid, t0, t1 in trace.issue:
-        spans[device].append((t0, t1, rid))
     out = {}
-    for got in spans.values():
-        got.sort()
-        gaps = [(b[0] - a[1], b[2]) for a, b in zip(got, got[1:])]
+    for spans in trace.issue_by_device().values():
+        got = sorted(spans, key=lambda x: (x[1], x[2], x[0]))  # by start on the host clock
+        gaps = [(b[1] - a[2], b[0]) for a, b in zip(got, got[1:])]
         passes = [g for g, _ in gaps if 0 <= g < IDLE_SLEEP_S]  # the loop did not pause between the two
         usual = sum(passes) / len(passes) if passes else 0.0
         before = {rid: g if 0 <= g < IDLE_SLEEP_S else usual for g, rid in gaps}
-        for t0, t1, rid in got:
+        for rid, t0, t1 in got:
             if 0 <= rid - first_id < n:
                 out[rid - first_id] = (before.get(rid, usual), t1 - t0)
     return out

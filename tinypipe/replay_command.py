@@ -192,10 +192,7 @@ def issue_busy(trace: RunTrace, window: Sequence[Record], first_id: int, warmup:
     (`RunTrace.issue`; the window's records renumbered from `first_id`); empty for a trace without them."""
     iteration_of = {r.id + first_id: r.iteration for r in window}
     steady = {i for i in iteration_of.values() if i >= warmup}
-    spans: dict[str, list[tuple[int, float, float]]] = {}
-    for device, rid, t0, t1 in trace.issue:
-        spans.setdefault(device, []).append((rid, t0, t1))
-    return {d: issue_s_per_iteration(s, iteration_of, steady) for d, s in sorted(spans.items())}
+    return {d: issue_s_per_iteration(s, iteration_of, steady) for d, s in sorted(trace.issue_by_device().items())}
 
 
 def replay_main(args: argparse.Namespace, *, simulate: Simulate) -> int:

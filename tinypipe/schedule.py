@@ -304,6 +304,18 @@ class Schedule:
             raise InputError(f"{where}: bad or missing header field {exc}") from None
 
 
+def owned_layers(schedule: Schedule, rank: int) -> list[int]:
+    """The layers of the packs that run on GPU `rank` (whose host state and optimizer thread this rank holds)."""
+    return sorted(L for p, g in enumerate(schedule.pack_gpu) if g == rank for L in schedule.pack_layers[p])
+
+
+def rank_actions(schedule: Schedule, rank: int) -> list[Action]:
+    """The actions rank `rank` issues: those on its GPU's streams and the OPT_STEPs of its layers."""
+    owned = set(owned_layers(schedule, rank))
+    return [a for a in schedule.actions
+            if resource_gpu(a.resource) == rank or (a.kind == Kind.OPT_STEP and a.layer in owned)]
+
+
 def grid(schedule: Schedule, *, max_steps: int | None = 40, mark: int | None = None,
          resources: tuple[str, ...] | None = None) -> str:
     """Steps x resources for people: column r lists resource r's actions in order, one per row.

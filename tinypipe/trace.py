@@ -104,12 +104,15 @@ class KindProfile:
         """The backward's time: with its forward re-run first (`schedule.recomputes`), or from kept activations."""
         return self.recompute_bwd_s if recomputed else self.bwd_s
 
-    def compute_s(self, forward: bool, recomputed: bool, *, beside_optimizer: bool = False) -> float:
+    def compute_s(self, forward: bool, recomputed: bool, *, beside_optimizer: bool = False,
+                  issue: bool = True) -> float:
         """What a FWD (`forward`) or BWD of a layer of this kind costs: in a schedule that recomputes the
         layer (`schedule.recomputes`) and with `loop` measured, the loop's time (beside a running host
-        optimizer step or alone); else the isolated one (`fwd_s`; `backward_s`)."""
+        optimizer step or alone; without `issue`, its device time only: `LoopTimes.device_s`); else the
+        isolated one (`fwd_s`; `backward_s`)."""
         if recomputed and self.loop is not None:
-            return self.loop.compute_s(forward, beside_optimizer)
+            loop = self.loop
+            return loop.compute_s(forward, beside_optimizer) if issue else loop.device_s(forward, beside_optimizer)
         return self.fwd_s if forward else self.backward_s(recomputed)
 
     def issue_gap_s(self, forward: bool, recomputed: bool, *, beside_optimizer: bool = False) -> float:
@@ -123,9 +126,8 @@ class KindProfile:
     def least_compute_s(self, forward: bool, recomputed: bool, *, issue: bool = True) -> float:
         """The least of `compute_s` alone and beside the optimizer (lower bounds: floor, search); without
         `issue`, the loop's device times only (`LoopTimes.device_s`: the floor leaves dispatch out)."""
-        if recomputed and self.loop is not None and not issue:
-            return min(self.loop.device_s(forward, False), self.loop.device_s(forward, True))
-        return min(self.compute_s(forward, recomputed), self.compute_s(forward, recomputed, beside_optimizer=True))
+        return min(self.compute_s(forward, recomputed, issue=issue),
+                   self.compute_s(forward, recomputed, beside_optimizer=True, issue=issue))
 
     def scaled(self, factor: float) -> KindProfile:
         """Every time and size times `factor` (linear in tokens), but a workspace with a fixed part.

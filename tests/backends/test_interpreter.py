@@ -27,9 +27,8 @@ from tinypipe.sim import simulate  # noqa: E402
 
 from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.hfconfig import load_model  # noqa: E402
-from tinypipe.issueloop import owned_layers, rank_actions  # noqa: E402
 from tinypipe.policy import PRESETS, Policy  # noqa: E402
-from tinypipe.schedule import HOST_OPTIM, Action, Kind, Schedule, resource_gpu  # noqa: E402
+from tinypipe.schedule import HOST_OPTIM, Action, Kind, Schedule, owned_layers, rank_actions, resource_gpu  # noqa: E402  # noqa: E402
 from tinypipe.timeline import Timeline  # noqa: E402
 from tinypipe.trace import analytic_trace  # noqa: E402
 

@@ -24,9 +24,13 @@ from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 
 from tinypipe.hfconfig import load_model  # noqa: E402
-from tinypipe.issueloop import owned_layers  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
-from tinypipe.schedule import Kind, Schedule, resource_gpu  # noqa: E402
+from tinypipe.schedule import (  # noqa: E402
+    Kind,
+    Schedule,
+    owned_layers,  # noqa: E402
+    resource_gpu,
+)
 from tinypipe.trace import analytic_trace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
