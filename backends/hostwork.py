@@ -71,6 +71,38 @@ def gc_pauses(into: list[tuple[str, float, float]], min_s: float = 1e-3) -> Iter
         gc.callbacks.remove(note)
 
 
+# Python's cyclic garbage collector holds the GIL for a whole collection, so every thread of the rank
+# waits for it. A full (generation 2) collection walks every tracked object: after `torch.compile`
+# has built its graphs and guards that takes ~0.5 s, and it came once per compiled run, inside the
+# timed iterations (H200, Qwen3-1.7B, 2026-12-01: the main thread stalled 481 ms issuing one FWD; at
+# a window boundary the optimizer thread's last three steps took 0.93 s instead of 0.24 s). So after
+# the first window (one iteration: the compile's) a rank with compiled blocks collects once and freezes
+# what survives (`gc.freeze`: never walked again); later full collections walk only what training made
+# since. Eager runs keep Python's default: no stall of the kind was seen in their traces.
+# TINYPIPE_GC_FREEZE=0 keeps Python's default (an A/B knob, like the two of `host_settings`).
+def settle_heap_enabled() -> bool:
+    """Whether the rank settles the heap after its first window (`settled_heap`)."""
+    return os.environ.get("TINYPIPE_GC_FREEZE", "1") != "0"
+
+
+@contextmanager
+def settled_heap(into: list[tuple[str, float, float]]) -> Iterator[Callable[[], None]]:
+    """A function that collects garbage once and freezes the survivors out of later collections,
+    appending the span ("gc collect + freeze", start, end) to `into`; on leaving the block the
+    frozen objects are collectable again (`gc.unfreeze`), so a process that runs again is as before."""
+
+    def settle() -> None:
+        t0 = time.perf_counter()
+        gc.collect()
+        gc.freeze()
+        into.append(("gc collect + freeze", t0, time.perf_counter()))
+
+    try:
+        yield settle
+    finally:
+        gc.unfreeze()
+
+
 class HostWorker:
     """A single thread that runs submitted host actions one after another, timing each."""
 

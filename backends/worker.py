@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -33,7 +34,7 @@ from .executor import Carried, RunLog, run_actions
 from .groups import DistGroup, Group
 from .hostlayouts import make_host_state
 from .hoststate import DTYPES, AdamWConfig
-from .hostwork import HostWorker, gc_pauses, host_settings
+from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
 from .interpreter import ExecutionError, Interpreter, StepData
 from .pinned import registered_bytes, torch_pinned_peak_bytes
 
@@ -146,13 +147,14 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
                stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
     """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
     host_spans: list[tuple[str, float, float]] = []  # RankResult.host
-    with host_settings(), gc_pauses(host_spans):
-        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, host_spans=host_spans)
+    with host_settings(), gc_pauses(host_spans), settled_heap(host_spans) as settle_heap:
+        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, host_spans=host_spans,
+                           settle_heap=settle_heap if job.compile_blocks and settle_heap_enabled() else None)
 
 
 def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
                 stop: threading.Event | None, local_rank: int,
-                host_spans: list[tuple[str, float, float]]) -> RankResult:
+                host_spans: list[tuple[str, float, float]], settle_heap: Callable[[], None] | None) -> RankResult:
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
     from .hf import build_model
@@ -219,7 +221,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     optimizer = HostWorker(f"rank{rank}-optim")  # runs the OPT_STEPs beside GPU dispatch
     window_end = None  # when the last window's run_actions returned
     while step < job.steps:
-        n = min(sched.iterations, job.steps - step)
+        # with `settle_heap`, a first window of one iteration (the compile's), then the heap is settled
+        n = min(1 if settle_heap else sched.iterations, job.steps - step)
         if job.checkpoint_every and job.out:
             n = min(n, job.checkpoint_every - step % job.checkpoint_every)
         if job.stop_after is not None and step < job.stop_after:
@@ -227,7 +230,9 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         window = by_prefix.get(n)
         if window is None:
             window = by_prefix[n] = [a for a in actions if a.iteration < n]
+        t_data = time.perf_counter()
         data = {step + k: step_data(batches, step + k) for k in range(n)}
+        host_spans.append(("step data", t_data, time.perf_counter()))
         if window_end is not None:
             host_spans.append(("between windows", window_end, time.perf_counter()))
         part = run_actions(interp, window, data, shift=step, ledger=ledger, id_stride=len(sched.actions),
@@ -244,6 +249,10 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             for k in range(step, step + n):
                 _progress(job, k, losses.get(k), t_begin, k + 1 - start)
         step += n
+        if settle_heap:
+            finish_host_steps()  # once: the optimizer's tail would wait for the GIL the collection holds
+            settle_heap()
+            settle_heap = None
         wants_stop = (stop is not None and stop.is_set()) or (job.stop_after is not None and step >= job.stop_after)
         interrupted = group.any_true(wants_stop) and step < job.steps
         every = job.checkpoint_every

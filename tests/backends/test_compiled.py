@@ -55,3 +55,24 @@ def test_compiled_pipeline_trains_like_the_reference(staleness: int) -> None:
         j = dataclasses.replace(job("tiny-llama", compiled("tiny-llama", policy, 2), K, staleness=staleness),
                                 compile_blocks=True, compile_backend="aot_eager")
         assert_same_training(run_threads(j, 2), reference("tiny-llama", K, staleness=staleness))
+
+
+@pytest.mark.parametrize("freeze", ["1", "0"])
+def test_compiled_run_settles_the_heap_after_its_first_iteration(freeze: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With compiled blocks each rank runs iteration 0 alone, then collects and freezes the heap once
+    (a span on its host thread between iteration 0's work and iteration 1's), and unfreezes it when the
+    run ends; TINYPIPE_GC_FREEZE=0 leaves the collector alone."""
+    import gc
+
+    monkeypatch.setenv("TINYPIPE_GC_FREEZE", freeze)
+    j = dataclasses.replace(job("tiny-llama", compiled("tiny-llama", PRESETS["tinypipe"], 2), K),
+                            compile_blocks=True, compile_backend="aot_eager")
+    results = run_threads(j, 2)
+    assert gc.get_freeze_count() == 0
+    for r in results:
+        settles = [(t0, t1) for name, t0, t1 in r.host if name == "gc collect + freeze"]
+        assert len(settles) == (1 if freeze == "1" else 0), r.host
+        if settles:
+            end0 = max(rec.end_s for rec in r.records if rec.iteration == 0)
+            start1 = min(rec.start_s for rec in r.records if rec.iteration == 1)
+            assert end0 <= settles[0][0] < settles[0][1] <= start1
