@@ -12,6 +12,7 @@ import torch
 from tinypipe.errors import InputError
 
 from ..hf import param_seed
+from ..layers import IGNORE_INDEX
 from .examples import Example, tokenize, window
 from .tokenizers import ByteTokenizer, Tokenizer
 
@@ -65,13 +66,71 @@ def is_held_out(a: int, b: int) -> bool:
 
 class AdditionSequences:
     """Sequence j: training problems drawn from a generator seeded by (seed, j), packed from
-    position 0 up to `seq_len + 1` tokens (the last problem is cut where the window ends)."""
+    position 0 up to `seq_len + 1` tokens (the last problem is cut where the window ends).
+
+    With byte-level ids a problem's tokens are its text's bytes, so `__getitem__` takes a fast path
+    that draws the same problems, keeps each problem's bytes and loss mask (`_packed`, a bounded
+    memo) and joins them, ~3x faster than tokenizing problem by problem (H200 host, Qwen3-1.7B,
+    2026-12-01: 0.2-0.4 s of pure Python per 4-step window between two windows of a compiled run,
+    while the GPU waited). `slow_item` is the general path, kept for any tokenizer and the tests.
+    """
+
+    MEMO_MAX = 200_000  # problems whose bytes are kept (the default task has ~10k)
 
     def __init__(self, task: AdditionTask, tokenizer: Tokenizer, seq_len: int) -> None:
         self.task, self.tokenizer, self.seq_len = task, tokenizer, seq_len
+        self._bytes = isinstance(tokenizer, ByteTokenizer)
+        self._memo: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+
+    def _rng(self, j: int) -> random.Random:
+        return random.Random(param_seed(self.task.seed, f"addition/{j}"))
 
     def __getitem__(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = self.task.problems(random.Random(param_seed(self.task.seed, f"addition/{j}")), held_out=False)
+        if not self._bytes:
+            return self.slow_item(j)
+        rng, digits, memo = self._rng(j), self.task.digits, self._memo
+        getrandbits = rng.getrandbits
+
+        def below(n: int) -> int:  # random.Random._randbelow: what randint / randrange draw with
+            k = n.bit_length()
+            r = getrandbits(k)
+            while r >= n:
+                r = getrandbits(k)
+            return r
+
+        ids: list[bytes] = []
+        masks: list[bytes] = []
+        total = 0
+        while total < self.seq_len + 1:
+            n = 1 + below(digits)  # AdditionTask._operand, twice
+            lo = 0 if n == 1 else 10 ** (n - 1)
+            a = lo + below(10**n - lo)
+            n = 1 + below(digits)
+            lo = 0 if n == 1 else 10 ** (n - 1)
+            b = lo + below(10**n - lo)
+            got = memo.get((a, b))
+            if got is None:
+                if is_held_out(a, b):
+                    continue
+                got = self._packed(a, b)
+                if len(memo) < self.MEMO_MAX:
+                    memo[a, b] = got
+            ids.append(got[0])
+            masks.append(got[1])
+            total += len(got[0])
+        seq = torch.frombuffer(bytearray(b"".join(ids)[: self.seq_len + 1]), dtype=torch.uint8).long()
+        keep = torch.frombuffer(bytearray(b"".join(masks)[1: self.seq_len + 1]), dtype=torch.uint8).bool()
+        return seq[:-1].clone(), torch.where(keep, seq[1:], IGNORE_INDEX)
+
+    def _packed(self, a: int, b: int) -> tuple[bytes, bytes]:
+        """A training problem's byte ids and, per id, whether it carries loss (1) or not (0)."""
+        ex = self.task.example(a, b)
+        prompt, completion = ex.prompt.encode("utf-8"), ex.completion.encode("utf-8")
+        return prompt + completion, b"\0" * len(prompt) + b"\1" * len(completion)
+
+    def slow_item(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`__getitem__` for any tokenizer: each problem tokenized on its own."""
+        stream = self.task.problems(self._rng(j), held_out=False)
         ids: list[int] = []
         loss: list[bool] = []
         while len(ids) < self.seq_len + 1:

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.data.addition import AdditionTask, task_accuracy  # noqa: E402
+from tinypipe.backends.data.addition import AdditionSequences, AdditionTask, task_accuracy  # noqa: E402
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.examples import Example, pack, read_examples  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
@@ -121,6 +121,19 @@ def test_synthetic_lines_and_answer_masks() -> None:
     everything = make_batches(None, tokenizer=tok, seq_len=48, microbatch_size=1, microbatches=1, seed=0,
                               task=AdditionTask(seed=0, loss_on="all"))
     assert (everything.step(0)[0][1] != X).all()
+
+
+@pytest.mark.parametrize("digits, loss_on, vocab, seq_len", [(2, "answer", 151_936, 2048), (3, "all", 256, 64),
+                                                          (1, "answer", 258, 17), (5, "answer", 300, 300)])
+def test_byte_level_fast_path_serves_the_general_paths_sequences(digits: int, loss_on: str, vocab: int,
+                                                                 seq_len: int) -> None:
+    """With byte-level ids, `AdditionSequences` joins memoised problems: the same inputs and labels as
+    tokenizing each problem (`slow_item`), from a cold and from a warm memo."""
+    src = AdditionSequences(AdditionTask(seed=3, digits=digits, loss_on=loss_on), ByteTokenizer(vocab), seq_len)
+    for j in [*range(12), *range(12)]:
+        fast, slow = src[j], src.slow_item(j)
+        for f, s in zip(fast, slow):
+            assert f.dtype == s.dtype and torch.equal(f, s), j
 
 
 def test_held_out_problems_are_never_trained_on() -> None:
