@@ -30,6 +30,7 @@ from tinypipe.timeline import Record
 from . import checkpoint
 from .comm import Comm, DistComm
 from .compiled import COMPILE_BACKEND, LayerCaller
+from .cpustat import Steal
 from .executor import Carried, RunLog, run_actions
 from .groups import DistGroup, Group
 from .hostlayouts import make_host_state
@@ -108,6 +109,8 @@ class RankResult:
     # most pinned host bytes held at once: the slabs this rank registered with CUDA, and PyTorch's pinned
     # caching allocator (None where torch has no statistics for it); two peaks, so their sum is an upper bound
     pinned_peak_bytes: dict[str, int | None] = field(default_factory=dict)
+    # the host's CPU time a hypervisor took (cpustat.Steal) over the training loop; None where unknown
+    host_steal_share: float | None = None
 
 
 def step_data(batches: Any, step: int) -> StepData:
@@ -202,6 +205,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     head = sched.num_layers - 1 in layers
     log = RunLog()
     t_begin = time.perf_counter()
+    steal = Steal()  # the host's CPU time the hypervisor took while this rank trained
     interrupted = False
     saved = [start, time.monotonic()]  # step and time of the last checkpoint (or of the start)
     carry = Carried()  # OPT_STEPs still running when their window's device work ended
@@ -284,7 +288,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         alloc_retries=int(stats.get("num_alloc_retries", 0)),
         masters=host.masters() if job.keep_masters else None, issued=log.issued, peaks=log.peaks, issue=log.issue,
         host=[h for h in host_spans if h[2] >= t_begin],  # the training loop's, not the model build's
-        pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()})
+        pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()},
+        host_steal_share=steal.share())
 
 
 def _rss() -> tuple[int, int]:

@@ -116,6 +116,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
         "peak_reserved_gpu_bytes": max(r.peak_reserved_bytes for r in results),
         "alloc_retries": sum(r.alloc_retries for r in results),
         "peak_host_rss_bytes": sum(r.peak_rss_bytes for r in results),
+        "host_steal_share": results[0].host_steal_share,  # the hypervisor's share of the host's CPU time (cpustat)
         "host_rss_bytes_per_param": sum(r.peak_rss_bytes for r in results) / params,
         "host_rss_phases_per_rank": [r.rss_phases for r in sorted(results, key=lambda r: r.rank)],
         "host_state_bytes": held, "host_state_bytes_per_param": held / params,

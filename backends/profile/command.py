@@ -167,9 +167,11 @@ def _profile(args: argparse.Namespace) -> int:
             phases = None if not args.optimizer_phases else {
                 only: DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed, only=only)
                 for only in ("fwd", "bwd")}
-            optimizer, steps = measure_optimizer(bench, largest, threads=opt_threads, max_steps=min(args.repeat, 5),
-                                                 say=say, phases=phases)
-            opt_note = describe(opt_threads, steps, largest, phases)
+            rounds = args.optimizer_rounds or (3 if device.type == "cuda" else 1)
+            optimizer, steps, steal = measure_optimizer(bench, largest, threads=opt_threads,
+                                                        max_steps=min(args.repeat, 5), rounds=rounds, say=say,
+                                                        phases=phases)
+            opt_note = describe(opt_threads, steps, largest, phases) + "; " + steal_note(steal)
             del phases
         if not args.no_loop and has_block(bench):
             for size in sizes:
@@ -231,6 +233,17 @@ def _write(out: Path, traces: list[ProfileTrace], rates: HostRates | None, base:
     return [p for p, _ in files]
 
 
+STEAL_NOTE = "host CPU time taken by the hypervisor while the steps were timed"
+
+
+def steal_note(steal: list[float | None]) -> str:
+    """The rounds' stolen CPU shares, for the traces' optimizer source and the report."""
+    shares = ", ".join("unknown" if x is None else f"{100 * x:.1f}%" for x in steal)
+    return f"{STEAL_NOTE} (by round): {shares}" + (
+        " (steps timed while it took more than 1% ran up to 2x slow on H200: profile again)"
+        if any(x is not None and x > 0.01 for x in steal) else "")
+
+
 def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rates: HostRates | None,
             written: list[Path], base: Hardware | None) -> str:
     from tinypipe import table
@@ -277,6 +290,8 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
                           "measured): waiting (alone), beside FWDs, beside BWDs",
                       table.render(["kind", "layout", "alone ms", "beside FWD ms", "beside BWD ms", "async alone ms",
                                     "async beside FWD ms", "async beside BWD ms"], rows, align="llrrrrrr")]
+        if STEAL_NOTE in traces[0].source:
+            lines.append(traces[0].source[traces[0].source.index(STEAL_NOTE):])
     if rates is not None:
         f = rates.factors()
         lines += ["", f"copies ({rates.device}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, both at "

@@ -56,6 +56,7 @@ from tinypipe.model import LayerKind
 from tinypipe.optimprofile import OptimizerProfile
 from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
 
+from ..cpustat import Steal
 from ..hostlayouts import make_host_state
 from ..hoststate import AdamWConfig, HostState
 from ..hostwork import HostWorker
@@ -86,6 +87,14 @@ class KindSteps:
     async_in_run_s: tuple[float, ...]
     # by phase (module docstring): OptimizerProfile's field -> the timed steps (empty without the phases' loops)
     phases_s: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def joined(self, other: KindSteps) -> KindSteps:
+        """These steps and another round's (this round's warm-up kept)."""
+        return KindSteps(params=self.params, warm_s=self.warm_s, alone_s=self.alone_s + other.alone_s,
+                         in_run_s=self.in_run_s + other.in_run_s,
+                         async_in_run_s=self.async_in_run_s + other.async_in_run_s,
+                         phases_s={k: self.phases_s.get(k, ()) + other.phases_s.get(k, ())
+                                   for k in {*self.phases_s, *other.phases_s}})
 
 
 class Stepper:
@@ -172,23 +181,33 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
                      phases_s=by_phase)
 
 
-def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_steps: int,
+def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_steps: int, rounds: int = 1,
                       say: Callable[[str], None] = lambda text: None, phases: Mapping[str, DeviceLoop] | None = None,
-                      ) -> tuple[dict[str, OptimizerProfile], dict[str, dict[str, KindSteps]]]:
-    """Per layer kind, its `OptimizerProfile` (medians per layout), and every timed step (kind -> layout ->
-    KindSteps), at `threads` torch intra-op threads; with `phases` (`time_steps`) the steps by phase too."""
+                      ) -> tuple[dict[str, OptimizerProfile], dict[str, dict[str, KindSteps]], list[float | None]]:
+    """Per layer kind, its `OptimizerProfile` (medians per layout), every timed step (kind -> layout ->
+    KindSteps) and the host's stolen CPU share in each round (`cpustat.Steal`), at `threads` torch intra-op
+    threads; with `phases` (`time_steps`) the steps by phase too. Every kind and layout is timed in each of
+    `rounds` rounds, one after another, and the medians are over all rounds' steps: the lent machines'
+    host steps came 2x slow for tens of seconds at a time (cpustat), and one round's steps all fall
+    inside such a spell."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     steps: dict[str, dict[str, KindSteps]] = {}
+    steal: list[float | None] = []
     try:
         for warm in (loop, *(phases or {}).values()):
             warm.window()  # warm-up: the loop's streams, its first allocations, a compiled block's graphs
-        for kind in (k.value for k in LayerKind):
-            steps[kind] = {}
-            for layout in HOST_LAYOUTS:
-                say(f"timing the {kind}'s host optimizer step ({layout}, {threads} thread(s)) alone and beside "
-                    f"the device's work" + (" (and by phase)" if phases else ""))
-                steps[kind][layout] = time_steps(bench, kind, layout, loop, max_steps=max_steps, phases=phases)
+        for r in range(rounds):
+            meter = Steal()
+            for kind in (k.value for k in LayerKind):
+                for layout in HOST_LAYOUTS:
+                    say(f"timing the {kind}'s host optimizer step ({layout}, {threads} thread(s)) alone and beside "
+                        f"the device's work" + (" (and by phase)" if phases else "")
+                        + (f", round {r + 1} of {rounds}" if rounds > 1 else ""))
+                    got = time_steps(bench, kind, layout, loop, max_steps=max_steps, phases=phases)
+                    had = steps.setdefault(kind, {}).get(layout)
+                    steps[kind][layout] = got if had is None else had.joined(got)
+            steal.append(meter.share())
     finally:
         torch.set_num_threads(before)
     med = statistics.median
@@ -199,7 +218,7 @@ def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_
                                   **{key: {lay: med(k.phases_s[key]) for lay, k in by.items() if k.phases_s.get(key)}
                                      for key in PHASE_FIELDS})
            for kind, by in steps.items()}
-    return out, steps
+    return out, steps, steal
 
 
 def describe(threads: int, steps: dict[str, dict[str, KindSteps]], loop: DeviceLoop,

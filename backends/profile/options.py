@@ -32,6 +32,11 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the host optimizer step of each layer kind (alone and beside the device's work, at the "
                         "thread count of one rank of `run`, or --threads); without it the simulator costs the "
                         "optimizer at the host's rate")
+    p.add_argument("--optimizer-rounds", type=int, default=None, metavar="N",
+                   help="time every kind's host optimizer step in N rounds, one after another, and take the medians "
+                        "over all of them (default 3 on cuda, 1 on cpu): on the lent H200 machines the host's steps "
+                        "ran 2x slow for tens of seconds at a time, with the hypervisor taking CPU time (the profile "
+                        "prints the share it took in each round)")
     p.add_argument("--optimizer-phases", action="store_true",
                    help="also time the host optimizer step beside a loop of FWDs only and one of BWDs only, and the "
                         "async step alone (the simulator then runs the step at the rate of what the compute stream "

@@ -119,7 +119,7 @@ def test_steps_by_phase_run_beside_each_phases_loop(bench: LayerBench) -> None:
     for w in phases.values():
         assert w.done_before_start == [False, False] and min(w.windows) >= 1  # the sync step, then the async
     loops = {only: w.loop for only, w in phases.items()}
-    opt, steps = measure_optimizer(bench, mixed.loop, threads=1, max_steps=1, phases=loops)
+    opt, steps, _ = measure_optimizer(bench, mixed.loop, threads=1, max_steps=1, phases=loops)
     block = opt["block"]
     for layout in HOST_LAYOUTS:
         k = steps["block"][layout]
@@ -127,6 +127,22 @@ def test_steps_by_phase_run_beside_each_phases_loop(bench: LayerBench) -> None:
                                                         k.phases_s["beside_bwd_s"][0])
         assert block.phases_s(layout, block.params, asynchronous=True) == tuple(
             k.phases_s[f][0] for f in ("async_alone_s", "async_beside_fwd_s", "async_beside_bwd_s"))
+
+
+def test_rounds_time_every_kind_again_and_take_the_medians_over_all(bench: LayerBench) -> None:
+    """With `rounds`, each kind and layout is timed once per round: the steps of all rounds are kept, the
+    profile's medians are over them, and the host's stolen CPU share is reported per round."""
+    import statistics
+
+    from tinypipe.backends.profile.optim import measure_optimizer
+
+    loop = DeviceLoop(bench, microbatch_size=1, seq_len=SEQ)
+    opt, steps, steal = measure_optimizer(bench, loop, threads=1, max_steps=1, rounds=2)
+    assert len(steal) == 2 and all(x is None or 0 <= x <= 1 for x in steal)
+    for kind, by in steps.items():
+        for layout, k in by.items():
+            assert len(k.alone_s) == len(k.in_run_s) == len(k.async_in_run_s) == 2
+            assert opt[kind].alone_s[layout] == statistics.median(k.alone_s)
 
 
 @pytest.mark.parametrize("layout", HOST_LAYOUTS)

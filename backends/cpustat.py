@@ -1,0 +1,46 @@
+"""The host's stolen CPU time: what a virtual machine's hypervisor gave to other guests.
+
+On the lent H200 machines (virtual, 16 vCPUs) `top` showed 5-8% steal for seconds at a time while a
+profile timed the host optimizer (2026-12-01, fifth session, call 2), and that profile's compact block
+step ran 72 ms where the profiles before and after it on the same machine ran 33-35 ms. A step is ~150
+torch ops, each split over the rank's threads and joined at a barrier: a vCPU paused under any one
+thread holds up the op, so a few percent of steal can double a step. Profiles and runs report the
+steal they saw (`Steal`), so a slow measurement says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC_STAT = Path("/proc/stat")
+
+
+def cpu_jiffies(path: Path = PROC_STAT) -> tuple[int, int] | None:
+    """(all, stolen) CPU time of the host since boot, in clock ticks summed over CPUs; None where the
+    system has no /proc/stat (not Linux) or its first line is not the `cpu` total."""
+    try:
+        first = path.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not first or first[0] != "cpu" or len(first) < 9:
+        return None
+    ticks = [int(x) for x in first[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user and nice]
+    return sum(ticks[:8]), ticks[7]
+
+
+@dataclass
+class Steal:
+    """Stolen share of the host's CPU time from its creation to `share()`; None where unknown."""
+
+    path: Path = PROC_STAT
+
+    def __post_init__(self) -> None:
+        self.start = cpu_jiffies(self.path)
+
+    def share(self) -> float | None:
+        end = cpu_jiffies(self.path)
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        return (end[1] - self.start[1]) / (end[0] - self.start[0])
