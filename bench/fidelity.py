@@ -24,7 +24,9 @@ eager one's, and the compiled runs' steps were closer to their own folder's in t
 that ran one). The steps by phase are left out unless `--phases` (`tinypipe profile --optimizer-phases`).
 One JSON object per configuration, replacing --out; a table on stdout, whose `run` column says where each
 row was measured (run_label: s4c2 is 2026-12-01's fourth session's device call 2; * marks a run planned
-from a profile taken on another lent machine).
+from a profile taken on another lent machine) and `steal` the share of the host's CPU time the hypervisor
+took during the run (backends/cpustat.py; recorded since the fifth session): runs above 1% are listed, and
+the errors given without them as well as with them.
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ def rows(profiles: dict[int, Path], records: Path, optimizer_from: str, phases: 
                     "iteration_error": pred["iteration_s"] / rec["iteration_s"] - 1,
                     "peak_gpu_error": pred["peak_gpu_bytes"] / rec["peak_gpu_bytes"] - 1,
                     "predict_command": pred["command"], "device": DEVICE, "date": rec["date"],
-                    "machine_call": rec.get("machine_call", ""), "run": run_label(rec)})
+                    "machine_call": rec.get("machine_call", ""), "run": run_label(rec),
+                    "run_host_steal_share": rec.get("host_steal_share")})
     return out
 
 
@@ -151,6 +154,16 @@ def run_label(rec: dict[str, Any]) -> str:
     if m is None:
         return "s1"
     return f"s{m.group(1)}c{m.group(2)}" + ("*" if "another lent machine" in rec["machine_call"] else "")
+
+
+STEAL_FLAG = 0.01  # a run whose host lost more of its CPU time than this is flagged (backends/cpustat.py)
+
+
+def summary(rs: list[dict[str, Any]], what: str) -> str:
+    errs = [abs(r["iteration_error"]) for r in rs]
+    mem = [abs(r["peak_gpu_error"]) for r in rs]
+    return (f"{what}: iteration |error| median {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%; "
+            f"peak GPU |error| median {100 * statistics.median(mem):.1f}%, worst {100 * max(mem):.1f}%")
 
 
 def main() -> int:
@@ -171,16 +184,20 @@ def main() -> int:
     Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in rs))
     w = max(len(r["config"]) for r in rs)
     print(f"{'config':{w}s} {'run':5s} {'measured s':>10s} {'predicted s':>11s} {'error':>7s} {'GPU GiB':>8s} "
-          f"{'pred GiB':>8s} {'error':>7s}")
+          f"{'pred GiB':>8s} {'error':>7s} {'steal':>6s}")
     for r in rs:
+        steal = r["run_host_steal_share"]
         print(f"{r['config']:{w}s} {r['run']:5s} {r['measured_iteration_s']:10.3f} {r['predicted_iteration_s']:11.3f} "
               f"{100 * r['iteration_error']:+6.1f}% {r['measured_peak_gpu_bytes'] / GIB:8.2f} "
-              f"{r['predicted_peak_gpu_bytes'] / GIB:8.2f} {100 * r['peak_gpu_error']:+6.1f}%")
-    errs = [abs(r["iteration_error"]) for r in rs]
-    mem = [abs(r["peak_gpu_error"]) for r in rs]
-    print(f"{len(rs)} configurations: iteration |error| median {100 * statistics.median(errs):.1f}%, worst "
-          f"{100 * max(errs):.1f}%; peak GPU |error| median {100 * statistics.median(mem):.1f}%, worst "
-          f"{100 * max(mem):.1f}%")
+              f"{r['predicted_peak_gpu_bytes'] / GIB:8.2f} {100 * r['peak_gpu_error']:+6.1f}% "
+              + ("     -" if steal is None else f"{100 * steal:5.1f}%"))
+    print(summary(rs, f"{len(rs)} configurations"))
+    stolen = [r for r in rs if (r["run_host_steal_share"] or 0) > STEAL_FLAG]
+    if stolen:
+        print(f"{len(stolen)} run(s) saw the hypervisor take more than {100 * STEAL_FLAG:.0f}% of the host's CPU time "
+              f"(steal; `-` where not recorded, before 2026-12-01's fifth session): "
+              + "; ".join(f"{r['config']} ({r['run']}, {100 * r['iteration_error']:+.1f}%)" for r in stolen))
+        print(summary([r for r in rs if r not in stolen], "without them"))
     print(f"wrote {a.out}")
     return 0
 
