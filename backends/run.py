@@ -288,6 +288,19 @@ def issue_shares(tl: Any, results: list[Any], iteration_s: float) -> dict[int, f
             for res in sorted(results, key=lambda r: r.rank)}
 
 
+STEAL_WARN = 0.01  # a run that lost more of the host's CPU time than this to a hypervisor says so
+
+
+def _steal_lines(results: list[Any]) -> list[str]:
+    """A line when the hypervisor took more than STEAL_WARN of the host's CPU time during the run
+    (`RankResult.host_steal_share`): the host optimizer's steps then run slow (backends/cpustat.py)."""
+    shares = [r.host_steal_share for r in results if r.host_steal_share is not None]
+    if not shares or max(shares) <= STEAL_WARN:
+        return []
+    return [f"host      the hypervisor took {max(shares):.1%} of the host's CPU time during the run: the host "
+            f"optimizer's steps can run up to 2x slow, and the run slower than predicted"]
+
+
 def _issue_lines(tl: Any, results: list[Any], iteration_s: float, *, compiled: bool) -> list[str]:
     shares = issue_shares(tl, results, iteration_s)
     if not shares:
@@ -336,6 +349,7 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
     pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != HOST)
     lines.append(f"device    peak {dev} measured; {planned} by the schedule's ledger as it ran; {pred} predicted")
     lines += _host_lines(plan, results)
+    lines += _steal_lines(results)
     if trace_path:
         lines.append(f"trace     {trace_path} (open in Perfetto)")
     if any(r.interrupted for r in results):

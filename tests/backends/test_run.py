@@ -301,6 +301,21 @@ def test_issue_lines_give_each_ranks_share_of_a_steady_step() -> None:
     assert _issue_lines(Timeline(recs[:2], {}, source="cuda"), [g0], 2.0, compiled=True) == []
 
 
+def test_a_run_that_lost_host_cpu_to_the_hypervisor_says_so() -> None:
+    """Literal: above 1% of the host's CPU time stolen on any rank, one line with the largest share;
+    at or below it, or unknown, none."""
+    from tinypipe.backends.run import _steal_lines
+
+    def ranks(*shares: float | None) -> list[argparse.Namespace]:
+        return [argparse.Namespace(host_steal_share=x) for x in shares]
+
+    assert _steal_lines(ranks(0.004, 0.023)) == [
+        "host      the hypervisor took 2.3% of the host's CPU time during the run: the host optimizer's steps can "
+        "run up to 2x slow, and the run slower than predicted"]
+    assert _steal_lines(ranks(0.01, None)) == []
+    assert _steal_lines(ranks(None)) == []
+
+
 def test_sparkline_is_compact_and_ordered() -> None:
     """The loss curve in the summary: one character per bin, lowest value lowest bar."""
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
