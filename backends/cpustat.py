@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
+# A stolen share above this is reported (profile, run summary, bench/fidelity.py): call 5.2's slow profile
+# ran while `top` showed 5-8%, and call 5.3's run with slow first iterations lost 2.3% overall.
+NOTABLE_STEAL = 0.01
 
 
 def cpu_jiffies(path: Path = PROC_STAT) -> tuple[int, int] | None:

@@ -288,14 +288,13 @@ def issue_shares(tl: Any, results: list[Any], iteration_s: float) -> dict[int, f
             for res in sorted(results, key=lambda r: r.rank)}
 
 
-STEAL_WARN = 0.01  # a run that lost more of the host's CPU time than this to a hypervisor says so
-
-
 def _steal_lines(results: list[Any]) -> list[str]:
-    """A line when the hypervisor took more than STEAL_WARN of the host's CPU time during the run
-    (`RankResult.host_steal_share`): the host optimizer's steps then run slow (backends/cpustat.py)."""
+    """A line when the hypervisor took more than cpustat.NOTABLE_STEAL of the host's CPU time during the
+    run (`RankResult.host_steal_share`): the host optimizer's steps then run slow."""
+    from .cpustat import NOTABLE_STEAL
+
     shares = [r.host_steal_share for r in results if r.host_steal_share is not None]
-    if not shares or max(shares) <= STEAL_WARN:
+    if not shares or max(shares) <= NOTABLE_STEAL:
         return []
     return [f"host      the hypervisor took {max(shares):.1%} of the host's CPU time during the run: the host "
             f"optimizer's steps can run up to 2x slow, and the run slower than predicted"]

@@ -42,6 +42,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tinypipe.backends.cpustat import NOTABLE_STEAL
+
 from tinypipe.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,7 +158,7 @@ def run_label(rec: dict[str, Any]) -> str:
     return f"s{m.group(1)}c{m.group(2)}" + ("*" if "another lent machine" in rec["machine_call"] else "")
 
 
-STEAL_FLAG = 0.01  # a run whose host lost more of its CPU time than this is flagged (backends/cpustat.py)
+STEAL_FLAG = NOTABLE_STEAL  # a run whose host lost more of its CPU time than this is flagged
 
 
 def summary(rs: list[dict[str, Any]], what: str) -> str:

@@ -238,10 +238,12 @@ STEAL_NOTE = "host CPU time taken by the hypervisor while the steps were timed"
 
 def steal_note(steal: list[float | None]) -> str:
     """The rounds' stolen CPU shares, for the traces' optimizer source and the report."""
+    from ..cpustat import NOTABLE_STEAL
+
     shares = ", ".join("unknown" if x is None else f"{100 * x:.1f}%" for x in steal)
     return f"{STEAL_NOTE} (by round): {shares}" + (
-        " (steps timed while it took more than 1% ran up to 2x slow on H200: profile again)"
-        if any(x is not None and x > 0.01 for x in steal) else "")
+        f" (steps timed while it took more than {NOTABLE_STEAL:.0%} ran up to 2x slow on H200: profile again)"
+        if any(x is not None and x > NOTABLE_STEAL for x in steal) else "")
 
 
 def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rates: HostRates | None,
