@@ -20,6 +20,7 @@ from typing import Any
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
     raise ImportError("torch is not installed")
 
+from .cpustat import NOTABLE_STEAL  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -291,8 +292,6 @@ def issue_shares(tl: Any, results: list[Any], iteration_s: float) -> dict[int, f
 def _steal_lines(results: list[Any]) -> list[str]:
     """A line when the hypervisor took more than cpustat.NOTABLE_STEAL of the host's CPU time during the
     run (`RankResult.host_steal_share`): the host optimizer's steps then run slow."""
-    from .cpustat import NOTABLE_STEAL
-
     shares = [r.host_steal_share for r in results if r.host_steal_share is not None]
     if not shares or max(shares) <= NOTABLE_STEAL:
         return []

@@ -236,9 +236,10 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             window = by_prefix[n] = [a for a in actions if a.iteration < n]
         t_data = time.perf_counter()
         data = {step + k: step_data(batches, step + k) for k in range(n)}
-        host_spans.append(("step data", t_data, time.perf_counter()))
+        t_run = time.perf_counter()
+        host_spans.append(("step data", t_data, t_run))
         if window_end is not None:
-            host_spans.append(("between windows", window_end, time.perf_counter()))
+            host_spans.append(("between windows", window_end, t_run))
         part = run_actions(interp, window, data, shift=step, ledger=ledger, id_stride=len(sched.actions),
                            host_worker=optimizer, carry=carry, memory=job.trace_memory)
         window_end = time.perf_counter()

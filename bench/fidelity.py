@@ -158,9 +158,6 @@ def run_label(rec: dict[str, Any]) -> str:
     return f"s{m.group(1)}c{m.group(2)}" + ("*" if "another lent machine" in rec["machine_call"] else "")
 
 
-STEAL_FLAG = NOTABLE_STEAL  # a run whose host lost more of its CPU time than this is flagged
-
-
 def summary(rs: list[dict[str, Any]], what: str) -> str:
     errs = [abs(r["iteration_error"]) for r in rs]
     mem = [abs(r["peak_gpu_error"]) for r in rs]
@@ -194,10 +191,10 @@ def main() -> int:
               f"{r['predicted_peak_gpu_bytes'] / GIB:8.2f} {100 * r['peak_gpu_error']:+6.1f}% "
               + ("     -" if steal is None else f"{100 * steal:5.1f}%"))
     print(summary(rs, f"{len(rs)} configurations"))
-    stolen = [r for r in rs if (r["run_host_steal_share"] or 0) > STEAL_FLAG]
+    stolen = [r for r in rs if (r["run_host_steal_share"] or 0) > NOTABLE_STEAL]
     if stolen:
-        print(f"{len(stolen)} run(s) saw the hypervisor take more than {100 * STEAL_FLAG:.0f}% of the host's CPU time "
-              f"(steal; `-` where not recorded, before 2026-12-01's fifth session): "
+        print(f"{len(stolen)} run(s) saw the hypervisor take more than {100 * NOTABLE_STEAL:.0f}% of the host's CPU "
+              f"time (steal; `-` where not recorded, before 2026-12-01's fifth session): "
               + "; ".join(f"{r['config']} ({r['run']}, {100 * r['iteration_error']:+.1f}%)" for r in stolen))
         print(summary([r for r in rs if r not in stolen], "without them"))
     print(f"wrote {a.out}")

@@ -36,6 +36,7 @@ from tinypipe.outputs import check_dir
 from tinypipe.progress import Progress
 from tinypipe.trace import ProfileTrace
 
+from ..cpustat import NOTABLE_STEAL
 from ..hostwork import host_settings
 from ..settings import SEED_LIMIT, rank_threads
 from .devloop import DeviceLoop
@@ -238,8 +239,6 @@ STEAL_NOTE = "host CPU time taken by the hypervisor while the steps were timed"
 
 def steal_note(steal: list[float | None]) -> str:
     """The rounds' stolen CPU shares, for the traces' optimizer source and the report."""
-    from ..cpustat import NOTABLE_STEAL
-
     shares = ", ".join("unknown" if x is None else f"{100 * x:.1f}%" for x in steal)
     return f"{STEAL_NOTE} (by round): {shares}" + (
         f" (steps timed while it took more than {NOTABLE_STEAL:.0%} ran up to 2x slow on H200: profile again)"
