@@ -225,8 +225,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     optimizer = HostWorker(f"rank{rank}-optim")  # runs the OPT_STEPs beside GPU dispatch
     window_end = None  # when the last window's run_actions returned
     while step < job.steps:
-        # with `settle_heap`, a first window of one iteration (the compile's), then the heap is settled
-        n = min(1 if settle_heap else sched.iterations, job.steps - step)
+        n = min(1 if settle_heap else sched.iterations, job.steps - step)  # settle_heap: iteration 0 alone
         if job.checkpoint_every and job.out:
             n = min(n, job.checkpoint_every - step % job.checkpoint_every)
         if job.stop_after is not None and step < job.stop_after:
