@@ -23,9 +23,14 @@ def cpu_jiffies(path: Path = PROC_STAT) -> tuple[int, int] | None:
     """(all, stolen) CPU time of the host since boot, in clock ticks summed over CPUs; None where the
     system has no /proc/stat (not Linux) or its first line is not the `cpu` total."""
     try:
-        first = path.read_text().split("\n", 1)[0].split()
+        return cpu_line_jiffies(path.read_text().split("\n", 1)[0])
     except OSError:
         return None
+
+
+def cpu_line_jiffies(line: str) -> tuple[int, int] | None:
+    """(all, stolen) clock ticks of one `cpu` total line of /proc/stat; None for any other line."""
+    first = line.split()
     if not first or first[0] != "cpu" or len(first) < 9:
         return None
     ticks = [int(x) for x in first[1:]]

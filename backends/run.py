@@ -14,6 +14,7 @@ import importlib.util
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -175,15 +176,21 @@ def timeline(plan: Any, results: list[Any]) -> Any:
 def save_trace(plan: Any, results: list[Any], path: str | Path, tl: Any = None) -> None:
     """Write the run's Chrome trace to `path`: its records (`tl`, else `timeline`), each rank's issue spans
     (`RankResult.issue`) and other host spans (`RankResult.host`), and `trace_data`."""
-    (tl or timeline(plan, results)).save_chrome_trace(path, other_data=trace_data(plan, results),
-                                                      issue={f"g{res.rank}": res.issue for res in results},
-                                                      host={f"g{res.rank}": res.host for res in results})
+    tl = tl or timeline(plan, results)
+    tl.save_chrome_trace(path, other_data=trace_data(plan, results, origin_s=tl.start_s),
+                         issue={f"g{res.rank}": res.issue for res in results},
+                         host={f"g{res.rank}": res.host for res in results})
 
 
-def trace_data(plan: Any, results: list[Any]) -> dict[str, Any]:
-    """A run's Chrome trace otherData: `run` (`replay_record`) and, with --trace-memory, `action_peaks`: per
-    device, [record id, the allocator's peak bytes up to the end of that action's issue] (RunLog.peaks)."""
+def trace_data(plan: Any, results: list[Any], origin_s: float | None = None) -> dict[str, Any]:
+    """A run's Chrome trace otherData: `run` (`replay_record`); with `origin_s` (the trace's zero on
+    `time.perf_counter`'s clock) `origin_unix_s`, that instant on the wall clock, to line the trace up with
+    what other tools sampled meanwhile (bench/steal_spells.py: the host's /proc/stat); and, with
+    --trace-memory, `action_peaks`: per device, [record id, the allocator's peak bytes up to the end of that
+    action's issue] (RunLog.peaks)."""
     out: dict[str, Any] = {"run": replay_record(plan)}
+    if origin_s is not None:
+        out["origin_unix_s"] = time.time() - (time.perf_counter() - origin_s)
     peaks = {f"g{res.rank}": [[rid, b] for _, rid, b in res.peaks] for res in results if res.peaks}
     if peaks:
         out["action_peaks"] = peaks

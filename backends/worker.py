@@ -152,7 +152,7 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     host_spans: list[tuple[str, float, float]] = []  # RankResult.host
     with host_settings(), gc_pauses(host_spans), settled_heap(host_spans) as settle_heap:
         return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, host_spans=host_spans,
-                           settle_heap=settle_heap if job.compile_blocks and settle_heap_enabled() else None)
+                           settle_heap=settle_heap if settle_heap_enabled(job.compile_blocks, job.backend) else None)
 
 
 def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,

@@ -129,3 +129,33 @@ def test_the_steps_by_phase_are_left_out_unless_asked(tmp_path: Path) -> None:
         out = fidelity.prepared(folder, None, phases, tmp_path / str(phases))
         got = json.loads(next(out.glob("h200-*.json")).read_text())["kinds"]["block"]["optimizer"]
         assert got == (own if phases else {k: v for k, v in own.items() if k not in fidelity.PHASE_FIELDS})
+
+
+def test_steal_spells_lines_up_the_samples_with_each_iteration(tmp_path: Path) -> None:
+    """bench/steal_spells.py: the stolen share between two wall-clock instants, interpolated inside the
+    samples and None outside them; each iteration of a trace gets the steal of its own span and the mean
+    of its block OPT_STEPs."""
+    from tinypipe.timeline import Record, Timeline
+
+    steal_spells = _load("steal_spells")
+    # 100 ticks a second, of which 1 stolen in each of the first two seconds and 10 in the third
+    stolen = [0, 1, 2, 12]
+    lines = [f"{1000 + t} cpu {100 * t - stolen[t]} 0 0 0 0 0 0 {stolen[t]} 0 0" for t in range(4)]
+    stat = tmp_path / "stat.txt"
+    stat.write_text("\n".join(lines + ["1004 intr 1 2 3"]) + "\n")
+    samples = steal_spells.read_stat(stat)
+    assert len(samples) == 4
+    assert steal_spells.steal_between(samples, 1000.5, 1001.5) == pytest.approx(0.01)
+    assert steal_spells.steal_between(samples, 1002.0, 1003.0) == pytest.approx(0.10)
+    assert steal_spells.steal_between(samples, 999.0, 1001.0) is None
+    step = [Record(i, "host.optim", "OPT_STEP", f"OPT{i % 3}", i % 3, None, i // 3, 1.0 * (i // 3) + 0.1 * (i % 3),
+                   1.0 * (i // 3) + 0.1 * (i % 3) + 0.05) for i in range(6)]
+    done = [Record(6 + k, "g0.compute", "FWD", "F0", 0, 0, k, k + 0.5, k + 1.0) for k in range(2)]
+    trace = tmp_path / "t.trace.json"
+    Timeline(tuple(step + done), source="cuda").save_chrome_trace(
+        trace, other_data={"origin_unix_s": 1001.0, "run": {"model_config": {"num_hidden_layers": 2}}})
+    rows = steal_spells.iterations(trace, samples)
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert [r["iteration_s"] for r in rows] == pytest.approx([1.0, 1.0])
+    assert [r["steal"] for r in rows] == pytest.approx([0.01, 0.10])
+    assert [r["block_step_ms"] for r in rows] == pytest.approx([50.0, 50.0])  # layers 1 and 2, not 0

@@ -51,7 +51,7 @@ def replay_of(argv: list[str]) -> ReplayReport:
     add_replay_arguments(ap)
     args = ap.parse_args(argv)
     trace = load_run_trace(args.trace)
-    return replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup)
+    return replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup, which=args.window)
 
 
 def assert_within_bound(rep: ReplayReport, slack_s: float) -> None:
@@ -183,6 +183,32 @@ def test_a_simulated_timeline_replays_exactly(tmp_path: Path) -> None:
     (tmp_path / "p.json").write_text(policy.dumps())
     rep = replay_of([str(plain), "--policy", str(tmp_path / "p.json"), "--seq-len", "64"])  # names only: flags
     assert rep.replayed_s == pytest.approx(rep.measured_s, abs=1e-9)
+
+
+def test_window_picks_which_whole_window_to_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run of two windows (a simulated one, repeated three steps on: ids, iterations and times shifted, the
+    second twice as slow): `--window 1` and `-1` replay the second (first step 3), the default the first;
+    a window the run did not execute whole is a one-line error, exit 2."""
+    model, hw = load_model("tiny-llama"), load_hardware("h200x1")
+    policy = load_policy("tinypipe").replace(microbatch_size=2, microbatches=3)
+    prof = trace_for(model, hw.gpus[0], 2, 64)
+    sched = compile_schedule(policy, model, hw, prof, iterations=3)
+    tl = simulate(sched, model, hw, prof).timeline
+    stride, end = len(sched.actions), max(r.end_s for r in tl.records)
+    second = [r._replace(id=r.id + 3 * stride, iteration=r.iteration + 3, start_s=end + 2 * r.start_s,
+                         end_s=end + 2 * r.end_s) for r in tl.records]
+    run = {"model": "tiny-llama", "hardware": hw.to_json(), "policy": policy.to_json(), "seq_len": 64,
+           "iterations": 3, "id_stride": stride}
+    path = tmp_path / "two.trace.json"
+    type(tl)(tuple(tl.records) + tuple(second), source="sim", meta=tl.meta).save_chrome_trace(
+        path, other_data={"run": run})
+    first, last = replay_of([str(path)]), replay_of([str(path), "--window", "-1"])
+    assert first.header["first_step"] == 0 and last.header["first_step"] == 3
+    assert sum(last.measured_s) == pytest.approx(2 * sum(first.measured_s), rel=1e-6)
+    assert replay_of([str(path), "--window", "1"]).measured_s == last.measured_s
+    assert main(["replay", str(path), "--window", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "2 whole window(s)" in err and "window 2" in err
 
 
 def test_issue_spans_give_each_action_the_loops_pass_and_its_handler() -> None:

@@ -154,9 +154,10 @@ def _describe(resource: str, kind: str, layer: int | None, mb: int | None, itera
     return " ".join(parts) + f" (iteration {iteration})"
 
 
-def match_window(schedule: Schedule, trace: RunTrace) -> tuple[int, tuple[Record, ...]]:
+def match_window(schedule: Schedule, trace: RunTrace, which: int = 0) -> tuple[int, tuple[Record, ...]]:
     """Check every record against the schedule; return the replayed window's first step and its records,
-    renumbered to the schedule's ids and iterations (sorted by id). TraceMismatch names the first bad id."""
+    renumbered to the schedule's ids and iterations (sorted by id). TraceMismatch names the first bad id.
+    `which` picks among the windows the run executed whole: 0 the first, -1 the last."""
     acts = schedule.actions
     stride = len(acts)
     want = "--policy, --model, --hardware, --seq-len, --batch-tokens, --iterations"
@@ -185,7 +186,10 @@ def match_window(schedule: Schedule, trace: RunTrace) -> tuple[int, tuple[Record
         raise TraceMismatch(f"{trace.where}: no window of the run executed all {stride} actions of the "
                             f"{schedule.iterations}-iteration schedule (first missing: action {missing}, "
                             f"`{acts[missing]}`); give --iterations to match the run")
-    shift = full[0]
+    if not -len(full) <= which < len(full):
+        raise TraceMismatch(f"{trace.where}: the run executed {len(full)} whole window(s) of the "
+                            f"{schedule.iterations}-iteration schedule; window {which} is not one of them")
+    shift = full[which]
     recs = tuple(Record(aid, r.resource, acts[aid].kind.value, r.label, r.layer, r.microbatch, r.iteration - shift,
                         r.start_s, r.end_s) for aid, r in sorted(windows[shift].items()))
     run = windows[shift]

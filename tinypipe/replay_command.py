@@ -53,6 +53,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", help="the schedule's text form the run executed (`tinypipe inspect schedule "
                    "--out`), for a run compiled by an older tinypipe (default: recompiled from the settings)")
     p.add_argument("--warmup", type=int, default=1, help="iterations left out of the steady state (default 1)")
+    p.add_argument("--window", type=int, default=0, help="which of the run's whole windows to replay: 0 the first "
+                   "(default), 1 the next, -1 the last")
     p.add_argument("--top", type=int, default=8, help="rows of the kind and gap tables (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
 
@@ -153,7 +155,7 @@ def _read_schedule(path: str, gpus: int) -> Schedule:
 Simulate = Callable[..., Any]  # tinypipe.sim.simulate
 
 
-def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1) -> ReplayReport:
+def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1, which: int = 0) -> ReplayReport:
     """Recompile, check the trace against the schedule, simulate with measured and with profiled times."""
     s = setup
     schedule = s.schedule or compile_schedule(s.policy, s.model, s.hardware, s.profile, iterations=s.iterations)
@@ -161,7 +163,7 @@ def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1
     if isinstance(stride, int) and stride != len(schedule.actions):
         raise TraceMismatch(f"{trace.where}: the run's schedule had {stride} actions, the recompiled one has "
                             f"{len(schedule.actions)}: not the same schedule (check the options)")
-    first_step, window = match_window(schedule, trace)
+    first_step, window = match_window(schedule, trace, which)
     partner = pair_halves(schedule.actions)
     lane_lists = lanes(schedule, window, trace.source)
     issue = issue_durations(trace, first_step * len(schedule.actions), len(schedule.actions))  # CUDA runs only
@@ -198,7 +200,8 @@ def issue_busy(trace: RunTrace, window: Sequence[Record], first_id: int, warmup:
 def replay_main(args: argparse.Namespace, *, simulate: Simulate) -> int:
     """The `tinypipe replay` command: the report as tables, or JSON with --json."""
     trace = load_run_trace(args.trace)
-    report = replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup)
+    report = replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup,
+                    which=args.window)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

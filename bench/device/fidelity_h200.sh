@@ -22,15 +22,19 @@
 #    its hardware.json (MORE_PROFILES: where a folder this call did not make is found), appended to $OUT/cuda_h200.jsonl with its trace. ENV: VAR=VALUE[,VAR=VALUE] set for that run only (an A/B run, labelled -ab-...-VAR_VALUE,
 #    which bench/fidelity.py leaves out; backends/hostwork.py host_settings reads TINYPIPE_GIL_SWITCH_S and TINYPIPE_THREADS). A run that would pass
 #    DEADLINE_S is skipped.
-# What comes back (at most 8 files): log.txt, cuda_h200.jsonl, and results.tgz with the profile folders
-# and the runs' traces.
+# Throughout, the host's /proc/stat "cpu" line once a second with the wall clock ($OUT/stat.txt), which
+# bench/steal_spells.py lines up with each trace's iterations (otherData.origin_unix_s).
+# What comes back (at most 8 files): log.txt, cuda_h200.jsonl, stat.txt, and results.tgz with the profile
+# folders and the runs' traces.
 . bench/device/setup.sh
 ROOT=$(pwd)
 START=$(date +%s)
 cd /tmp
 nproc; free -g | head -2
 pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* rank ladder *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
-trap pack EXIT
+(while :; do echo "$(date +%s.%N) $(head -1 /proc/stat)"; sleep 1; done >"$OUT/stat.txt") &
+SAMPLER=$!
+trap 'kill $SAMPLER; pack' EXIT
 GPUS=${GPUS:-1}
 RATES_TAKEN=
 left() { echo $(( ${DEADLINE_S:-560} - ($(date +%s) - START) )); }

@@ -76,3 +76,15 @@ def test_compiled_run_settles_the_heap_after_its_first_iteration(freeze: str, mo
             end0 = max(rec.end_s for rec in r.records if rec.iteration == 0)
             start1 = min(rec.start_s for rec in r.records if rec.iteration == 1)
             assert end0 <= settles[0][0] < settles[0][1] <= start1
+
+
+def test_which_runs_settle_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled runs on any backend and every CUDA run settle the heap; an eager CPU run does not; the
+    knob turns it off for all."""
+    from tinypipe.backends.hostwork import settle_heap_enabled
+
+    monkeypatch.delenv("TINYPIPE_GC_FREEZE", raising=False)
+    assert settle_heap_enabled(True, "cpu") and settle_heap_enabled(True, "cuda")
+    assert settle_heap_enabled(False, "cuda") and not settle_heap_enabled(False, "cpu")
+    monkeypatch.setenv("TINYPIPE_GC_FREEZE", "0")
+    assert not any(settle_heap_enabled(c, b) for c in (True, False) for b in ("cpu", "cuda"))

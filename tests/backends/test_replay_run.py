@@ -11,6 +11,7 @@ actions (Python dispatch, the 0.5 ms poll of gloo transfers): ~10% of a 35 ms st
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,14 @@ def test_run_trace_describes_the_run_and_replays_within_its_bound(tmp_path: Path
     pol.write_text(json.dumps({"name": "test", "swap": "layer", "host_memory": "compact", "microbatch_size": MBS,
                                "resident": "none", "packing": [1, 2, 1, 2], "mapping": [0, 1, 0, 1]}))
     trace = tmp_path / "trace.json"
+    before = time.time()
     code = cli_main(["run", "--gpus", "2", "--policy", str(pol), "--steps", str(STEPS), "--seq-len", str(SEQ),
                      "--batch-tokens", str(SEQ * MBS * MB), "--out", str(tmp_path / "out"), "--trace", str(trace)])
     assert code == 0, capfd.readouterr().err
     capfd.readouterr()
-    run = json.loads(trace.read_text())["otherData"]["run"]
+    other = json.loads(trace.read_text())["otherData"]
+    assert before < other["origin_unix_s"] < time.time()  # the trace's zero on the wall clock
+    run = other["run"]
     assert {k: run[k] for k in ("model", "seq_len", "microbatches", "microbatch_size", "gpus", "dtype", "backend",
                                 "steps", "iterations")} == {
         "model": "tiny-llama", "seq_len": SEQ, "microbatches": MB, "microbatch_size": MBS, "gpus": 2,
