@@ -3,8 +3,9 @@
     python bench/fidelity.py [--profile bench/results/profile_h200_fid] [--profile-2gpu DIR] [--out FILE]
 
 Measured: the runs of bench/device/fidelity_h200.sh, the records of bench/results/cuda_h200.jsonl whose
-case has `-fid-` (the latest of each case): iteration time is the mean of the iterations after the
-record's warm-up ones, peak GPU memory the allocator's peak (max_memory_allocated).
+case has `-fid-` (the latest of each case; none ingested with `not_fidelity`): iteration time is the
+mean of the iterations after the record's warm-up ones, peak GPU memory the allocator's peak
+(max_memory_allocated).
 Predicted: `tinypipe simulate` of the record's model, its policy (the JSON the run resolved, microbatch
 size inside), 65,536 tokens per step, seq 2048 and its GPU cap, with the profile folder of its model and
 block mode (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) under --profile (1 GPU) or
@@ -58,7 +59,7 @@ def fidelity_records(path: Path) -> list[dict[str, Any]]:
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        if "-fid-" in rec.get("case", "") and rec.get("tokens_per_s"):
+        if "-fid-" in rec.get("case", "") and rec.get("tokens_per_s") and not rec.get("not_fidelity"):
             policy = {k: v for k, v in rec.get("policy", {}).items() if k != "name"}
             out[rec["case"], json.dumps(policy, sort_keys=True)] = rec
     return list(out.values())

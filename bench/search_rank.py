@@ -1,8 +1,8 @@
 """Does the search rank its top candidates as they run? (issue 10: `tinypipe search --gpu-mem 24GiB`.)
 
     python bench/search_rank.py pick --model M --hardware H --profile DIR --out DIR [--n 5] [--min-gap F]
-    python bench/search_rank.py score [--records bench/results/cuda_h200.jsonl] [--picked DIR] [--call TEXT]
-                                      [--out FILE]
+    python bench/search_rank.py score [--records bench/results/cuda_h200.jsonl] [--picked DIR] [--call TEXT ...]
+                                      [--repeats] [--out FILE]
 
 pick: runs `tinypipe search --json` (24 GiB per GPU, 65,536 tokens per step, seq 2048) and writes
 the first N distinct candidates as policy files rank-1.json .. rank-N.json, with picked.json (each
@@ -16,11 +16,14 @@ nothing of the model; a ladder asks whether the model orders candidates it says 
 bench/device/fidelity_h200.sh runs pick on the GPU machine right after its profile (RANK=N, RANK_GAP=F),
 then runs each policy file a RUN names, recorded with a label ending `-rank-K` (`-ladder-K`).
 
-score: each picked candidate's measured run beside its prediction; the predicted order against the
-measured one (Kendall's tau-a over all pairs, which counts a pair predicted equal as neither; each pair
-in the wrong order with its two gaps), whether the winner fit the GPU cap when run, how far it ran below
-the best candidate as run (`winner_regret`), and the spread of each run's steady iterations (what
-a measured order between two candidates closer than that means). A table on stdout; JSON to --out.
+score: each picked candidate's measured run beside its prediction (--call: records of these calls only;
+with --repeats, every run of a candidate in them, its `-ab-` runs too, each run's tokens/s averaged:
+an A/A repeat under a default knob measures the spread of one policy's runs on one machine); the
+predicted order against the measured one (Kendall's tau-a over all pairs, which counts a pair
+predicted equal as neither; each pair in the wrong order with its two gaps), whether the winner fit
+the GPU cap when run, how far it ran below the best candidate as run (`winner_regret`), and the
+spread of the last run's steady iterations (what a measured order between two candidates closer than
+that means). A table on stdout; JSON to --out.
 """
 
 from __future__ import annotations
@@ -96,21 +99,26 @@ def kendall_tau(predicted: list[float], measured: list[float]) -> float:
 def score(a: argparse.Namespace) -> int:
     picked = json.loads((Path(a.picked) / "picked.json").read_text())
     prefix = picked.get("prefix", "rank")
-    recs = {}
+    recs: dict[int, list[dict]] = {}
+    calls = a.call or [""]
     for line in Path(a.records).read_text().splitlines():
         r = json.loads(line)
         m = re.search(rf"-{prefix}-(\d+)$", r.get("case", ""))
-        if r.get("tokens_per_s") and m and a.call in r.get("machine_call", ""):
-            recs[int(m.group(1))] = r
+        if (r.get("tokens_per_s") and m and any(c in r.get("machine_call", "") for c in calls)
+                and (a.repeats or "-ab-" not in r["case"])):
+            got = recs.setdefault(int(m.group(1)), [])
+            got[:] = [*got, r] if a.repeats else [r]  # without --repeats: the latest
     rows = []
     for p in picked["picked"]:
-        r = recs.get(p["rank"])
-        if r is None:
+        runs = recs.get(p["rank"])
+        if not runs:
             print(f"rank {p['rank']}: no measured run", file=sys.stderr)
             continue
+        r = runs[-1]
         steady = r["iteration_s_each"][r["warmup_iterations"]:]
+        each = [x["tokens_per_s"] for x in runs]
         rows.append({"rank": p["rank"], "policy": p["policy"], "predicted_tokens_per_s": p["predicted_tokens_per_s"],
-                     "measured_tokens_per_s": r["tokens_per_s"],
+                     "measured_tokens_per_s": statistics.fmean(each), "runs_tokens_per_s": each,
                      "predicted_peak_gpu_bytes": p["predicted_peak_gpu_bytes"],
                      "measured_peak_gpu_bytes": r["peak_gpu_bytes"], "gpu_cap_bytes": r["gpu_mem_cap_gib"] * 2**30,
                      "steady_iterations_s": steady,
@@ -132,12 +140,13 @@ def score(a: argparse.Namespace) -> int:
               "kendall_tau": kendall_tau(pred, meas), "pairs_in_the_wrong_order": wrong,
               "pairs_predicted_equal": ties, "winner_fits_cap": fits, "winner_regret": regret}
     print(f"{'rank':>4s} {'predicted tok/s':>15s} {'measured tok/s':>14s} {'error':>7s} {'GPU GiB':>8s} "
-          f"{'steady spread':>13s}  policy")
+          f"{'steady spread':>13s} {'runs':>4s}  policy")
     for x in rows:
         p = x["policy"]
         print(f"{x['rank']:4d} {x['predicted_tokens_per_s']:15,.0f} {x['measured_tokens_per_s']:14,.0f} "
               f"{100 * (x['predicted_tokens_per_s'] / x['measured_tokens_per_s'] - 1):+6.1f}% "
-              f"{x['measured_peak_gpu_bytes'] / 2**30:8.2f} {100 * x['steady_spread']:12.1f}%  "
+              f"{x['measured_peak_gpu_bytes'] / 2**30:8.2f} {100 * x['steady_spread']:12.1f}% "
+              f"{len(x['runs_tokens_per_s']):4d}  "
               f"{p['packing']} {p.get('pack_size')}, resident {p['resident']}, depth {p['prefetch_depth']}, "
               f"{p['host_memory']}, acts on {p['activation_home']}")
     print(f"measured order: {result['measured_order']}; Kendall's tau {result['kendall_tau']:+.2f}; "
@@ -166,7 +175,9 @@ def main() -> int:
     s = sub.add_parser("score")
     s.add_argument("--records", default=str(RESULTS / "cuda_h200.jsonl"))
     s.add_argument("--picked", default=str(RESULTS / "search_rank_h200"))
-    s.add_argument("--call", default="", help="only records whose machine_call contains this")
+    s.add_argument("--call", action="append", help="only records whose machine_call contains this (repeatable: "
+                   "any of them)")
+    s.add_argument("--repeats", action="store_true", help="average every run of a candidate, its -ab- runs too")
     s.add_argument("--out", default=str(RESULTS / "search_rank_h200.json"))
     a = ap.parse_args()
     return pick(a) if a.cmd == "pick" else score(a)

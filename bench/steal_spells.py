@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from bisect import bisect_left
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tinypipe.backends.cpustat import cpu_line_jiffies
 
-from backends.cpustat import cpu_line_jiffies  # noqa: E402
-from tinypipe.replay import load_run_trace  # noqa: E402
-from tinypipe.timeline import Timeline  # noqa: E402
+from tinypipe.replay import load_run_trace
+from tinypipe.timeline import Timeline
 
 WARMUP = 2  # iterations left out of the correlation (compile, the settled heap), as bench/fidelity.py
 

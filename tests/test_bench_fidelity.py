@@ -50,6 +50,43 @@ def test_pick_skips_duplicates_and_ladders_by_the_gap() -> None:
     assert [e["iteration_s"] for e in search_rank.choose(top, 9, min_gap=0.03)] == [2.0, 2.07, 2.2]
 
 
+def test_score_takes_the_latest_run_or_with_repeats_the_mean_of_all(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --repeats a candidate's latest `-fid-` run of the given calls counts and `-ab-` runs do not;
+    with it, the mean of all its runs there; records of other calls never count."""
+    import argparse
+
+    policy = {"packing": "uniform", "pack_size": 1, "resident": "none", "prefetch_depth": 1,
+              "host_memory": "replicated", "activation_home": "gpu"}
+    picked = {"command": "tinypipe search", "prefix": "rank",
+              "picked": [{"rank": k, "policy": policy, "predicted_tokens_per_s": 100.0 - k,
+                          "predicted_peak_gpu_bytes": 1} for k in (1, 2)]}
+    (tmp_path / "picked.json").write_text(json.dumps(picked))
+
+    def rec(case: str, call: str, rate: float) -> str:
+        return json.dumps({"case": case, "machine_call": call, "tokens_per_s": rate, "peak_gpu_bytes": 1,
+                           "gpu_mem_cap_gib": 1.0, "iteration_s_each": [2.0, 1.0, 1.0], "warmup_iterations": 1})
+    records = tmp_path / "records.jsonl"
+    records.write_text("\n".join([rec("x-fid-rank-1", "call A", 90.0), rec("x-fid-rank-2", "call A", 80.0),
+                                   rec("x-ab-K_1-rank-1", "call B", 96.0), rec("x-fid-rank-2", "call B", 100.0),
+                                   rec("x-fid-rank-1", "call C", 1.0)]) + "\n")
+
+    def score(*calls: str, repeats: bool) -> dict[str, Any]:
+        out = tmp_path / "score.json"
+        search_rank.score(argparse.Namespace(picked=str(tmp_path), records=str(records), call=list(calls),
+                                             repeats=repeats, out=str(out)))
+        capsys.readouterr()
+        return json.loads(out.read_text())
+
+    latest = score("call A", "call B", repeats=False)
+    assert [c["measured_tokens_per_s"] for c in latest["candidates"]] == [90.0, 100.0]
+    assert latest["measured_order"] == [2, 1] and latest["kendall_tau"] == -1.0
+    mean = score("call A", "call B", repeats=True)
+    assert [c["runs_tokens_per_s"] for c in mean["candidates"]] == [[90.0, 96.0], [80.0, 100.0]]
+    assert [c["measured_tokens_per_s"] for c in mean["candidates"]] == [93.0, 90.0]
+    assert mean["measured_order"] == [1, 2] and mean["kendall_tau"] == 1.0
+
+
 def test_compiled_rows_take_the_eager_folders_optimizer_steps(tmp_path: Path) -> None:
     """Every kind of the compiled copy carries the eager traces' optimizer steps; all else is the compiled
     trace's own."""

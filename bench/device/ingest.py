@@ -1,11 +1,14 @@
 """Append a device call's run records to bench/results/cuda_h200.jsonl, naming the call and its profile.
 
-    python bench/device/ingest.py RECORDS --call TEXT [--profile-root DIR] [--into FILE]
+    python bench/device/ingest.py RECORDS --call TEXT [--profile-root DIR] [--not-fidelity CASE=WHY ...]
+                                  [--into FILE]
 
 RECORDS: the call's cuda_h200.jsonl (bench/device/fidelity_h200.sh writes it under $OUT). Each record
 gains `machine_call` (which lent machine and call ran it) and, with --profile-root, `profile_root`: the
 folder, relative to the repository root, holding the profile taken on that machine in that call, from
-which bench/fidelity.py predicts the record.
+which bench/fidelity.py predicts the record. --not-fidelity CASE=WHY: the record of that case gains
+`not_fidelity` (why), and bench/fidelity.py leaves it out (a run made for another question, e.g. planned
+from another machine's profile to look at something else in its trace).
 """
 
 from __future__ import annotations
@@ -22,17 +25,26 @@ def main() -> int:
     ap.add_argument("records")
     ap.add_argument("--call", required=True, help="e.g. '2026-12-01 session 4, device call 1'")
     ap.add_argument("--profile-root", help="the call's profile folder, relative to the repository root")
+    ap.add_argument("--not-fidelity", action="append", default=[], metavar="CASE=WHY",
+                    help="leave this case's record out of bench/fidelity.py, saying why")
     ap.add_argument("--into", default=str(ROOT / "bench" / "results" / "cuda_h200.jsonl"))
     a = ap.parse_args()
     if a.profile_root and not (ROOT / a.profile_root).is_dir():
         raise SystemExit(f"--profile-root {a.profile_root}: no such folder under {ROOT}")
+    excluded = dict(x.split("=", 1) for x in a.not_fidelity if "=" in x)
+    if len(excluded) != len(a.not_fidelity):
+        raise SystemExit("--not-fidelity: give CASE=WHY")
     lines = []
     for line in Path(a.records).read_text().splitlines():
         rec = json.loads(line)
         rec["machine_call"] = a.call
+        if rec.get("case") in excluded:
+            rec["not_fidelity"] = excluded.pop(rec["case"])
         if a.profile_root:
             rec["profile_root"] = a.profile_root
         lines.append(json.dumps(rec) + "\n")
+    if excluded:
+        raise SystemExit(f"--not-fidelity: no record of case {', '.join(excluded)} in {a.records}")
     with open(a.into, "a") as f:
         f.writelines(lines)
     print(f"appended {len(lines)} records to {a.into}")
