@@ -159,3 +159,27 @@ def test_inspect_model_flops_are_not_rounded_away(capsys: pytest.CaptureFixture[
     code, out, _ = _run(capsys, "inspect", "model", "tiny-llama")
     row = next(x for x in out.splitlines() if x.startswith("block.0..3"))
     assert code == 0 and "0.336" in row.split()
+
+
+def test_search_groups_alike_candidates(capsys: pytest.CaptureFixture[str]) -> None:
+    """`search`'s top candidates: one row per outcome the simulator predicts (tokens/s, peak GPU, peak host),
+    with how many candidates share it and its gap to #1, and a note when #2 is within `CLOSE` of #1."""
+    from tinypipe.cli.simulate import CLOSE, alike_groups
+
+    assert main(["search", "--model", "tiny-llama", "--hardware", "h200x1", "--workers", "1", "--seq-len", "512",
+                 "--batch-tokens", "4096", "--top", "4"]) == 0
+    out = capsys.readouterr().out
+    top = out.split("top candidates")[1].split("\n\n")[0].splitlines()
+    assert top[1].split()[:7] == ["#", "tokens/s", "vs", "#1", "peak", "GPU", "peak"] and "alike" in top[1]
+    rows = [line.split() for line in top[3:] if line[:1].isdigit()]
+    assert len(rows) == 4 and rows[0][2] == "+0.0%"
+    assert len({(r[1], r[3], r[5]) for r in rows}) == 4  # one row per predicted outcome
+    gap = float(rows[1][2].rstrip("%")) / 100
+    assert ("note: candidates within" in top[-1]) == (gap > -CLOSE)
+
+    class E:
+        def __init__(self, rate: float, gpu: int) -> None:
+            self.tokens_per_s, self.peak_gpu_bytes, self.peak_host_bytes = rate, gpu, 0
+
+    a, b, c, d = E(10.0, 1), E(9.0, 1), E(10.0, 1), E(10.0, 2)
+    assert alike_groups([a, b, c, d]) == [[a, c], [b], [d]]
