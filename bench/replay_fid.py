@@ -3,7 +3,7 @@ the run's own durations within 1%). Writes bench/results/replay_fid.json and pri
 
     python bench/replay_fid.py [ARCHIVE.tgz ...]
 
-Default archives: bench/results/profile_h200_fid3/call*/traces.tgz, profile_h200_fid4/... and profile_h200_fid5/....
+Default archives: bench/results/profile_h200_fid3/call*/traces.tgz, and the same of profile_h200_fid4 to _fid6.
 Each trace is replayed as `tinypipe replay` does it, recompiling the run's schedule from the trace's
 record (`otherData.run`). A trace whose recompiled schedule differs (recorded by an older compiler: the
 host-activation runs before the head stopped being offloaded) is listed with the reason, not replayed.
@@ -29,7 +29,7 @@ from tinypipe.replay_command import add_replay_arguments, replay, settle
 from tinypipe.table import render
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = sorted(ROOT.glob("bench/results/profile_h200_fid[345]/call*/traces.tgz"))
+DEFAULT = sorted(ROOT.glob("bench/results/profile_h200_fid[3-6]/call*/traces.tgz"))
 
 
 def main() -> int:
