@@ -80,8 +80,8 @@ def gc_pauses(into: list[tuple[str, float, float]], min_s: float = 1e-3) -> Iter
 # what survives (`gc.freeze`: never walked again); later full collections walk only what training made
 # since. An eager CUDA rank does the same: its full collections are shorter but came inside the timed
 # iterations too (2026-12-01, sixth session, call 3: one of 274 ms in iteration 9 of an eager Qwen3-1.7B
-# run at 2 x 2048). The CPU backend keeps Python's default (its runs are not held to a prediction of
-# the device's pace, and its tests to their windows as compiled).
+# run at 2 x 2048). An eager CPU rank keeps Python's default: it stands in for a device in tests and
+# the default job, and is not timed against a prediction of one.
 # TINYPIPE_GC_FREEZE=0 keeps Python's default (an A/B knob, like the two of `host_settings`).
 def settle_heap_enabled(compiled: bool, backend: str) -> bool:
     """Whether a rank of a run with these settings settles the heap after its first window (`settled_heap`)."""
