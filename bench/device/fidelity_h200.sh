@@ -23,16 +23,20 @@
 #    which bench/fidelity.py leaves out; backends/hostwork.py host_settings reads TINYPIPE_GIL_SWITCH_S and TINYPIPE_THREADS). A run that would pass
 #    DEADLINE_S is skipped.
 # Throughout, the host's /proc/stat "cpu" line once a second with the wall clock ($OUT/stat.txt), which
-# bench/steal_spells.py lines up with each trace's iterations (otherData.origin_unix_s).
-# What comes back (at most 8 files): log.txt, cuda_h200.jsonl, stat.txt, and results.tgz with the profile
-# folders and the runs' traces.
+# bench/steal_spells.py lines up with each trace's iterations (otherData.origin_unix_s), and the page
+# fault, NUMA-balancing and huge-page counters of /proc/vmstat beside it ($OUT/vmstat.txt: what might
+# slow a host step without steal).
+# What comes back (at most 8 files): log.txt, cuda_h200.jsonl, stat.txt, vmstat.txt, and results.tgz
+# with the profile folders and the runs' traces.
 . bench/device/setup.sh
 ROOT=$(pwd)
 START=$(date +%s)
 cd /tmp
 nproc; free -g | head -2
 pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* rank ladder *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
-(while :; do echo "$(date +%s.%N) $(head -1 /proc/stat)"; sleep 1; done >"$OUT/stat.txt") &
+(while :; do t=$(date +%s.%N); echo "$t $(head -1 /proc/stat)" >>"$OUT/stat.txt"
+  echo "$t $(grep -E '^(pgfault|pgmajfault|numa_hint_faults|numa_pages_migrated|thp_fault_alloc|thp_collapse_alloc|compact_stall) ' /proc/vmstat | tr '\n' ' ')" >>"$OUT/vmstat.txt"
+  sleep 1; done) &
 SAMPLER=$!
 trap 'kill $SAMPLER; pack' EXIT
 GPUS=${GPUS:-1}
