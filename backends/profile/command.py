@@ -43,7 +43,7 @@ from .devloop import DeviceLoop
 from .layers import KindMeasurement, LayerBench, profile_trace
 from .looptimes import describe as describe_loop
 from .looptimes import has_block, time_loop, with_loop
-from .optim import describe, measure_optimizer
+from .optim import describe, measure_optimizer, quiet
 from .rates import HostRates, measure_rates
 
 RATES_FILE, HARDWARE_FILE = "rates.json", "hardware.json"
@@ -240,9 +240,14 @@ STEAL_NOTE = "host CPU time taken by the hypervisor while the steps were timed"
 def steal_note(steal: list[float | None]) -> str:
     """The rounds' stolen CPU shares, for the traces' optimizer source and the report."""
     shares = ", ".join("unknown" if x is None else f"{100 * x:.1f}%" for x in steal)
-    return f"{STEAL_NOTE} (by round): {shares}" + (
-        f" (steps timed while it took more than {NOTABLE_STEAL:.0%} ran up to 2x slow on H200: profile again)"
-        if any(x is not None and x > NOTABLE_STEAL for x in steal) else "")
+    noisy = [x for x in steal if not quiet(x)]
+    if not noisy:
+        return f"{STEAL_NOTE} (by round): {shares}"
+    if len(noisy) < len(steal):
+        return (f"{STEAL_NOTE} (by round): {shares}; the rounds above {NOTABLE_STEAL:.0%} were taken again and "
+                "left out of the medians")
+    return (f"{STEAL_NOTE} (by round): {shares} (steps timed while it took more than {NOTABLE_STEAL:.0%} ran up to "
+            "2x slow on H200, and no round was below it: profile again)")
 
 
 def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rates: HostRates | None,
