@@ -196,3 +196,12 @@ def test_steal_spells_lines_up_the_samples_with_each_iteration(tmp_path: Path) -
     assert [r["iteration_s"] for r in rows] == pytest.approx([1.0, 1.0])
     assert [r["steal"] for r in rows] == pytest.approx([0.01, 0.10])
     assert [r["block_step_ms"] for r in rows] == pytest.approx([50.0, 50.0])  # layers 1 and 2, not 0
+    # /proc/vmstat's counters beside them: each one's rate per second within each iteration
+    vm = tmp_path / "vmstat.txt"
+    vm.write_text("".join(f"{1000 + t} pgfault {[0, 10, 20, 320][t]} thp_fault_alloc 5 \n" for t in range(4)))
+    samples_vm = steal_spells.read_vmstat(vm)
+    assert steal_spells.rate_between(samples_vm, "pgfault", 1002.0, 1003.0) == pytest.approx(300.0)
+    assert steal_spells.rate_between(samples_vm, "numa_hint_faults", 1001.0, 1002.0) is None
+    rows = steal_spells.iterations(trace, samples, samples_vm)
+    assert [r["vmstat_per_s"] for r in rows] == [{"pgfault": pytest.approx(10.0), "thp_fault_alloc": 0.0},
+                                                 {"pgfault": pytest.approx(300.0), "thp_fault_alloc": 0.0}]

@@ -25,7 +25,7 @@
 # Throughout, the host's /proc/stat "cpu" line once a second with the wall clock ($OUT/stat.txt), which
 # bench/steal_spells.py lines up with each trace's iterations (otherData.origin_unix_s), and the page
 # fault, NUMA-balancing and huge-page counters of /proc/vmstat beside it ($OUT/vmstat.txt: what might
-# slow a host step without steal).
+# slow a host step without steal; bench/steal_spells.py --vmstat).
 # What comes back (at most 8 files): log.txt, cuda_h200.jsonl, stat.txt, vmstat.txt, and results.tgz
 # with the profile folders and the runs' traces.
 . bench/device/setup.sh
