@@ -48,7 +48,12 @@ class Steal:
         self.start = cpu_jiffies(self.path)
 
     def share(self) -> float | None:
-        end = cpu_jiffies(self.path)
-        if self.start is None or end is None or end[0] <= self.start[0]:
-            return None
-        return (end[1] - self.start[1]) / (end[0] - self.start[0])
+        return stolen_share(self.start, cpu_jiffies(self.path))
+
+
+def stolen_share(start: tuple[float, float] | None, end: tuple[float, float] | None) -> float | None:
+    """The stolen share of the CPU time between two (all, stolen) readings; None where either is unknown
+    or no time passed."""
+    if start is None or end is None or end[0] <= start[0]:
+        return None
+    return (end[1] - start[1]) / (end[0] - start[0])

@@ -106,8 +106,10 @@ def score(a: argparse.Namespace) -> int:
         m = re.search(rf"-{prefix}-(\d+)$", r.get("case", ""))
         if (r.get("tokens_per_s") and m and any(c in r.get("machine_call", "") for c in calls)
                 and (a.repeats or "-ab-" not in r["case"])):
-            got = recs.setdefault(int(m.group(1)), [])
-            got[:] = [*got, r] if a.repeats else [r]  # without --repeats: the latest
+            if a.repeats:
+                recs.setdefault(int(m.group(1)), []).append(r)
+            else:  # the latest
+                recs[int(m.group(1))] = [r]
     rows = []
     for p in picked["picked"]:
         runs = recs.get(p["rank"])

@@ -23,7 +23,7 @@ import statistics
 from bisect import bisect_left
 from pathlib import Path
 
-from tinypipe.backends.cpustat import cpu_line_jiffies
+from tinypipe.backends.cpustat import cpu_line_jiffies, stolen_share
 
 from tinypipe.replay import load_run_trace
 from tinypipe.timeline import Timeline
@@ -31,36 +31,22 @@ from tinypipe.timeline import Timeline
 WARMUP = 2  # iterations left out of the correlation (compile, the settled heap), as bench/fidelity.py
 
 
-def read_stat(path: Path) -> list[tuple[float, int, int]]:
-    """(unix s, all ticks, stolen ticks) per sample line `<unix s> cpu ...`, in time order."""
+Samples = list[tuple[float, dict[str, int]]]  # (unix s, counter -> value), in time order
+
+
+def read_stat(path: Path) -> Samples:
+    """Per sample line `<unix s> cpu ...`: its time and the host's `all` and `stolen` CPU ticks."""
     out = []
     for line in path.read_text().splitlines():
         when, _, rest = line.partition(" ")
         got = cpu_line_jiffies(rest)
         if got is not None:
-            out.append((float(when), *got))
-    return sorted(out)
+            out.append((float(when), {"all": got[0], "stolen": got[1]}))
+    return sorted(out, key=lambda x: x[0])
 
 
-def ticks_at(samples: list[tuple[float, int, int]], t: float) -> tuple[float, float] | None:
-    """(all, stolen) ticks at wall time `t`, interpolated between the samples around it; None outside."""
-    i = bisect_left([s[0] for s in samples], t)
-    if i == 0 or i == len(samples):
-        return None
-    (t0, a0, s0), (t1, a1, s1) = samples[i - 1], samples[i]
-    f = (t - t0) / (t1 - t0) if t1 > t0 else 0.0
-    return a0 + f * (a1 - a0), s0 + f * (s1 - s0)
-
-
-def steal_between(samples: list[tuple[float, int, int]], t0: float, t1: float) -> float | None:
-    a, b = ticks_at(samples, t0), ticks_at(samples, t1)
-    if a is None or b is None or b[0] <= a[0]:
-        return None
-    return (b[1] - a[1]) / (b[0] - a[0])
-
-
-def read_vmstat(path: Path) -> list[tuple[float, dict[str, int]]]:
-    """(unix s, counter -> value) per sample line `<unix s> name value name value ...`, in time order."""
+def read_vmstat(path: Path) -> Samples:
+    """Per sample line `<unix s> name value name value ...`: its time and its counters."""
     out = []
     for line in path.read_text().splitlines():
         when, *rest = line.split()
@@ -68,25 +54,33 @@ def read_vmstat(path: Path) -> list[tuple[float, dict[str, int]]]:
     return sorted(out, key=lambda x: x[0])
 
 
-def rate_between(samples: list[tuple[float, dict[str, int]]], name: str, t0: float, t1: float) -> float | None:
-    """Counter `name`'s increase per second between wall times `t0` and `t1` (interpolated inside the
-    samples); None outside them or where a sample lacks it."""
-    ts = [s[0] for s in samples]
+def value_at(samples: Samples, name: str, t: float) -> float | None:
+    """Counter `name` at wall time `t`, interpolated between the samples around it; None outside them or
+    where either lacks it."""
+    i = bisect_left(samples, t, key=lambda x: x[0])
+    if i == 0 or i == len(samples) or name not in samples[i - 1][1] or name not in samples[i][1]:
+        return None
+    (a, va), (b, vb) = samples[i - 1], samples[i]
+    f = (t - a) / (b - a) if b > a else 0.0
+    return va[name] + f * (vb[name] - va[name])
 
-    def at(t: float) -> float | None:
-        i = bisect_left(ts, t)
-        if i == 0 or i == len(samples) or name not in samples[i - 1][1] or name not in samples[i][1]:
-            return None
-        (a, va), (b, vb) = samples[i - 1], samples[i]
-        f = (t - a) / (b - a) if b > a else 0.0
-        return va[name] + f * (vb[name] - va[name])
 
-    x, y = at(t0), at(t1)
+def steal_between(samples: Samples, t0: float, t1: float) -> float | None:
+    """The stolen share of the host's CPU time between wall times `t0` and `t1` (`read_stat` samples)."""
+    def reading(t: float) -> tuple[float, float] | None:
+        a, s = value_at(samples, "all", t), value_at(samples, "stolen", t)
+        return None if a is None or s is None else (a, s)
+
+    return stolen_share(reading(t0), reading(t1))
+
+
+def rate_between(samples: Samples, name: str, t0: float, t1: float) -> float | None:
+    """Counter `name`'s increase per second between wall times `t0` and `t1`; None outside the samples."""
+    x, y = value_at(samples, name, t0), value_at(samples, name, t1)
     return None if x is None or y is None or t1 <= t0 else (y - x) / (t1 - t0)
 
 
-def iterations(path: Path, samples: list[tuple[float, int, int]],
-               vm: list[tuple[float, dict[str, int]]] | None = None) -> list[dict]:
+def iterations(path: Path, samples: Samples, vm: Samples | None = None) -> list[dict]:
     """Per iteration of the trace at `path`: its time, its block OPT_STEPs' mean, the steal during it, and
     with `vm` each counter's rate per second (`vmstat_per_s`)."""
     trace = load_run_trace(path)
@@ -97,11 +91,14 @@ def iterations(path: Path, samples: list[tuple[float, int, int]],
     tl = Timeline(trace.records, source=trace.source)
     ends = tl.iteration_ends_s()
     times = tl.iteration_times_s()
-    layers = trace.run.get("model_config", {}).get("num_hidden_layers")
+    layers = trace.run.get("model_config", {}).get("num_hidden_layers") or 0
+    steps_by_iteration: dict[int, list[float]] = {}
+    for r in trace.records:
+        if r.kind == "OPT_STEP" and r.layer is not None and 1 <= r.layer <= layers:
+            steps_by_iteration.setdefault(r.iteration, []).append(r.end_s - r.start_s)
     rows = []
     for k, (end, took) in enumerate(zip(ends, times)):
-        steps = [r.end_s - r.start_s for r in trace.records if r.kind == "OPT_STEP" and r.iteration == k
-                 and r.layer is not None and layers and 1 <= r.layer <= layers]
+        steps = steps_by_iteration.get(k)
         t0, t1 = origin + end - took, origin + end
         row = {"iteration": k, "iteration_s": took, "block_step_ms": 1e3 * statistics.fmean(steps) if steps else None,
                "steal": steal_between(samples, t0, t1)}

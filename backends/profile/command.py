@@ -239,15 +239,14 @@ STEAL_NOTE = "host CPU time taken by the hypervisor while the steps were timed"
 
 def steal_note(steal: list[float | None]) -> str:
     """The rounds' stolen CPU shares, for the traces' optimizer source and the report."""
-    shares = ", ".join("unknown" if x is None else f"{100 * x:.1f}%" for x in steal)
-    noisy = [x for x in steal if not quiet(x)]
+    note = f"{STEAL_NOTE} (by round): " + ", ".join("unknown" if x is None else f"{100 * x:.1f}%" for x in steal)
+    noisy = sum(not quiet(x) for x in steal)
     if not noisy:
-        return f"{STEAL_NOTE} (by round): {shares}"
-    if len(noisy) < len(steal):
-        return (f"{STEAL_NOTE} (by round): {shares}; the rounds above {NOTABLE_STEAL:.0%} were taken again and "
-                "left out of the medians")
-    return (f"{STEAL_NOTE} (by round): {shares} (steps timed while it took more than {NOTABLE_STEAL:.0%} ran up to "
-            "2x slow on H200, and no round was below it: profile again)")
+        return note
+    if noisy < len(steal):
+        return note + f"; the rounds above {NOTABLE_STEAL:.0%} were taken again and left out of the medians"
+    return note + (f" (steps timed while it took more than {NOTABLE_STEAL:.0%} ran up to 2x slow on H200, and no "
+                   "round was below it: profile again)")
 
 
 def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rates: HostRates | None,
