@@ -1,9 +1,8 @@
-"""Compiler passes one by one, golden schedules, policy errors, speed, and random policies (Hypothesis)."""
+"""Compiler passes one by one, golden schedules, policy errors, a 70B schedule, random policies (Hypothesis)."""
 
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -342,21 +341,17 @@ def test_policy_that_cannot_apply_names_the_field(change: dict, field: str) -> N
         compile_schedule(Policy(**change), toy_model(8), toy_hardware(2), toy_trace())
 
 
-def test_llama70b_compiles_fast() -> None:
-    """llama-3.1-70b on 8 GPUs, 32 microbatches, 3 iterations: a valid ~50k-action schedule, quickly."""
+def test_llama70b_compiles_to_a_valid_schedule() -> None:
+    """llama-3.1-70b on 8 GPUs, 32 microbatches, 3 iterations: a valid ~50k-action schedule. How fast it
+    compiles is bench/compile_bench.py's to measure (target < 1 s), not a timed test's."""
     from tinypipe.hardware import load_hardware
     from tinypipe.hfconfig import load_model
     from tinypipe.trace import analytic_trace
 
     model, hw = load_model("llama-3.1-70b"), load_hardware("rtx4090x8-pcie4")
     trace = analytic_trace(model, hw.gpus[0], microbatch_size=1, seq_len=2048)
-    policy = PRESETS["tinypipe"].replace(microbatches=32)
-    compile_schedule(policy, model, hw, trace)  # warm caches (cross mapping)
-    t0 = time.perf_counter()
-    sched = compile_schedule(policy, model, hw, trace)
-    took = time.perf_counter() - t0
+    sched = compile_schedule(PRESETS["tinypipe"].replace(microbatches=32), model, hw, trace)
     assert len(sched.actions) > 40_000 and counts_ok(sched)
-    assert took < 2.0, f"compile took {took:.2f} s (target < 1 s; bench/compile_bench.py measures it)"
 
 
 # ---- random models, hardware and policies --------------------------------------------------------------
