@@ -207,7 +207,10 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
 def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Each mistake is an InputError raised by the planning step; nothing is spawned."""
-    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *a, **k: pytest.fail("a worker was started"))
+    from tinypipe.backends import launch as launch_mod
+
+    for name in ("start_processes", "_run_here"):  # where launch() starts workers, or runs one in-process
+        monkeypatch.setattr(launch_mod, name, lambda *a, **k: pytest.fail("a worker was started"))
     bad_data = tmp_path / "data.jsonl"
     bad_data.write_text('{"text": "fine"}\nthis is not json\n')
     model_dir = tmp_path / "model"
