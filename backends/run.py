@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -25,6 +26,9 @@ from .cpustat import NOTABLE_STEAL  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
 
 SPARK = "▁▂▃▄▅▆▇█"
+# a prediction from an analytic trace this many times off the measured step (either way) prints how to
+# profile the job's layers here (`profile_hint`): the CPU stand-in's default job measures ~6 x its prediction
+ANALYTIC_OFF = 2.0
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -296,6 +300,25 @@ def issue_shares(tl: Any, results: list[Any], iteration_s: float) -> dict[int, f
             for res in sorted(results, key=lambda r: r.rank)}
 
 
+def profile_hint(plan: Any, iteration_s: float) -> list[str]:
+    """A line when a prediction from an analytic trace is more than ANALYTIC_OFF x off the measured step:
+    the `tinypipe profile` command that measures this job's layers here, for `run --profile`."""
+    predicted = plan.prediction.iteration_s
+    if not plan.trace.analytic or iteration_s <= 0 or predicted <= 0:
+        return []
+    ratio = iteration_s / predicted
+    if 1 / ANALYTIC_OFF <= ratio <= ANALYTIC_OFF:
+        return []
+    job = plan.job
+    cmd = (f"tinypipe profile --model {shlex.quote(job.model)} --seq-len {job.seq_len} "
+           f"--microbatch-size {job.microbatch_size} --backend {job.backend} --dtype {plan.trace.dtype}"
+           + (f" --threads {job.threads}" if job.threads else "")
+           + (" --compile" if job.compile_blocks else " --no-compile" if job.backend == "cuda" else ""))
+    return [f"          the step took {ratio:.1f} x the prediction: an analytic trace is FLOPs and bytes at the "
+            f"hardware's rates, without each operator's fixed cost (which dominates small layers); for a measured "
+            f"one, `{cmd} --out DIR`, then `run --profile DIR`"]
+
+
 def _steal_lines(results: list[Any]) -> list[str]:
     """A line when the hypervisor took more than cpustat.NOTABLE_STEAL of the host's CPU time during the
     run (`RankResult.host_steal_share`): the host optimizer's steps then run slow."""
@@ -346,6 +369,7 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
     lines.append(f"          {sim.tokens_per_s:,.0f} tokens/s predicted by the simulator "
                  f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, "
                  f"{'analytic' if plan.trace.analytic else 'measured'} trace)")
+    lines += profile_hint(plan, iteration_s)
     if plan.job.backend == "cuda":
         lines += _issue_lines(tl, results, iteration_s, compiled=plan.job.compile_blocks)
     ranks = sorted(results, key=lambda r: r.rank)

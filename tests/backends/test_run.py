@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -19,8 +22,9 @@ from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.launch import WorkerError, launch  # noqa: E402
 from tinypipe.backends.plan import make_run_plan  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402
-from tinypipe.backends.run import add_run_arguments, sparkline  # noqa: E402
+from tinypipe.backends.run import add_run_arguments, profile_hint, sparkline  # noqa: E402
 
+from tinypipe.cli import build_parser  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.errors import InputError  # noqa: E402
 from tinypipe.replay import load_run_trace  # noqa: E402
@@ -323,6 +327,37 @@ def test_sparkline_is_compact_and_ordered() -> None:
     """The loss curve in the summary: one character per bin, lowest value lowest bar."""
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
     assert len(sparkline(list(range(500)), width=40)) <= 40
+
+
+def _hinted_plan(measured_over_predicted: float, *, analytic: bool = True, backend: str = "cpu",
+                 compiled: bool = False) -> tuple[Any, float]:
+    job = SimpleNamespace(model="tiny llama/config.json", seq_len=64, microbatch_size=4, backend=backend, threads=1,
+                          compile_blocks=compiled)
+    plan = SimpleNamespace(job=job, prediction=SimpleNamespace(iteration_s=0.0148),
+                           trace=SimpleNamespace(analytic=analytic, dtype="fp32"))
+    return plan, 0.0148 * measured_over_predicted
+
+
+@pytest.mark.parametrize(("backend", "compiled", "compile_flag"), [("cpu", False, None), ("cuda", False, False),
+                                                                  ("cuda", True, True)])
+def test_an_analytic_prediction_far_off_names_the_profile_that_would_measure_it(backend: str, compiled: bool,
+                                                                               compile_flag: bool | None) -> None:
+    """Six times off (the default job's CPU stand-in): one line with the ratio and a `tinypipe profile` command
+    that the CLI parses into this job's model, shape, backend, dtype, threads and compile mode."""
+    lines = profile_hint(*_hinted_plan(6.0, backend=backend, compiled=compiled))
+    assert len(lines) == 1 and "the step took 6.0 x the prediction" in lines[0]
+    cmd = lines[0].split("`")[1]
+    args = build_parser().parse_args(shlex.split(cmd)[1:])
+    assert (args.command, args.model, args.seq_len, args.microbatch_size, args.backend, args.dtype, args.threads,
+            args.compile, args.out) == ("profile", "tiny llama/config.json", 64, [4], backend, "fp32", 1,
+                                        compile_flag, "DIR")
+
+
+@pytest.mark.parametrize(("ratio", "analytic"), [(1.9, True), (0.6, True), (6.0, False)])
+def test_a_close_or_measured_prediction_gets_no_profile_hint(ratio: float, analytic: bool) -> None:
+    """Within 2 x either way, or from a measured trace (off for other reasons): no line."""
+    assert profile_hint(*_hinted_plan(ratio, analytic=analytic)) == []
+    assert profile_hint(*_hinted_plan(0.3))[0].startswith("          the step took 0.3 x")
 
 
 def _cuda_gpus() -> int:
