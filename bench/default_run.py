@@ -4,7 +4,7 @@
 
 Runs the command in a fresh temporary directory, as a user would, and writes
 bench/results/default_run.json: the summary it printed, the numbers parsed from it, its wall
-time, the machine and the commit it ran at. Prints the README's sentence. Loss and accuracy repeat exactly on one
+time, the machine (and the commit it ran at). Prints the README's sentence. Loss and accuracy repeat exactly on one
 machine (here also with 4 threads per worker instead of 1); another CPU's kernels may round
 differently and end elsewhere, so the README says which machine its numbers come from.
 """
@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from _common import machine, write_json
@@ -44,13 +43,6 @@ def cpu_model() -> str:
         return "unknown"
 
 
-def commit() -> str:
-    """The checkout's commit (`-dirty` with uncommitted changes), or "unknown" outside a git checkout."""
-    res = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent)
-    return res.stdout.strip() if res.returncode == 0 else "unknown"
-
-
 def main() -> None:
     import torch
 
@@ -61,8 +53,7 @@ def main() -> None:
     if res.returncode != 0:
         raise SystemExit(f"tinypipe run failed ({res.returncode}):\n{res.stderr}")
     numbers = {**parse(res.stdout), "wall_s": round(wall, 1)}
-    path = write_json("default_run.json", {"command": "tinypipe run", "cpu": cpu_model(), "commit": commit(),
-                                           "torch": torch.__version__,
+    path = write_json("default_run.json", {"command": "tinypipe run", "cpu": cpu_model(), "torch": torch.__version__,
                                            **numbers, "summary": res.stdout})
     n = numbers
     print(f"loss {n['loss_first']:.2f} -> {n['loss_last']:.2f}, held-out addition accuracy "
