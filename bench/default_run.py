@@ -4,9 +4,10 @@
 
 Runs the command in a fresh temporary directory, as a user would, and writes
 bench/results/default_run.json: the summary it printed, the numbers parsed from it, its wall
-time, the machine (and the commit it ran at). Prints the README's sentence. Loss and accuracy repeat exactly on one
-machine (here also with 4 threads per worker instead of 1); another CPU's kernels may round
-differently and end elsewhere, so the README says which machine its numbers come from.
+time, and the machine with the commit it ran at (`_common.machine`). Prints the README's sentence.
+Loss and accuracy repeat exactly on one machine at one commit (here also with 4 threads per worker
+instead of 1); another CPU's kernels may round differently and end elsewhere, so the README says which
+machine its numbers come from.
 """
 
 from __future__ import annotations

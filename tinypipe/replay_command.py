@@ -200,8 +200,7 @@ def issue_busy(trace: RunTrace, window: Sequence[Record], first_id: int, warmup:
 def replay_main(args: argparse.Namespace, *, simulate: Simulate) -> int:
     """The `tinypipe replay` command: the report as tables, or JSON with --json."""
     trace = load_run_trace(args.trace)
-    report = replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup,
-                    which=args.window)
+    report = replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup, which=args.window)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -163,9 +163,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     print("top candidates (alike: how many candidates the simulator predicts the same, options apart that make "
           "no difference here):")
     print(table.render(["#", "tokens/s", "vs #1", "peak GPU", "peak host", "alike", "policy"],
-                       [[i + 1, round(g[0].tokens_per_s), f"{100 * (g[0].tokens_per_s / best - 1):+.1f}%",
-                         table.gib(g[0].peak_gpu_bytes), table.gib(g[0].peak_host_bytes), len(g), describe(g[0].policy)]
-                        for i, g in enumerate(top)], align="rrrrrrl"))
+                       [r[:2] + [f"{100 * (g[0].tokens_per_s / best - 1):+.1f}%"] + r[2:4] + [len(g)] + r[4:]
+                        for r, g in zip(rows([g[0] for g in top]), top)], align="rrrrrrl"))
     if len(top) > 1 and top[1][0].tokens_per_s > best * (1 - CLOSE):
         print(f"note: candidates within {100 * CLOSE:.0f}% of #1 are closer than the simulator's errors and one run's "
               "spread on the H200s (README, \"Predicting a run\"): expect them to run alike")
