@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tinypipe.errors import InputError
+from tinypipe.common.errors import InputError
 
 DIR, TMP, OLD = "checkpoint", "checkpoint.tmp", "checkpoint.old"
 FORMAT = "tinypipe.checkpoint/1"

@@ -28,11 +28,11 @@ schedule needs it:
   head's 0.55 GiB above the ledger there was its graph holding its weights, which no wait frees
   (tinypipe.compiler.passes.memory_pass counts that).
 
-The readiness rules and the loop's constants are `tinypipe.issueloop`'s; the simulator replays this loop
+The readiness rules and the loop's constants are `tinypipe.ir.issueloop`'s; the simulator replays this loop
 with a run's measured issue times (sim/issuer.py, `tinypipe replay`).
 
-Every action is timed into `tinypipe.timeline.Record`s (the streams' markers; the host clock for
-OPT_STEP), the schedule's memory effects are applied to a `tinypipe.ledger.Ledger` (allocs when an action is
+Every action is timed into `tinypipe.ir.timeline.Record`s (the streams' markers; the host clock for
+OPT_STEP), the schedule's memory effects are applied to a `tinypipe.ir.ledger.Ledger` (allocs when an action is
 issued, frees when it has finished), and the executed per-resource order kept.
 """
 
@@ -45,11 +45,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from tinypipe.issueloop import IDLE_SLEEP_S, RUNAHEAD_COMPUTE, issue_rules
-from tinypipe.kinds import Kind
-from tinypipe.ledger import Ledger
-from tinypipe.schedule import Action, gpu_resource
-from tinypipe.timeline import Record
+from tinypipe.ir.issueloop import IDLE_SLEEP_S, RUNAHEAD_COMPUTE, issue_rules
+from tinypipe.ir.kinds import Kind
+from tinypipe.ir.ledger import Ledger
+from tinypipe.ir.schedule import Action, gpu_resource
+from tinypipe.ir.timeline import Record
 
 from .comm import Handle
 from .hostwork import HostWorker
@@ -154,7 +154,7 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     queues: dict[str, deque[Action]] = defaultdict(deque)
     for a in actions:
         queues[a.resource].append(a)
-    # what each action waits for (tinypipe.issueloop) on other resources; on its own resource the queue
+    # what each action waits for (tinypipe.ir.issueloop) on other resources; on its own resource the queue
     # issues it after the earlier ones, and the stream (or the host worker) runs them in order. A LOAD
     # allocates when the host issues it, but the weights an EVICT drops stay allocated until the device
     # has passed their last use (they were used on another stream): see "EVICT before LOAD"

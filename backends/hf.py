@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tinypipe.errors import InputError
-from tinypipe.hfconfig import config_path, load_config, load_model, shipped_models
-from tinypipe.model import ModelSpec
+from tinypipe.common.errors import InputError
+from tinypipe.describe.hfconfig import config_path, load_config, load_model, shipped_models
+from tinypipe.describe.model import ModelSpec
 
 from .layers import Block, Embed, Head, LayerStack
 

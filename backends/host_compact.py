@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS
+from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS
 
 from . import planes
 from .hoststate import AdamWConfig, HeldBytes, HostState, _Param, _to, storage_bytes, view_bytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS
+from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS
 from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
 
 from .host_compact import CompactHostState

@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tinypipe.kinds import Carries, Kind
-from tinypipe.schedule import Action, Schedule, owned_layers
+from tinypipe.ir.kinds import Carries, Kind
+from tinypipe.ir.schedule import Action, Schedule, owned_layers
 
 from .comm import Comm, Handle
 from .compiled import LayerCaller

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
 
-from tinypipe.errors import TinypipeError
+from tinypipe.common.errors import TinypipeError
 
 from .comm import LocalComm
 from .groups import LocalGroup

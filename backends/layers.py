@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinypipe.model import ModelSpec, head_chunk_tokens
+from tinypipe.describe.model import ModelSpec, head_chunk_tokens
 
 IGNORE_INDEX = -100  # labels with this value carry no loss (torch's and Hugging Face's convention)
 
@@ -135,7 +135,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
     Transient bytes of a chunk of c tokens and a vocabulary of v, in a 2-byte compute dtype: 6 c v,
     forward and backward alike -- the logits (2 c v) while their fp32 shifted copy (4 c v) is
     written, then the fp32 softmax while the logits' gradient (2 c v) is written from it; the rest
-    works in place. `tinypipe.model.head_workspace_bytes` counts this.
+    works in place. `tinypipe.describe.model.head_workspace_bytes` counts this.
     """
 
     @staticmethod

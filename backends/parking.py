@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tinypipe.units import GIB
+from tinypipe.common.units import GIB
 
 from .pinned import PinnedSlab
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tinypipe.errors import CapacityError
-from tinypipe.units import GIB
+from tinypipe.common.errors import CapacityError
+from tinypipe.common.units import GIB
 
 # Every block starts on a 4 KiB boundary (the x86-64 page) and the slab ends on one: copies start
 # page-aligned and the registered range is whole pages. Padding is below 4 KiB per block.

@@ -95,8 +95,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_main(args: argparse.Namespace) -> int:
     """The `tinypipe run` command; returns the exit code (user mistakes raise InputError)."""
-    from tinypipe.errors import InputError
-    from tinypipe.progress import Progress
+    from tinypipe.common.errors import InputError
+    from tinypipe.common.progress import Progress
 
     from .settings import settle
 
@@ -110,7 +110,7 @@ def run_main(args: argparse.Namespace) -> int:
 
     phase("tinypipe run: loading PyTorch")
     from .launch import launch
-    from .plan import make_run_plan
+    from .prepare import make_run_plan
 
     plan = make_run_plan(args, phase=phase)
     if note is not None:
@@ -169,7 +169,7 @@ def _accuracy(model: str, seed: int) -> float:
 
 def timeline(plan: Any, results: list[Any]) -> Any:
     """All ranks' records and device-memory samples as one Timeline (source cpu or cuda)."""
-    from tinypipe.timeline import Timeline
+    from tinypipe.ir.timeline import Timeline
 
     records = tuple(r for res in results for r in res.records)
     memory = {f"g{res.rank}": tuple(res.memory) for res in results}
@@ -205,8 +205,8 @@ def replay_record(plan: Any) -> dict[str, Any]:
     """What `tinypipe replay` needs to recompile this run's schedule (a trace's `otherData.run`): the
     model's config, the hardware and policy as compiled, the workload, the window (K, id stride), and
     the profile trace the run was planned with (its prediction's costs)."""
-    from tinypipe.hfconfig import config_path
-    from tinypipe.jsonio import load_json
+    from tinypipe.common.jsonio import load_json
+    from tinypipe.describe.hfconfig import config_path
 
     s, job = plan.schedule, plan.job
     # packs pinned as --resume pins them: the packer's choice can depend on rates measured at start-up
@@ -236,7 +236,7 @@ def _pct(v: float | None) -> str:
 
 
 def _mib(b: float) -> str:
-    from tinypipe.units import MIB
+    from tinypipe.common.units import MIB
 
     return f"{b / MIB:,.1f} MiB"
 
@@ -258,7 +258,7 @@ def _host_lines(plan: Any, results: list[Any]) -> list[str]:
     the per-rank parts weigh as much as the per-parameter ones. (Replicated measured 20.00 there,
     its per-rank formula exactly: no pinned memory on the CPU, an fp32 upload copy.)
     """
-    from tinypipe.hostmem import host_bytes
+    from tinypipe.estimate.hostmem import host_bytes
 
     spec, sched, sim = plan.spec, plan.schedule, plan.prediction
     n = spec.params
@@ -290,7 +290,7 @@ ISSUE_BOUND = 0.8  # a main thread issuing this share of each step or more: the 
 def issue_shares(tl: Any, results: list[Any], iteration_s: float) -> dict[int, float]:
     """Per rank, the share of a steady step (the iterations after the first) its main thread spent issuing
     device actions (`RankResult.issue`)."""
-    from tinypipe.timeline import issue_s_per_iteration
+    from tinypipe.ir.timeline import issue_s_per_iteration
 
     iteration = {r.id: r.iteration for r in tl.records}
     steady = sorted(set(iteration.values()))[1:]
@@ -344,7 +344,7 @@ def _issue_lines(tl: Any, results: list[Any], iteration_s: float, *, compiled: b
 def summary(plan: Any, results: list[Any], before: float | None, after: float | None, *,
             trace_path: str | None = None) -> str:
     """The end-of-run report for people."""
-    from tinypipe.hardware import HOST
+    from tinypipe.describe.hardware import HOST
 
     losses: dict[int, float] = {}
     for r in results:

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tinypipe.errors import InputError
-from tinypipe.outputs import check_dir, check_file
+from tinypipe.common.errors import InputError
+from tinypipe.common.outputs import check_dir, check_file
 
 # The embedded job (plain `tinypipe run`): loss falls and held-out addition accuracy rises within
 # about a minute on 2 CPU cores. Measured 2026-11-30 on the 2-core dev box, single process: 1,000

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from tinypipe.ledger import Ledger
-from tinypipe.schedule import Schedule, owned_layers, rank_actions
-from tinypipe.timeline import Record
+from tinypipe.ir.ledger import Ledger
+from tinypipe.ir.schedule import Schedule, owned_layers, rank_actions
+from tinypipe.ir.timeline import Record
 
 from . import checkpoint
 from .comm import Comm, DistComm

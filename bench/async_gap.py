@@ -60,15 +60,15 @@ from _common import write_json
 from tinypipe.sim import simulate
 from tinypipe.sim.result import critical_path
 
+from tinypipe.common.table import render
 from tinypipe.compiler import compile_schedule
-from tinypipe.hardware import load_hardware
-from tinypipe.order import pair_halves, predecessors
-from tinypipe.replay import effective_durations, lanes, load_run_trace, match_window
-from tinypipe.replay_command import add_replay_arguments, settle
-from tinypipe.schedule import Action, Schedule
-from tinypipe.table import render
-from tinypipe.timeline import Record, Timeline
-from tinypipe.trace import ProfileTrace, load_trace
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.trace import ProfileTrace, load_trace
+from tinypipe.ir.order import pair_halves, predecessors
+from tinypipe.ir.schedule import Action, Schedule
+from tinypipe.ir.timeline import Record, Timeline
+from tinypipe.replay.runner import add_replay_arguments, settle
+from tinypipe.replay.trace_match import effective_durations, lanes, load_run_trace, match_window
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

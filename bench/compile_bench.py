@@ -18,13 +18,14 @@ from typing import Any
 
 from _common import machine, write_json
 
+from tinypipe.common.table import render
 from tinypipe.compiler import compile_schedule, make_plan, run_passes
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
-from tinypipe.policy import PRESETS, mobius
-from tinypipe.policy.mapping import _cached_order
-from tinypipe.table import render
-from tinypipe.trace import trace_for
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.trace import trace_for
+from tinypipe.partition import mobius
+from tinypipe.partition.mapping import _cached_order
+from tinypipe.policy import PRESETS
 
 MODEL, HARDWARE, SEQ_LEN, MICROBATCHES, ITERATIONS = "llama-3.1-70b", "rtx4090x8-pcie4", 2048, 32, 3
 TARGET_S = 1.0

@@ -7,7 +7,7 @@ process per GPU, NCCL), with the saved model switched off (writing 32 GB is not 
 Measured: steady-state tokens/s (the mean iteration after the first WARMUP ones, CUDA events), peak
 GPU memory (the caching allocator's max_memory_allocated, max over ranks), peak host RSS (ru_maxrss,
 summed over ranks), the host state's bytes per parameter (`HostState.held`). Beside them: the
-simulator's prediction for the same schedule and the floor (`tinypipe.floor`): max(compute at the
+simulator's prediction for the same schedule and the floor (`tinypipe.estimate.floor`): max(compute at the
 trace's measured per-layer times, PCIe bytes over the measured link rates, host optimizer time).
 
     python bench/cuda_bench.py --cases 1gpu-sync 2gpu-sync --steps 6 --trace-dir $OUT --out $OUT/cuda_h200.jsonl
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tinypipe.units import GIB
+from tinypipe.common.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ROOT / "bench" / "policies"
@@ -73,10 +73,10 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     """Run one case; the JSON record of what it measured and predicted."""
     import torch
     from tinypipe.backends.launch import launch
-    from tinypipe.backends.plan import make_run_plan
+    from tinypipe.backends.prepare import make_run_plan
     from tinypipe.backends.run import add_run_arguments, issue_shares, save_trace, timeline
 
-    from tinypipe.floor import schedule_floor
+    from tinypipe.estimate.floor import schedule_floor
 
     gpus, policy = CASES[name]
     parser = argparse.ArgumentParser()
@@ -135,7 +135,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
 def _busy_by_resource(tl: Any) -> dict[str, float]:
     """Seconds each resource was busy per steady iteration (its records after the WARMUP iterations;
     one resource's actions run one after another, so their durations add up)."""
-    from tinypipe.timeline import Timeline
+    from tinypipe.ir.timeline import Timeline
 
     first = min((r.iteration for r in tl.records), default=0)
     steady = tuple(r for r in tl.records if r.iteration >= first + WARMUP)
@@ -144,7 +144,7 @@ def _busy_by_resource(tl: Any) -> dict[str, float]:
 
 
 def _gib_arg(text: str) -> float:
-    from tinypipe.units import parse_bytes
+    from tinypipe.common.units import parse_bytes
 
     return parse_bytes(text, "--gpu-mem") / GIB
 

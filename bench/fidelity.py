@@ -45,7 +45,7 @@ from typing import Any
 
 from tinypipe.backends.cpustat import NOTABLE_STEAL
 
-from tinypipe.units import GIB
+from tinypipe.common.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

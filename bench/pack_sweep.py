@@ -15,13 +15,13 @@ import time
 from _common import RESULTS, write_json
 from tinypipe.sim import simulate
 
+from tinypipe.common.table import gib, render
+from tinypipe.common.units import GIB
 from tinypipe.compiler import compile_schedule
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.trace import trace_for
 from tinypipe.policy import PRESETS
-from tinypipe.table import gib, render
-from tinypipe.trace import trace_for
-from tinypipe.units import GIB
 
 
 def main() -> None:

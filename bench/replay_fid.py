@@ -23,10 +23,10 @@ from pathlib import Path
 from _common import write_json
 from tinypipe.sim import simulate
 
-from tinypipe.errors import TinypipeError
-from tinypipe.replay import load_run_trace
-from tinypipe.replay_command import add_replay_arguments, replay, settle
-from tinypipe.table import render
+from tinypipe.common.errors import TinypipeError
+from tinypipe.common.table import render
+from tinypipe.replay.runner import add_replay_arguments, replay, settle
+from tinypipe.replay.trace_match import load_run_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = sorted(ROOT.glob("bench/results/profile_h200_fid[3-6]/call*/traces.tgz"))

@@ -21,9 +21,9 @@ from pathlib import Path
 from _common import write_json
 from tinypipe.sim import simulate
 
-from tinypipe.replay import load_run_trace
-from tinypipe.replay_command import add_replay_arguments, replay, settle
-from tinypipe.table import render
+from tinypipe.common.table import render
+from tinypipe.replay.runner import add_replay_arguments, replay, settle
+from tinypipe.replay.trace_match import load_run_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {"1gpu-sync-compact": "h200x1-24g-sync-compact.json", "1gpu-async": "h200x1-24g-async.json",

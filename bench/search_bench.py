@@ -15,10 +15,10 @@ import time
 from _common import write_json
 from tinypipe.sim.evaluate import SimEvaluator
 
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
-from tinypipe.search import SearchTarget, search
-from tinypipe.table import gib, render
+from tinypipe.common.table import gib, render
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.search.policy_search import SearchTarget, search
 
 CASES = (("llama-3.1-70b", "rtx4090x8-pcie4"), ("llama-3.1-8b", "rtx4090x1"))
 

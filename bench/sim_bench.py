@@ -19,12 +19,12 @@ import time
 from _common import machine, write_json
 
 from tinypipe import sim
+from tinypipe.common.table import render
 from tinypipe.compiler import compile_schedule
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.trace import trace_for
 from tinypipe.policy import PRESETS
-from tinypipe.table import render
-from tinypipe.trace import trace_for
 
 MODEL, HARDWARE, SEQ_LEN, MICROBATCHES, ITERATIONS = "llama-3.1-70b", "rtx4090x8-pcie4", 2048, 32, 3
 TARGET_S = 1.0

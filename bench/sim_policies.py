@@ -14,14 +14,14 @@ from _common import write_json
 from tinypipe.sim import simulate
 from tinypipe.sim.evaluate import SimEvaluator
 
+from tinypipe.common.errors import TinypipeError
+from tinypipe.common.table import render
 from tinypipe.compiler import compile_schedule
-from tinypipe.errors import TinypipeError
-from tinypipe.hardware import load_hardware, shipped_hardware
-from tinypipe.hfconfig import load_model
+from tinypipe.describe.hardware import load_hardware, shipped_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.trace import trace_for
 from tinypipe.policy import PRESETS
-from tinypipe.search import SearchTarget, search
-from tinypipe.table import render
-from tinypipe.trace import trace_for
+from tinypipe.search.policy_search import SearchTarget, search
 
 
 def _preset(name: str, model, hw, seq_len: int, batch: int) -> dict:

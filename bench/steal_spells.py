@@ -25,8 +25,8 @@ from pathlib import Path
 
 from tinypipe.backends.cpustat import cpu_line_jiffies, stolen_share
 
-from tinypipe.replay import load_run_trace
-from tinypipe.timeline import Timeline
+from tinypipe.ir.timeline import Timeline
+from tinypipe.replay.trace_match import load_run_trace
 
 WARMUP = 2  # iterations left out of the correlation (compile, the settled heap), as bench/fidelity.py
 

@@ -1,16 +1,16 @@
 """The simulator: one SimPy process per schedule resource runs its actions in order (stream + event semantics).
 
-An action starts when its predecessors have finished (`tinypipe.order`: the previous action on its
+An action starts when its predecessors have finished (`tinypipe.ir.order`: the previous action on its
 resource and all its dependencies): the lane's process has finished the previous one, and it waits
 for the dependencies (the deadlock report lists the predecessors still running). Each kind is timed
-by its cost class in `tinypipe.kinds.KINDS`, as docs/schedule-contract.md says: compute (FWD / BWD)
+by its cost class in `tinypipe.ir.kinds.KINDS`, as docs/schedule-contract.md says: compute (FWD / BWD)
 takes the trace's times (`KindProfile.compute_s`: BWD with recompute when the schedule recomputes;
-a recomputed layer whose kind has loop times, `tinypipe.looptimes`, takes those), a free kind (EVICT) no
+a recomputed layer whose kind has loop times, `tinypipe.describe.looptimes`, takes those), a free kind (EVICT) no
 time, the optimizer (OPT_STEP, on `host.optim`) `hostmem.optimizer_step_s` (the trace's step of the
 layer's kind measured in a run's conditions, else the host layout's rate), and copies (uploads,
 downloads and the SEND / RECV halves) are fluid flows over the hardware route (sim/network.py); a
-cost class it has no rule for is an error (the table: sim/costs.py).
-A SEND and its RECV (paired by `tinypipe.order.pair_halves`) rendezvous: the copy starts when both
+cost class it has no rule for is an error (the table: sim/durations.py).
+A SEND and its RECV (paired by `tinypipe.ir.order.pair_halves`) rendezvous: the copy starts when both
 halves are ready and both end when it ends; each half's record starts when its own stream reached it
 (as a CUDA event recorded before it would).
 Memory effects go through the ledgers (sim/memory.py).
@@ -41,7 +41,7 @@ next iteration's forward are those the backward then waits for (its first microb
 waits for that layer's GRAD_OUT, which waits for a gradient slot that an OPT_STEP frees).
 Without those times an OPT_STEP takes `hostmem.optimizer_step_s` whatever runs.
 
-Lanes: one process per lane of `tinypipe.order.run_lanes`, which is one per resource except the host
+Lanes: one process per lane of `tinypipe.ir.order.run_lanes`, which is one per resource except the host
 optimizer: as in the backend, every rank runs its own layers' OPT_STEPs on a lane of its own, so
 two ranks' steps overlap. What that does and does not model: each step takes the time measured for
 one rank (`tinypipe profile` at the rank's thread count, beside its own device work), so the ranks'
@@ -65,18 +65,18 @@ from typing import Any
 
 import simpy
 
-from tinypipe.errors import InputError, ScheduleError
-from tinypipe.hardware import HOST, Hardware
-from tinypipe.issueloop import issue_rules
-from tinypipe.kinds import Cost, Direction, Kind
-from tinypipe.model import ModelSpec
-from tinypipe.optimprofile import Phase, StepPhases
-from tinypipe.order import pair_halves, predecessors, run_lanes
-from tinypipe.schedule import Schedule, rank_actions, resource_gpu
-from tinypipe.timeline import Record, Timeline
-from tinypipe.trace import ProfileTrace
+from tinypipe.common.errors import InputError, ScheduleError
+from tinypipe.describe.hardware import HOST, Hardware
+from tinypipe.describe.model import ModelSpec
+from tinypipe.describe.optimprofile import Phase, StepPhases
+from tinypipe.describe.trace import ProfileTrace
+from tinypipe.ir.issueloop import issue_rules
+from tinypipe.ir.kinds import Cost, Direction, Kind
+from tinypipe.ir.order import pair_halves, predecessors, run_lanes
+from tinypipe.ir.schedule import Schedule, rank_actions, resource_gpu
+from tinypipe.ir.timeline import Record, Timeline
 
-from .costs import COPY, LOOP, OPT, PAIR, PHASED, TIMED, action_costs, link_capacities
+from .durations import COPY, LOOP, OPT, PAIR, PHASED, TIMED, action_costs, link_capacities
 from .issuer import Issuer
 from .memory import Memory
 from .network import Network

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from tinypipe.sim.engine import simulate
 
+from tinypipe.common.errors import TinypipeError
 from tinypipe.compiler import compile_schedule
-from tinypipe.errors import TinypipeError
-from tinypipe.hardware import HOST, Hardware
-from tinypipe.model import ModelSpec
+from tinypipe.describe.hardware import HOST, Hardware
+from tinypipe.describe.model import ModelSpec
+from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.policy import Policy
-from tinypipe.search import Evaluation
-from tinypipe.trace import ProfileTrace, trace_for
+from tinypipe.search.policy_search import Evaluation
 
 
 @dataclass(frozen=True)

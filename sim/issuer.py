@@ -1,4 +1,4 @@
-"""A rank's main thread issuing its actions one at a time (`tinypipe.issueloop`), as a SimPy process.
+"""A rank's main thread issuing its actions one at a time (`tinypipe.ir.issueloop`), as a SimPy process.
 
 The engine starts a device action no earlier than its issue began (an OPT_STEP: its submission to the
 optimizer thread, by the same loop). Each issue takes the two times given per action id: the loop's
@@ -26,8 +26,8 @@ from typing import Any
 
 import simpy
 
-from tinypipe.issueloop import IDLE_SLEEP_S, RUNAHEAD_COMPUTE, IssueRules
-from tinypipe.schedule import Action, resource_gpu
+from tinypipe.ir.issueloop import IDLE_SLEEP_S, RUNAHEAD_COMPUTE, IssueRules
+from tinypipe.ir.schedule import Action, resource_gpu
 
 
 class Issuer:

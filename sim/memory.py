@@ -1,4 +1,4 @@
-"""The simulator's memory: one `tinypipe.ledger.Ledger` for all devices (`g0`, ..., `host`), checked against capacities.
+"""The simulator's memory: one `tinypipe.ir.ledger.Ledger` for all devices, checked against capacities.
 
 The ledger holds each device's static bytes from time 0, applies an action's `allocs` when the
 action starts and its `frees` when it ends, and keeps the peaks and a (time, bytes) sample per
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tinypipe.errors import CapacityError
-from tinypipe.hardware import HOST
-from tinypipe.ledger import Ledger
-from tinypipe.schedule import Action
+from tinypipe.common.errors import CapacityError
+from tinypipe.describe.hardware import HOST
+from tinypipe.ir.ledger import Ledger
+from tinypipe.ir.schedule import Action
 
 
 def capacity_message(device: str, action: Action, needed: int, free: int, capacity: int,

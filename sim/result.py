@@ -6,18 +6,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinypipe.hardware import HOST
-from tinypipe.order import predecessors
-from tinypipe.schedule import Schedule
-from tinypipe.timeline import Timeline, resource_sort_key, steady_state
-from tinypipe.units import GIB
+from tinypipe.common.units import GIB
+from tinypipe.describe.hardware import HOST
+from tinypipe.ir.order import predecessors
+from tinypipe.ir.schedule import Schedule
+from tinypipe.ir.timeline import Timeline, resource_sort_key, steady_state
 
 
 @dataclass(frozen=True)
 class CriticalPath:
     """The chain of actions that set the run's length, walked back from the last action to end.
 
-    Each step goes to whichever predecessor (`tinypipe.order.predecessors`) finished last: the previous
+    Each step goes to whichever predecessor (`tinypipe.ir.order.predecessors`) finished last: the previous
     action on the resource, a dependency, or — for a SEND / RECV — a predecessor of its other half (the
     copy waits for both).
     The time from that predecessor's end to the action's end is charged to the action's resource

@@ -172,7 +172,7 @@ def test_steal_spells_lines_up_the_samples_with_each_iteration(tmp_path: Path) -
     """bench/steal_spells.py: the stolen share between two wall-clock instants, interpolated inside the
     samples and None outside them; each iteration of a trace gets the steal of its own span and the mean
     of its block OPT_STEPs."""
-    from tinypipe.timeline import Record, Timeline
+    from tinypipe.ir.timeline import Record, Timeline
 
     steal_spells = _load("steal_spells")
     # 100 ticks a second, of which 1 stolen in each of the first two seconds and 10 in the third

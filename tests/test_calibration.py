@@ -6,12 +6,12 @@ import json
 
 import tinypipe.traces as shipped
 
-from tinypipe.costmodel import CostModel
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
-from tinypipe.plan import base_plan
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.trace import trace_for
+from tinypipe.estimate.calibration import CostModel
+from tinypipe.estimate.plan import base_plan
 from tinypipe.policy import PRESETS
-from tinypipe.trace import trace_for
 
 
 def test_calibration_ships_and_improved_the_fit() -> None:

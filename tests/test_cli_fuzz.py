@@ -61,7 +61,7 @@ def _files(root: Path) -> dict[str, str]:
                                                  "run": {"steps": 3000, "lr": 0.003}}))
     profiles = root / "profiles"
     profiles.mkdir()
-    from tinypipe.trace import load_trace
+    from tinypipe.describe.trace import load_trace
 
     (profiles / "t.json").write_text(json.dumps(load_trace("h200-llama-3.1-8b-mb1-seq2048").to_json()))
     out.update(EARLIER=str(earlier), CKPT=str(root / "ckpt"), DIR=str(root), FILE=out["DATA_OK"],
@@ -153,7 +153,7 @@ def argv(draw: st.DrawFn) -> list[str]:
 
 
 def _fixed_cpu(workers: int, *, threads: int) -> Any:
-    from tinypipe.hardware import GPU, Hardware, Host, Link
+    from tinypipe.describe.hardware import GPU, Hardware, Host, Link
 
     mem = 64 * 2**30
     return Hardware(name=f"fuzz-cpu-x{workers}", provenance="spec", source="fixed numbers for the fuzz test",
@@ -186,7 +186,7 @@ def test_every_command_line_ends_in_exit_0_or_one_error_line(args: list[str], pl
             stack.enter_context(mock.patch("tinypipe.backends.launch.start_processes", side_effect=WouldTrain))
             stack.enter_context(mock.patch("tinypipe.backends.launch._run_here", side_effect=WouldTrain))
             stack.enter_context(mock.patch("tinypipe.backends.run._accuracy", return_value=0.0))
-            stack.enter_context(mock.patch("tinypipe.backends.plan.cpu_hardware", side_effect=_fixed_cpu))
+            stack.enter_context(mock.patch("tinypipe.backends.prepare.cpu_hardware", side_effect=_fixed_cpu))
             stack.enter_context(mock.patch("tinypipe.backends.profile.command.LayerBench", side_effect=WouldTrain))
         stack.enter_context(contextlib.redirect_stderr(err))
         stack.enter_context(contextlib.redirect_stdout(out))

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tinypipe.common.errors import InputError
+from tinypipe.common.units import GIB
 from tinypipe.compiler import (
     compile_schedule,
     compute_plan,
@@ -25,16 +27,14 @@ from tinypipe.compiler import (
     transfer_pass,
 )
 from tinypipe.compiler.validate import validate
-from tinypipe.costmodel import CostModel
-from tinypipe.errors import InputError
-from tinypipe.hardware import GPU, Hardware, Host, Link
-from tinypipe.model import LayerKind, LayerSpec, ModelSpec
-from tinypipe.plan import Plan
-from tinypipe.policy import mobius
+from tinypipe.describe.hardware import GPU, Hardware, Host, Link
+from tinypipe.describe.model import LayerKind, LayerSpec, ModelSpec
+from tinypipe.describe.trace import KindProfile, ProfileTrace
+from tinypipe.estimate.calibration import CostModel
+from tinypipe.estimate.plan import Plan
+from tinypipe.ir.schedule import Kind, Schedule
+from tinypipe.partition import mobius
 from tinypipe.policy.policy import PRESETS, Policy
-from tinypipe.schedule import Kind, Schedule
-from tinypipe.trace import KindProfile, ProfileTrace
-from tinypipe.units import GIB
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -314,9 +314,9 @@ def test_auto_keeps_what_costs_no_memory() -> None:
 
 def test_every_preset_on_shipped_model_is_valid() -> None:
     """The three presets compile tiny-llama on the shipped 8-GPU box into valid schedules."""
-    from tinypipe.hardware import load_hardware
-    from tinypipe.hfconfig import load_model
-    from tinypipe.trace import analytic_trace
+    from tinypipe.describe.hardware import load_hardware
+    from tinypipe.describe.hfconfig import load_model
+    from tinypipe.describe.trace import analytic_trace
 
     model, hw = load_model("tiny-llama"), load_hardware("rtx4090x8-pcie4")
     trace = analytic_trace(model, hw.gpus[0], microbatch_size=1, seq_len=256)
@@ -344,9 +344,9 @@ def test_policy_that_cannot_apply_names_the_field(change: dict, field: str) -> N
 def test_llama70b_compiles_to_a_valid_schedule() -> None:
     """llama-3.1-70b on 8 GPUs, 32 microbatches, 3 iterations: a valid ~50k-action schedule. How fast it
     compiles is bench/compile_bench.py's to measure (target < 1 s), not a timed test's."""
-    from tinypipe.hardware import load_hardware
-    from tinypipe.hfconfig import load_model
-    from tinypipe.trace import analytic_trace
+    from tinypipe.describe.hardware import load_hardware
+    from tinypipe.describe.hfconfig import load_model
+    from tinypipe.describe.trace import analytic_trace
 
     model, hw = load_model("llama-3.1-70b"), load_hardware("rtx4090x8-pcie4")
     trace = analytic_trace(model, hw.gpus[0], microbatch_size=1, seq_len=2048)

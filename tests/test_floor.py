@@ -1,4 +1,4 @@
-"""tinypipe.floor: a schedule's busiest-resource work per iteration, from its own inputs only."""
+"""tinypipe.estimate.floor: a schedule's busiest-resource work per iteration, from its own inputs only."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from dataclasses import replace
 import pytest
 
 from tinypipe.compiler import compile_schedule
-from tinypipe.floor import schedule_floor
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
-from tinypipe.hostmem import optimizer_step_s, optimizer_time_factor
-from tinypipe.looptimes import LoopTimes
-from tinypipe.optimprofile import OptimizerProfile
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.looptimes import LoopTimes
+from tinypipe.describe.optimprofile import OptimizerProfile
+from tinypipe.describe.trace import trace_for
+from tinypipe.estimate.floor import schedule_floor
+from tinypipe.estimate.hostmem import optimizer_step_s, optimizer_time_factor
+from tinypipe.ir.schedule import Kind
 from tinypipe.policy import PRESETS
-from tinypipe.schedule import Kind
-from tinypipe.trace import trace_for
 
 
 @pytest.mark.parametrize(("hw_name", "recompute"), [("h200x1", True), ("h200x2", False)])

@@ -1,4 +1,4 @@
-"""The GPU-memory formula (tinypipe/gpumem.py) against the simulated ledger, and its two readings (scalar, MILP).
+"""The GPU-memory formula (estimate/gpumem.py) against the simulated ledger, and its two readings (scalar, MILP).
 
 The formula knows every buffer of the compiled schedule but not time. So it is measured twice over a
 spread of shipped models, shipped hardware and policies (compiled for that hardware), as formula /
@@ -24,15 +24,16 @@ from functools import cache
 import pytest
 from tinypipe.sim import simulate
 
-from tinypipe import gpumem
+from tinypipe.common.units import GIB
 from tinypipe.compiler import compile_schedule, make_plan
-from tinypipe.cost import gpu_peak_bytes
-from tinypipe.hardware import Hardware, load_hardware
-from tinypipe.hfconfig import load_model
-from tinypipe.plan import base_plan
-from tinypipe.policy import PRESETS, Policy, mobius
-from tinypipe.trace import trace_for
-from tinypipe.units import GIB
+from tinypipe.describe.hardware import Hardware, load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.trace import trace_for
+from tinypipe.estimate import gpumem
+from tinypipe.estimate.cost import gpu_peak_bytes
+from tinypipe.estimate.plan import base_plan
+from tinypipe.partition import mobius
+from tinypipe.policy import PRESETS, Policy
 
 MODELS = ("tiny-llama", "pythia-1b", "qwen3-1.7b", "gpt2-xl", "llama-3.1-8b")
 HARDWARE = ("h200x2", "rtx3090x4-pcie3", "rtx4090x1", "rtx4090x8-pcie4")

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tinypipe import traces as shipped
-from tinypipe.errors import InputError
-from tinypipe.hardware import Hardware, Route, load_hardware, shipped_hardware
+from tinypipe.common.errors import InputError
+from tinypipe.describe.hardware import Hardware, Route, load_hardware, shipped_hardware
 
 PRESETS = ["h200x1", "h200x2", "rtx3090x4-pcie3", "rtx3090x8-pcie3", "rtx4090x1", "rtx4090x8-pcie4"]
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from tinypipe.hostmem import (
+from tinypipe.describe.model import LayerKind, LayerSpec, ModelSpec
+from tinypipe.estimate.hostmem import (
     COMPACT_OPTIM_FACTOR,
     REPLICATED_OPTIM_FACTOR,
     host_bytes,
     next_pow2,
     optimizer_time_factor,
 )
-from tinypipe.model import LayerKind, LayerSpec, ModelSpec
 
 
 def _model(sizes: list[int]) -> ModelSpec:
@@ -59,8 +59,8 @@ def test_optimizer_rate_is_the_measured_one_where_the_hardware_has_it() -> None:
     taken as it is, and survives the JSON round trip."""
     import dataclasses
 
-    from tinypipe.hardware import Hardware, load_hardware
-    from tinypipe.hostmem import optimizer_s_per_param, optimizer_time_factor
+    from tinypipe.describe.hardware import Hardware, load_hardware
+    from tinypipe.estimate.hostmem import optimizer_s_per_param, optimizer_time_factor
 
     hw = load_hardware("h200x1")
     assert optimizer_s_per_param(hw.host, "compact") == optimizer_time_factor("compact") / hw.host.adam_params_per_s

@@ -1,9 +1,9 @@
-"""The executor's issue-loop rules as data (tinypipe/issueloop.py): what a rank issues, what each action waits for."""
+"""The executor's issue-loop rules as data (tinypipe/ir/issueloop.py): what a rank issues, what each waits for."""
 
 from __future__ import annotations
 
-from tinypipe.issueloop import issue_rules
-from tinypipe.schedule import Action, Kind, Schedule, rank_actions
+from tinypipe.ir.issueloop import issue_rules
+from tinypipe.ir.schedule import Action, Kind, Schedule, rank_actions
 
 
 def _schedule() -> Schedule:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tinypipe.errors import InputError
-from tinypipe.kinds import GPU_STREAMS, KIND_STREAM, KINDS, Carries, Cost, Direction, Kind, recorded_as
-from tinypipe.plot import KIND_COLORS
-from tinypipe.schedule import Schedule, parse_action
+from tinypipe.cli.plot import KIND_COLORS
+from tinypipe.common.errors import InputError
+from tinypipe.ir.kinds import GPU_STREAMS, KIND_STREAM, KINDS, Carries, Cost, Direction, Kind, recorded_as
+from tinypipe.ir.schedule import Schedule, parse_action
 
 GOLDEN = Path(__file__).parent / "golden"
 

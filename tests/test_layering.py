@@ -56,8 +56,9 @@ sys.meta_path.insert(0, _Block())
 def test_core_imports_and_inspects_without_torch_or_simpy() -> None:
     """With torch and simpy unimportable, the core imports and `inspect model/hardware/schedule` work."""
     code = BLOCKER + """
-import tinypipe.model, tinypipe.hardware, tinypipe.trace, tinypipe.schedule, tinypipe.compiler
-import tinypipe.compiler.validate, tinypipe.policy, tinypipe.hostmem, tinypipe.inspection, tinypipe.timeline
+import tinypipe.describe.model, tinypipe.describe.hardware, tinypipe.describe.trace, tinypipe.ir.schedule
+import tinypipe.compiler, tinypipe.compiler.validate, tinypipe.policy
+import tinypipe.estimate.hostmem, tinypipe.cli.inspection, tinypipe.ir.timeline
 from tinypipe.cli import main
 assert main(['inspect', 'model', 'llama-3.1-8b']) == 0
 assert main(['inspect', 'hardware', 'h200x2']) == 0
@@ -142,3 +143,34 @@ def test_no_module_over_400_lines() -> None:
     """One idea per file (STYLE.md): no module of the package is longer than 400 lines."""
     long = {str(p.relative_to(ROOT)): n for p in _package_files() if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+# The core's subpackages from the bottom up: a module imports only from its own subpackage or one below.
+CORE_LAYERS = (("common",), ("policy",), ("describe",), ("ir",), ("estimate",), ("partition",), ("compiler",),
+               ("search", "replay"), ("cli",))
+
+
+def _core_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2 or parts[0] != "tinypipe":
+        return None
+    return next((i for i, names in enumerate(CORE_LAYERS) if parts[1] in names), None)
+
+
+def test_core_imports_run_down() -> None:
+    """Every import between the core's subpackages goes to the same layer or a lower one (data below solvers:
+    docs/architecture.md's picture); every core module lives in one of the layers."""
+    up, homeless = [], []
+    for path in sorted((ROOT / "tinypipe").rglob("*.py")):
+        name = _module(path)
+        if name in ("tinypipe", "tinypipe.traces") or name.startswith("tinypipe.traces."):
+            continue
+        own = _core_layer(name)
+        if own is None:
+            homeless.append(name)
+            continue
+        for mod, _ in _imports(path):
+            target = _core_layer(mod)
+            if target is not None and target > own:
+                up.append(f"{name} -> {mod}")
+    assert homeless == [] and up == []

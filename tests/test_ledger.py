@@ -1,12 +1,12 @@
-"""The memory ledger (tinypipe/ledger.py): effects in order, peaks, samples, live buffers, unknown devices."""
+"""The memory ledger (tinypipe/ir/ledger.py): effects in order, peaks, samples, live buffers, unknown devices."""
 
 from __future__ import annotations
 
 import pytest
 
-from tinypipe.errors import ScheduleError
-from tinypipe.ledger import Ledger
-from tinypipe.schedule import Action, Kind, Mem
+from tinypipe.common.errors import ScheduleError
+from tinypipe.ir.ledger import Ledger
+from tinypipe.ir.schedule import Action, Kind, Mem
 
 
 def act(i: int, allocs: tuple[Mem, ...] = (), frees: tuple[Mem, ...] = ()) -> Action:

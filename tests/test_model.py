@@ -1,4 +1,4 @@
-"""Tests of tinypipe.model: exact parameter counts, per-layer formulas, and input errors."""
+"""Tests of tinypipe.describe.model: exact parameter counts, per-layer formulas, and input errors."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinypipe import traces
-from tinypipe.errors import InputError
-from tinypipe.hfconfig import from_hf_config, load_config, load_model, shipped_models
-from tinypipe.model import (
+from tinypipe.common.errors import InputError
+from tinypipe.describe.hfconfig import from_hf_config, load_config, load_model, shipped_models
+from tinypipe.describe.model import (
     HEAD_CHUNK_BYTES,
     LayerKind,
     ModelSpec,

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 from tinypipe.cli import main as cli_main
-from tinypipe.errors import InputError
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
-from tinypipe.hostmem import optimizer_s_per_param, optimizer_step_s
-from tinypipe.optimprofile import OptimizerProfile
+from tinypipe.common.errors import InputError
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.optimprofile import OptimizerProfile
+from tinypipe.describe.trace import FORMAT, ProfileTrace, load_trace, trace_for
+from tinypipe.estimate.hostmem import optimizer_s_per_param, optimizer_step_s
 from tinypipe.policy import PRESETS
-from tinypipe.search import SearchTarget, lower_bound
-from tinypipe.trace import FORMAT, ProfileTrace, load_trace, trace_for
+from tinypipe.search.policy_search import SearchTarget, lower_bound
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_PROFILE = ROOT / "bench" / "results" / "profile_h200"  # taken before per-kind optimizer steps existed
@@ -138,8 +138,8 @@ def test_the_step_by_phase_where_all_three_were_measured() -> None:
     and mode. The fields survive the JSON round trip and are left out when empty. The floor and the search
     bound take the least of the in-run step and the phases (`optimizer_steps_s(least=True)`); the plan
     and the simulator's fallback keep the in-run step."""
-    from tinypipe.hostmem import optimizer_step_phases_s, optimizer_steps_s
-    from tinypipe.optimprofile import StepPhases
+    from tinypipe.describe.optimprofile import StepPhases
+    from tinypipe.estimate.hostmem import optimizer_step_phases_s, optimizer_steps_s
 
     base = trace_for(SPEC, HW.gpus[0], 4, 2048)
     opt = OptimizerProfile(params=BLOCK.params, threads=15, alone_s={"compact": 0.1}, in_run_s={"compact": 0.125},
@@ -168,7 +168,7 @@ def test_the_schedule_says_its_optimizer_mode() -> None:
     """The compiled schedule carries the policy's optimizer mode through its text form; a schedule text
     written before the field reads as sync."""
     from tinypipe.compiler import compile_schedule
-    from tinypipe.schedule import Schedule
+    from tinypipe.ir.schedule import Schedule
 
     trace = trace_for(SPEC, HW.gpus[0], 1, 2048)
     for mode in ("sync", "async"):

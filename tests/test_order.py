@@ -1,12 +1,12 @@
-"""Execution order: what each action waits for, and which SEND pairs with which RECV (tinypipe/order.py)."""
+"""Execution order: what each action waits for, and which SEND pairs with which RECV (tinypipe/ir/order.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tinypipe.kinds import Kind
-from tinypipe.order import UnpairedError, pair_halves, predecessors
-from tinypipe.schedule import Action
+from tinypipe.ir.kinds import Kind
+from tinypipe.ir.order import UnpairedError, pair_halves, predecessors
+from tinypipe.ir.schedule import Action
 
 
 def acts() -> list[Action]:

@@ -10,12 +10,12 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinypipe.cost import estimate, gpu_peak_bytes
-from tinypipe.hardware import load_hardware
-from tinypipe.plan import Plan
-from tinypipe.policy import mobius, packing
-from tinypipe.policy.mapping import best_cycle, cross, round_robin, shared_links
-from tinypipe.units import GIB, MIB
+from tinypipe.common.units import GIB, MIB
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.estimate.cost import estimate, gpu_peak_bytes
+from tinypipe.estimate.plan import Plan
+from tinypipe.partition import mobius, packing
+from tinypipe.partition.mapping import best_cycle, cross, round_robin, shared_links
 
 
 def wl(n: int = 12, g: int = 2, m: int = 4, *, mem: int = 8 * GIB, **kw: Any) -> Plan:

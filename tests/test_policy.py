@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tinypipe.errors import InputError
+from tinypipe.common.errors import InputError
 from tinypipe.policy import PRESETS, Policy, load_policy
 from tinypipe.policy.modes import (
     ACT_HOMES,
@@ -124,9 +124,9 @@ def test_mutated_field_only_input_errors(key: str, value: object) -> None:
 
 
 MISSPELLED = '''
-from tinypipe.plan import Plan
+from tinypipe.estimate.plan import Plan
 from tinypipe.policy import Policy
-from tinypipe.search import SearchSpace
+from tinypipe.search.policy_search import SearchSpace
 
 
 def modes(plan: Plan) -> None:

@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from tinypipe import progress
-from tinypipe.progress import CLEAR, Progress
+from tinypipe.common import progress
+from tinypipe.common.progress import CLEAR, Progress
 
 
 class _Stream(io.StringIO):

@@ -4,7 +4,7 @@ fidelity on the committed 2x H200 traces, and one-line errors for traces of anot
 The replay's bound: every action starts in the replay as soon as its lane predecessor and its
 dependencies have ended, and in the run never earlier, so the replayed window is never longer than
 the measured one; and the measured critical path, run without its waits, is a chain the replay
-must also run, so it is never shorter than measured minus those waits (tinypipe/replay_report.py).
+must also run, so it is never shorter than measured minus those waits (tinypipe/replay/report.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from tinypipe.sim import simulate
 
 from tinypipe.cli import main
 from tinypipe.compiler import compile_schedule
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.trace import trace_for
 from tinypipe.policy import load_policy
-from tinypipe.replay import RunTrace, issue_durations, load_run_trace
-from tinypipe.replay_command import add_replay_arguments, replay, settle
-from tinypipe.replay_report import ReplayReport
-from tinypipe.trace import trace_for
+from tinypipe.replay.report import ReplayReport
+from tinypipe.replay.runner import add_replay_arguments, replay, settle
+from tinypipe.replay.trace_match import RunTrace, issue_durations, load_run_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS, POLICIES = ROOT / "bench" / "results", ROOT / "bench" / "policies"

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tinypipe.errors import InputError
-from tinypipe.schedule import Action, Kind, Mem, Schedule, grid, parse_action
+from tinypipe.common.errors import InputError
+from tinypipe.ir.schedule import Action, Kind, Mem, Schedule, grid, parse_action
 
 
 def _sched(actions: tuple[Action, ...]) -> Schedule:
@@ -74,7 +74,7 @@ def test_grid_marks_the_failing_cell() -> None:
 def test_recompute_spares_the_head() -> None:
     """Under recompute every layer's backward re-runs its forward except the head's (the last layer),
     which keeps its small graph; without recompute none does."""
-    from tinypipe.schedule import recomputes
+    from tinypipe.ir.schedule import recomputes
 
     assert [recomputes(True, i, 4) for i in range(4)] == [True, True, True, False]
     assert not any(recomputes(False, i, 4) for i in range(4))

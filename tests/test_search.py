@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
 from tinypipe.policy import Policy
-from tinypipe.search import Evaluation, SearchSpace, SearchTarget, lower_bound, search, stage1
+from tinypipe.search.policy_search import Evaluation, SearchSpace, SearchTarget, lower_bound, search, stage1
 
 
 def _w(**kw: object) -> SearchTarget:

@@ -15,20 +15,20 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tinypipe.sim import SimResult, simulate
-from tinypipe.sim.costs import link_capacities
+from tinypipe.sim.durations import link_capacities
 
+from tinypipe.common.errors import CapacityError, InputError, ScheduleError, TinypipeError
 from tinypipe.compiler import compile_schedule
-from tinypipe.errors import CapacityError, InputError, ScheduleError, TinypipeError
-from tinypipe.hardware import GPU, Hardware, Host, Link
-from tinypipe.hfconfig import load_model
-from tinypipe.hostmem import COMPACT_OPTIM_FACTOR
-from tinypipe.looptimes import LoopTimes
-from tinypipe.model import LayerKind, LayerSpec, ModelSpec
-from tinypipe.optimprofile import OptimizerProfile
-from tinypipe.order import layer_owner
+from tinypipe.describe.hardware import GPU, Hardware, Host, Link
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.looptimes import LoopTimes
+from tinypipe.describe.model import LayerKind, LayerSpec, ModelSpec
+from tinypipe.describe.optimprofile import OptimizerProfile
+from tinypipe.describe.trace import KindProfile, ProfileTrace, analytic_trace, trace_for
+from tinypipe.estimate.hostmem import COMPACT_OPTIM_FACTOR
+from tinypipe.ir.order import layer_owner
+from tinypipe.ir.schedule import Action, Kind, Mem, Schedule
 from tinypipe.policy import PRESETS
-from tinypipe.schedule import Action, Kind, Mem, Schedule
-from tinypipe.trace import KindProfile, ProfileTrace, analytic_trace, trace_for
 
 MS = 1e-3
 

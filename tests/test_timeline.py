@@ -1,4 +1,4 @@
-"""Timeline: iteration times, Chrome trace export, JSON round trip, diff, PNG plot (tinypipe/timeline.py)."""
+"""Timeline: iteration times, Chrome trace export, JSON round trip, diff, PNG plot (tinypipe/ir/timeline.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tinypipe.errors import InputError
-from tinypipe.timeline import KindError, Record, Timeline, diff
+from tinypipe.common.errors import InputError
+from tinypipe.ir.timeline import KindError, Record, Timeline, diff
 
 
 def rec(i: int, res: str, kind: str, label: str, it: int, s: float, e: float,
@@ -73,11 +73,11 @@ def test_json_round_trip(tmp_path: Path) -> None:
 
 def test_bad_json_names_the_field(tmp_path: Path) -> None:
     p = tmp_path / "t.json"
-    p.write_text('{"format": "tinypipe.timeline/1", "records": [[0, "g0.compute"]]}')
+    p.write_text('{"format": "tinypipe.ir.timeline/1", "records": [[0, "g0.compute"]]}')
     with pytest.raises(InputError, match=r"t.json: records\[0\]: expected \[id, resource"):
         Timeline.load(p)
     p.write_text('{"format": "other"}')
-    with pytest.raises(InputError, match="format: expected 'tinypipe.timeline/1'"):
+    with pytest.raises(InputError, match="format: expected 'tinypipe.ir.timeline/1'"):
         Timeline.load(p)
 
 
@@ -102,14 +102,14 @@ def test_diff_per_kind_iteration_and_order() -> None:
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from tinypipe.plot import plot_timeline
+    from tinypipe.cli.plot import plot_timeline
 
     out = plot_timeline(sample(), tmp_path / "t.png", title="sample")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from tinypipe import plot
+    from tinypipe.cli import plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(InputError, match=r"pip install tinypipe\[plot\]"):
@@ -117,6 +117,6 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch: pytest.MonkeyP
 
 
 def test_core_modules_import_neither_simpy_nor_torch() -> None:
-    code = ("import sys, tinypipe.timeline, tinypipe.plot; "
+    code = ("import sys, tinypipe.ir.timeline, tinypipe.cli.plot; "
             "bad = [m for m in ('simpy', 'torch', 'matplotlib') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

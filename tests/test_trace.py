@@ -11,15 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tinypipe.errors import InputError
-from tinypipe.hardware import load_hardware
-from tinypipe.hfconfig import load_model
-from tinypipe.jsonio import Fields
-from tinypipe.looptimes import LoopTimes
-from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes
-from tinypipe.plan import base_plan
-from tinypipe.policy import PRESETS
-from tinypipe.trace import (
+from tinypipe.common.errors import InputError
+from tinypipe.common.jsonio import Fields
+from tinypipe.common.units import MIB
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.looptimes import LoopTimes
+from tinypipe.describe.model import head_workspace_bytes, head_workspace_fixed_bytes
+from tinypipe.describe.trace import (
     FORMAT,
     KindProfile,
     ProfileTrace,
@@ -30,7 +29,8 @@ from tinypipe.trace import (
     trace_for,
     unmatched_note,
 )
-from tinypipe.units import MIB
+from tinypipe.estimate.plan import base_plan
+from tinypipe.policy import PRESETS
 
 H200 = load_hardware("h200x2").gpu(0)
 RTX4090 = load_hardware("rtx4090x8-pcie4").gpu(0)
@@ -100,7 +100,7 @@ def test_measured_traces_larger_microbatches(mb: int, fwd_ms: float, fwd_bwd_ms:
 
 @pytest.mark.parametrize("mb", [1, 2, 4, 8])
 def test_measured_traces_head_sizes_follow_the_chunked_head(mb: int) -> None:
-    """The shipped traces' head sizes are tinypipe.model's chunked-head formula at their token count
+    """The shipped traces' head sizes are tinypipe.describe.model's chunked-head formula at their token count
     (what the analytic trace gives too); its times are the chunked head's measured ones."""
     t = load_trace(f"h200-llama-3.1-8b-mb{mb}-seq2048")
     head, tokens = t.kinds["head"], mb * 2048

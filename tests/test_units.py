@@ -2,8 +2,8 @@
 
 import pytest
 
-from tinypipe.errors import InputError
-from tinypipe.units import parse_bytes
+from tinypipe.common.errors import InputError
+from tinypipe.common.units import parse_bytes
 
 
 def test_parse_bytes() -> None:

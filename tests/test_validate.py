@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
+from tinypipe.common.errors import ScheduleError
 from tinypipe.compiler import run_passes
 from tinypipe.compiler.validate import validate
-from tinypipe.errors import ScheduleError
-from tinypipe.plan import Plan
-from tinypipe.schedule import Action, Kind, Schedule
+from tinypipe.estimate.plan import Plan
+from tinypipe.ir.schedule import Action, Kind, Schedule
 
 
 def small(**kw: object) -> Schedule:

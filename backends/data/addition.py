@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinypipe.errors import InputError
+from tinypipe.common.errors import InputError
 
 from ..hf import param_seed
 from ..layers import IGNORE_INDEX

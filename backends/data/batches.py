@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tinypipe.errors import InputError
+from tinypipe.common.errors import InputError
 
 from .addition import ADDITION, AdditionSequences, AdditionTask
 from .examples import PackedSequences, SequenceSource, pack, read_examples

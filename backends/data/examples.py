@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tinypipe.errors import InputError
+from tinypipe.common.errors import InputError
 
 from ..hf import param_seed
 from ..layers import IGNORE_INDEX

@@ -2,7 +2,7 @@
 
 Files written into `--out DIR` (made if missing; files of the same names are replaced):
 - one trace per microbatch size, `<gpu>-<model>-mb<N>-seq<S>[-<dtype>].json` (the dtype suffix
-  unless bf16), the `ProfileTrace` form `tinypipe.trace.load_trace` reads; `simulate`, `search`
+  unless bf16), the `ProfileTrace` form `tinypipe.describe.trace.load_trace` reads; `simulate`, `search`
   and `run` take it with `--profile DIR`. Unless `--no-optimizer`, each kind carries its host
   optimizer step (optim.py: measured once, beside the largest microbatch's device work, the same
   in every trace; with `--optimizer-phases`, also beside a loop of the block's FWDs only and
@@ -29,20 +29,20 @@ from typing import Any
 
 import torch
 
-from tinypipe.errors import InputError
-from tinypipe.hardware import Hardware, load_hardware, shipped_hardware
-from tinypipe.looptimes import LoopTimes
-from tinypipe.outputs import check_dir
-from tinypipe.progress import Progress
-from tinypipe.trace import ProfileTrace
+from tinypipe.common.errors import InputError
+from tinypipe.common.outputs import check_dir
+from tinypipe.common.progress import Progress
+from tinypipe.describe.hardware import Hardware, load_hardware, shipped_hardware
+from tinypipe.describe.looptimes import LoopTimes
+from tinypipe.describe.trace import ProfileTrace
 
 from ..cpustat import NOTABLE_STEAL
 from ..hostwork import host_settings
 from ..settings import SEED_LIMIT, rank_threads
 from .devloop import DeviceLoop
-from .layers import KindMeasurement, LayerBench, profile_trace
-from .looptimes import describe as describe_loop
-from .looptimes import has_block, time_loop, with_loop
+from .measure_layers import KindMeasurement, LayerBench, profile_trace
+from .measure_loop import describe as describe_loop
+from .measure_loop import has_block, time_loop, with_loop
 from .optim import describe, measure_optimizer, quiet
 from .rates import HostRates, measure_rates
 
@@ -251,7 +251,7 @@ def steal_note(steal: list[float | None]) -> str:
 
 def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rates: HostRates | None,
             written: list[Path], base: Hardware | None) -> str:
-    from tinypipe import table
+    from tinypipe.common import table
 
     lines = [f"{model} on {on} (traces name the GPU model {gpu_model!r})", ""]
     rows = [[t.microbatch_size, k, p.fwd_s * 1e3, p.bwd_s * 1e3, p.recompute_bwd_s * 1e3,

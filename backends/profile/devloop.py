@@ -15,7 +15,7 @@ Phases (`only`): a loop of FWDs only (LOAD, PHASE_MICROBATCHES x FWD, EVICT per 
 (LOAD, PHASE_MICROBATCHES x recomputing BWD, GRAD_OUT, EVICT), each microbatch's input and output
 gradient placed as before. The main thread's issue work differs between them (an FWD is shorter on the
 device for about the same issue), and so does what a host step beside them loses to it: optim.py times
-the step beside each, the simulator's phases (`tinypipe.trace.StepPhases`). One upload per window of 16,
+the step beside each, the simulator's phases (`tinypipe.describe.trace.StepPhases`). One upload per window of 16,
 so that the loop is the phase and seldom waits for a copy (the forward of the async H200 runs issued all
 its microbatches through resident layers: bench/async_gap.py).
 
@@ -36,14 +36,14 @@ from typing import Literal
 
 import torch
 
-from tinypipe.model import LayerKind
-from tinypipe.schedule import Action, Kind, gpu_resource
+from tinypipe.describe.model import LayerKind
+from tinypipe.ir.schedule import Action, Kind, gpu_resource
 
 from ..executor import RunLog, run_actions
 from ..hostlayouts import make_host_state
 from ..hoststate import AdamWConfig
 from ..interpreter import Interpreter, StepData
-from .layers import STEP, LayerBench
+from .measure_layers import STEP, LayerBench
 
 MICROBATCHES = 4  # FWD / BWD per LOAD + GRAD_OUT (module docstring)
 CYCLES = 2  # per window: a window ends with the streams synchronised, as a run's window does

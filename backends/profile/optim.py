@@ -1,6 +1,6 @@
 """One host optimizer step (OPT_STEP) of each layer kind, timed alone and beside the device's work.
 
-Each kind's result is a `tinypipe.optimprofile.OptimizerProfile`, which its trace carries.
+Each kind's result is a `tinypipe.describe.optimprofile.OptimizerProfile`, which its trace carries.
 
 The simulator used to cost every OPT_STEP at one rate per host layout, measured on one large tensor
 with nothing else running. On the H200 host that rate (compact: 1.75 G params/s) was too fast twice
@@ -20,13 +20,13 @@ layer kind (embedding, block, head: their real tensors) and per host layout:
 - alone_s: the steps with the main thread waiting (nothing else running);
 - in_run_s: the same number of steps while the main thread keeps the device busy through the
   executor (`devloop.DeviceLoop`); the first step starts once the loop has started. This is what the
-  simulator charges (`tinypipe.hostmem.optimizer_step_s`).
+  simulator charges (`tinypipe.estimate.hostmem.optimizer_step_s`).
 - async_in_run_s: as in_run_s, the asynchronous optimizer's step: a host state with the layout's
   previous-version room (compact: the snapshot regions), each step keeping the previous version as
   an async run's do (`HostState.step(keep_previous=True)`), after one untimed warm-up step of its own.
 - by phase, when given a loop of FWDs only and one of BWDs only (devloop.py, `only`): beside_fwd_s and
   beside_bwd_s, the sync step beside each, and async_alone_s, async_beside_fwd_s, async_beside_bwd_s the
-  async step alone and beside each (`tinypipe.trace.StepPhases`, which the simulator charges by what its
+  async step alone and beside each (`tinypipe.describe.trace.StepPhases`, which the simulator charges by what its
   rank's compute stream runs). Why: a step shares the host with the thread that issues the device's work,
   and that thread's share depends on what it issues. In the async Qwen3-1.7B run on an H200 (compiled, 4
   x 2048; bench/async_gap.py) a block's step took ~82 ms while the forward was issued, ~65 ms beside the
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinypipe.model import LayerKind
-from tinypipe.optimprofile import OptimizerProfile
+from tinypipe.describe.model import LayerKind
+from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
 
 from ..cpustat import NOTABLE_STEAL, Steal
@@ -61,7 +61,7 @@ from ..hostlayouts import make_host_state
 from ..hoststate import AdamWConfig, HostState
 from ..hostwork import HostWorker
 from .devloop import DeviceLoop
-from .layers import LayerBench
+from .measure_layers import LayerBench
 
 # OptimizerProfile's fields by phase, as KindSteps.phases_s names them
 PHASE_FIELDS = ("beside_fwd_s", "beside_bwd_s", "async_alone_s", "async_beside_fwd_s", "async_beside_bwd_s")

@@ -16,7 +16,7 @@ through the run's own code (`HostState.step`, what an OPT_STEP runs), gradients 
 - compact_params_per_s: the compact layout's step (`planes.compact_adamw_step`, chunked join /
   AdamW / split over the 16-bit planes).
 Where a trace has no per-kind step (optim.py measures those, on each kind's own tensors and beside
-the device's work), the simulator charges these layout rates (`tinypipe.hostmem.optimizer_s_per_param`;
+the device's work), the simulator charges these layout rates (`tinypipe.estimate.hostmem.optimizer_s_per_param`;
 `optimizer_time_factor(layout)` / adam_params_per_s without them); `factors()` gives the measured
 factors to compare with those constants.
 """
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from tinypipe.hardware import Hardware, Host
-from tinypipe.hostmem import optimizer_time_factor
+from tinypipe.common.units import MIB
+from tinypipe.describe.hardware import Hardware, Host
+from tinypipe.estimate.hostmem import optimizer_time_factor
 from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
-from tinypipe.units import MIB
 
 from ..hostlayouts import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
@@ -84,7 +84,7 @@ class HostRates:
                           "per second at `threads` threads: torch fused AdamW alone (Hardware.host.adam_params_per_s), "
                           "HostState.step under the replicated layout (AdamW + upload-copy refresh) and the compact "
                           "one (planes.compact_adamw_step); optimizer_time_factor: adam / layout rate, to compare "
-                          "with tinypipe.hostmem's constants"}
+                          "with tinypipe.estimate.hostmem's constants"}
 
     def hardware(self, base: Hardware) -> Hardware:
         """`base` with these rates: each GPU's own PCIe link at min(H2D, D2H) with the measured fixed cost,

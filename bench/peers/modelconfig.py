@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tinypipe.errors import InputError
-from tinypipe.hfconfig import config_path, load_config, load_model
+from tinypipe.common.errors import InputError
+from tinypipe.describe.hfconfig import config_path, load_config, load_model
 
 # RoundPipe 0.1.1 has sequential presets for LlamaForCausalLM and Qwen3ForCausalLM (roundpipe/models);
 # tinypipe trains both families too.
@@ -48,7 +48,7 @@ def write_config(root: Path, name: str, config: dict[str, Any]) -> Path:
     """Write `root/name/config.json` and return that directory.
 
     The directory is named after the model so that tinypipe plans with its measured per-layer traces
-    of that model (`tinypipe.trace.find_trace` matches traces by model name; they are per layer kind,
+    of that model (`tinypipe.describe.trace.find_trace` matches traces by model name; they are per layer kind,
     so they hold for any layer count)."""
     directory = root / name
     directory.mkdir(parents=True, exist_ok=True)

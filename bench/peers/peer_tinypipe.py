@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             details={"search": search, "run_options": run_args})
 
     from tinypipe.backends.launch import launch
-    from tinypipe.backends.plan import make_run_plan
+    from tinypipe.backends.prepare import make_run_plan
     from tinypipe.backends.run import add_run_arguments, timeline
 
     parser = argparse.ArgumentParser()
@@ -97,7 +97,7 @@ def _policy(args: argparse.Namespace, work: Workload, backend: str, scratch: Pat
         if backend != "cuda":
             raise SystemExit("peer_tinypipe: --variant searched plans for a CUDA machine; on the CPU use mobius "
                              "or preset")
-        from tinypipe.backends.plan import cuda_hardware
+        from tinypipe.backends.prepare import cuda_hardware
 
         hardware = cuda_hardware(args.gpus, None).name
         out = scratch / "searched.json"

@@ -110,7 +110,7 @@ def check(a: argparse.Namespace) -> tuple[Workload, tuple[int, ...], tuple[float
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tinypipe.errors import InputError
+    from tinypipe.common.errors import InputError
 
     try:
         a = parser().parse_args(argv)

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.hardware import GPU, Hardware, Host, Link  # noqa: E402
+from tinypipe.describe.hardware import GPU, Hardware, Host, Link  # noqa: E402
 
 # A small Qwen3 (untied embeddings, q/k norms), byte-level vocabulary, for the second model family.
 TINY_QWEN3 = {

@@ -8,7 +8,7 @@ all of the pack's LOADs, `swap="layer"` only for its own layer's.
 
 from __future__ import annotations
 
-from tinypipe.schedule import Action, Kind, Mem, Schedule, gpu_resource
+from tinypipe.ir.schedule import Action, Kind, Mem, Schedule, gpu_resource
 
 
 def build(pack_layers: list[list[int]], pack_gpu: list[int], *, microbatches: int, iterations: int = 2,

@@ -14,7 +14,7 @@ from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.examples import Example, pack, read_examples  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
 
-from tinypipe.errors import InputError  # noqa: E402
+from tinypipe.common.errors import InputError  # noqa: E402
 
 X = -100  # no loss
 

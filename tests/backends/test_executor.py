@@ -18,8 +18,8 @@ from tinypipe.backends.hostwork import GIL_SWITCH_S, HostWorker, gc_pauses, host
 from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.backends.streams import CpuStreams, make_streams  # noqa: E402
 
+from tinypipe.ir.schedule import Kind  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
-from tinypipe.schedule import Kind  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from test_run import LR, MBS, SEQ, parse, policy_file, reference  # noqa: E402
 from tinypipe.backends.launch import launch  # noqa: E402
-from tinypipe.backends.plan import make_run_plan  # noqa: E402
+from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 
 from tinypipe.cli import main as cli_main  # noqa: E402
 

@@ -16,7 +16,7 @@ from tinypipe.backends.pinned import ALIGN_BYTES, plan  # noqa: E402
 from tinypipe.backends.planes import split  # noqa: E402
 from tinypipe.backends.reference import layer_adamw  # noqa: E402
 
-from tinypipe.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes  # noqa: E402
+from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -26,11 +26,11 @@ from tinypipe.backends.worker import Job  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 
 from tinypipe.compiler import compile_schedule  # noqa: E402
-from tinypipe.hfconfig import load_model  # noqa: E402
+from tinypipe.describe.hfconfig import load_model  # noqa: E402
+from tinypipe.describe.trace import analytic_trace  # noqa: E402
+from tinypipe.ir.schedule import HOST_OPTIM, Action, Kind, Schedule, owned_layers, rank_actions, resource_gpu  # noqa: E402  # noqa: E402
+from tinypipe.ir.timeline import Timeline  # noqa: E402
 from tinypipe.policy import PRESETS, Policy  # noqa: E402
-from tinypipe.schedule import HOST_OPTIM, Action, Kind, Schedule, owned_layers, rank_actions, resource_gpu  # noqa: E402  # noqa: E402
-from tinypipe.timeline import Timeline  # noqa: E402
-from tinypipe.trace import analytic_trace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -129,7 +129,7 @@ def test_executed_per_resource_order_equals_the_schedule(preset: str) -> None:
     sim = simulate(sched, spec, hw, analytic_trace(spec, hw.gpus[0], microbatch_size=MBS, seq_len=SEQ, dtype="fp32"))
     real = Timeline(tuple(rec for r in results for rec in r.records if rec.resource != HOST_OPTIM), source="cpu")
     simulated = Timeline(tuple(rec for rec in sim.timeline.records if rec.resource != HOST_OPTIM))
-    from tinypipe.timeline import diff
+    from tinypipe.ir.timeline import diff
 
     d = diff(real, simulated)
     assert d.orders_equal, d.order_mismatches

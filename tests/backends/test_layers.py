@@ -21,8 +21,8 @@ from torch.nn import Module  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import tinypipe.model  # noqa: E402
-from tinypipe.model import head_chunk_tokens  # noqa: E402
+import tinypipe.describe.model  # noqa: E402
+from tinypipe.describe.model import head_chunk_tokens  # noqa: E402
 
 TINY = {  # small configs of each family; Mistral's window (8) is shorter than the test sequences (16)
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
@@ -258,7 +258,7 @@ def loss_and_grads(head: Head, hidden: Tensor, labels: Tensor, denom: int,
 
 def set_chunk(monkeypatch: pytest.MonkeyPatch, tokens: int, vocab: int = 256) -> None:
     """Make the head's chunks `tokens` tokens long (through the one budget constant)."""
-    monkeypatch.setattr(tinypipe.model, "HEAD_CHUNK_BYTES", tokens * vocab * 4)
+    monkeypatch.setattr(tinypipe.describe.model, "HEAD_CHUNK_BYTES", tokens * vocab * 4)
     assert head_chunk_tokens(vocab) == tokens
 
 

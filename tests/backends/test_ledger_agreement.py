@@ -1,4 +1,4 @@
-"""The simulator and the CPU backend keep one ledger (`tinypipe.ledger.Ledger`) and agree on it.
+"""The simulator and the CPU backend keep one ledger (`tinypipe.ir.ledger.Ledger`) and agree on it.
 
 Both apply a schedule's memory effects, allocs when an action starts and frees when it ends, to the
 same ledger type. Run in the same order, they must report the same peak per GPU. The order is
@@ -23,15 +23,15 @@ from test_interpreter import MBS, SEQ, K, compiled, job  # noqa: E402
 from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 
-from tinypipe.hfconfig import load_model  # noqa: E402
-from tinypipe.policy import PRESETS  # noqa: E402
-from tinypipe.schedule import (  # noqa: E402
+from tinypipe.describe.hfconfig import load_model  # noqa: E402
+from tinypipe.describe.trace import analytic_trace  # noqa: E402
+from tinypipe.ir.schedule import (  # noqa: E402
     Kind,
     Schedule,
     owned_layers,  # noqa: E402
     resource_gpu,
 )
-from tinypipe.trace import analytic_trace  # noqa: E402
+from tinypipe.policy import PRESETS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,7 +21,7 @@ from tinypipe.backends.pinned import (  # noqa: E402
     torch_pinned_peak_bytes,
 )
 
-from tinypipe.errors import CapacityError  # noqa: E402
+from tinypipe.common.errors import CapacityError  # noqa: E402
 
 REQUESTS = [((2, 3), torch.int16), ((5,), torch.float32), ((), torch.float64), ((0,), torch.float32),
             ((3, 1024), torch.float32), ((7,), torch.bfloat16)]

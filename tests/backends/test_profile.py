@@ -19,10 +19,10 @@ torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
 from tinypipe.backends.interpreter import Interpreter, StepData  # noqa: E402
-from tinypipe.backends.plan import make_run_plan  # noqa: E402
+from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.profile import rates as rates_module  # noqa: E402
 from tinypipe.backends.profile.command import trace_file  # noqa: E402
-from tinypipe.backends.profile.layers import STEP, LayerBench  # noqa: E402
+from tinypipe.backends.profile.measure_layers import STEP, LayerBench  # noqa: E402
 from tinypipe.backends.profile.rates import measure_rates  # noqa: E402
 from tinypipe.backends.run import add_run_arguments  # noqa: E402
 from tinypipe.backends.settings import rank_threads  # noqa: E402
@@ -31,12 +31,12 @@ from tinypipe.sim.evaluate import SimEvaluator  # noqa: E402
 
 from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.compiler import compile_schedule  # noqa: E402
-from tinypipe.hardware import load_hardware  # noqa: E402
-from tinypipe.hfconfig import load_model  # noqa: E402
-from tinypipe.model import head_workspace_bytes, head_workspace_fixed_bytes  # noqa: E402
+from tinypipe.describe.hardware import load_hardware  # noqa: E402
+from tinypipe.describe.hfconfig import load_model  # noqa: E402
+from tinypipe.describe.model import head_workspace_bytes, head_workspace_fixed_bytes  # noqa: E402
+from tinypipe.describe.trace import FORMAT, load_profiles, load_trace  # noqa: E402
+from tinypipe.ir.schedule import Kind  # noqa: E402
 from tinypipe.policy import load_policy  # noqa: E402
-from tinypipe.schedule import Kind  # noqa: E402
-from tinypipe.trace import FORMAT, load_profiles, load_trace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -188,7 +188,7 @@ def test_profile_times_and_sizes_are_sane(profiled: tuple[Path, Path, str]) -> N
     recompute_bwd = fwd + bwd. Sizes: a layer's recompute footprint is its fp32 input, the embedding
     keeps its token ids (8 B each), the head keeps x, the normalised x and the normed output in fp32
     plus the labels, the log-sum-exp and the reciprocal RMS (12 h + 16 B a token); the workspace is
-    tinypipe.trace's analytic one; saved bytes grow with the microbatch."""
+    tinypipe.describe.trace's analytic one; saved bytes grow with the microbatch."""
     out = profiled[0]
     traces = {s: load_trace(str(out / f"cpu-tiny-llama-mb{s}-seq{SEQ}-fp32.json")) for s in SIZES}
     for size, t in traces.items():

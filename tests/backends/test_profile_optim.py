@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tinypipe.backends.profile.devloop import DeviceLoop, cycle_actions  # noqa: E402
-from tinypipe.backends.profile.layers import LayerBench  # noqa: E402
-from tinypipe.backends.profile.looptimes import LOOP_BUDGET_S, MIN_WINDOWS, time_loop, windows_for  # noqa: E402
+from tinypipe.backends.profile.measure_layers import LayerBench  # noqa: E402
+from tinypipe.backends.profile.measure_loop import LOOP_BUDGET_S, MIN_WINDOWS, time_loop, windows_for  # noqa: E402
 from tinypipe.backends.profile.optim import MIN_STEPS, OPT_BUDGET_S, steps_for, time_steps  # noqa: E402
 
 from tinypipe.policy.modes import HOST_LAYOUTS  # noqa: E402
@@ -217,9 +217,9 @@ def test_issue_times_are_each_actions_issue_span() -> None:
     """Literal: a FWD's / BWD's issue time is its `RunLog.issue` span (end - start), by record id, per kind and
     condition; LoopSamples keeps their medians."""
     from tinypipe.backends.executor import RunLog
-    from tinypipe.backends.profile.looptimes import LoopSamples, issue_fields
+    from tinypipe.backends.profile.measure_loop import LoopSamples, issue_fields
 
-    from tinypipe.timeline import Record
+    from tinypipe.ir.timeline import Record
 
     def rec(i: int, kind: str) -> Record:
         return Record(i, "g0.compute", kind, kind, 1, 0, 0, float(i), i + 0.5)
@@ -241,10 +241,10 @@ def test_issue_gaps_follow_a_fwd_or_bwd_on_the_same_stream() -> None:
     that one is a FWD or BWD; 0 when they overlap; a FWD after a LOAD-bound EVICT, and other streams'
     records, are not counted."""
     from tinypipe.backends.executor import RunLog
-    from tinypipe.backends.profile.looptimes import issue_gaps
+    from tinypipe.backends.profile.measure_loop import issue_gaps
 
-    from tinypipe.schedule import Kind
-    from tinypipe.timeline import Record
+    from tinypipe.ir.schedule import Kind
+    from tinypipe.ir.timeline import Record
 
     def rec(i: int, res: str, kind: str, t0: float, t1: float) -> Record:
         return Record(i, f"g0.{res}", kind, kind, 1, 0, 0, t0, t1)

@@ -4,7 +4,7 @@ matches the recompiled schedule, and the replay lands within its bound of the me
 Tolerance: the replay starts each action as soon as the model allows and the run never starts one
 earlier, so the replayed window is at most the measured one; the measured critical path minus its
 waits is a chain the replay also runs, so it is at least measured minus those waits
-(tinypipe/replay_report.py). On the CPU stand-in the waits are the host thread's own time between
+(tinypipe/replay/report.py). On the CPU stand-in the waits are the host thread's own time between
 actions (Python dispatch, the 0.5 ms poll of gloo transfers): ~10% of a 35 ms step on the 2-core box.
 """
 

@@ -20,16 +20,16 @@ from tinypipe.backends import checkpoint  # noqa: E402
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.launch import WorkerError, launch  # noqa: E402
-from tinypipe.backends.plan import make_run_plan  # noqa: E402
+from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402
 from tinypipe.backends.run import add_run_arguments, profile_hint, sparkline  # noqa: E402
 
 from tinypipe.cli import build_parser  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
-from tinypipe.errors import InputError  # noqa: E402
-from tinypipe.replay import load_run_trace  # noqa: E402
-from tinypipe.schedule import Kind  # noqa: E402
-from tinypipe.timeline import HOST_CAT, ISSUE_CAT  # noqa: E402
+from tinypipe.common.errors import InputError  # noqa: E402
+from tinypipe.ir.schedule import Kind  # noqa: E402
+from tinypipe.ir.timeline import HOST_CAT, ISSUE_CAT  # noqa: E402
+from tinypipe.replay.trace_match import load_run_trace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -259,7 +259,7 @@ def test_a_tied_model_runs_on_every_gpu_under_the_defaults(tmp_path: Path, tied_
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The default policy would put a tied model's head pack, and so every pack, on GPU 0: the
     default job spreads the layers over more packs dealt round-robin, and says so."""
-    import tinypipe.backends.plan as plan_mod
+    import tinypipe.backends.prepare as plan_mod
 
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: fixed_cpu_hardware(workers))
     plan = make_run_plan(parse("--gpus", "2", "--model", tied_config, "--out", str(tmp_path / "out")))
@@ -293,7 +293,7 @@ def test_issue_lines_give_each_ranks_share_of_a_steady_step() -> None:
     blocks are eager); a run of one iteration has no steady step and no line."""
     from tinypipe.backends.run import _issue_lines, issue_shares
 
-    from tinypipe.timeline import Record, Timeline
+    from tinypipe.ir.timeline import Record, Timeline
 
     recs = tuple(Record(i, "g0.compute", "FWD", "F", 1, 0, i // 2, float(i), i + 1.0) for i in range(6))
     tl = Timeline(recs, {}, source="cuda")
@@ -399,7 +399,7 @@ def test_cuda_two_gpus_train_like_the_reference(tmp_path: Path, layout: str, opt
 def test_a_policy_that_does_not_fit_host_memory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulator's ledgers at the devices' capacities decide whether the policy fits: a model
     whose host state exceeds the host's memory is an InputError naming the device, before any worker."""
-    import tinypipe.backends.plan as plan_mod
+    import tinypipe.backends.prepare as plan_mod
 
     small = fixed_cpu_hardware(2)
     small = dataclasses.replace(small, host=dataclasses.replace(small.host, memory_bytes=1 << 20))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from peers.modelconfig import model_config, params_of, write_config
 
-from tinypipe.errors import InputError
-from tinypipe.hfconfig import load_model
+from tinypipe.common.errors import InputError
+from tinypipe.describe.hfconfig import load_model
 
 # Llama-3.1-8B: embedding and LM head 128256 x 4096 each, final norm 4096; a decoder layer: q and o
 # 4096 x 4096, k and v 1024 x 4096, gate/up/down 3 x 4096 x 14336, two norms of 4096.

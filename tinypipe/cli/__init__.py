@@ -1,7 +1,7 @@
 """The `tinypipe` command: inspect, simulate, search, run, replay, profile.
 
 The parser and the dispatch; the commands are `inspect.py`, `simulate.py` (simulate and search) and,
-for run, replay and profile, thin calls into backends/ and `tinypipe.replay_command`. The modules of
+for run, replay and profile, thin calls into backends/ and `tinypipe.replay.runner`. The modules of
 this package are the only core ones that may import sim/ and backends/, inside functions.
 
 User mistakes end in one line `error: ...` and exit code 2, never a traceback.
@@ -13,8 +13,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from tinypipe.errors import InputError, TinypipeError
-from tinypipe.progress import CLEAR
+from tinypipe.common.errors import InputError, TinypipeError
+from tinypipe.common.progress import CLEAR
 
 from .inspect import cmd_inspect
 from .simulate import cmd_search, cmd_simulate
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     _profile_option(se)
     se.add_argument("--json", action="store_true")
 
-    from tinypipe.replay_command import add_replay_arguments
+    from tinypipe.replay.runner import add_replay_arguments
 
     add_replay_arguments(sub.add_parser("replay", help="re-run a real run's trace in the simulator with its measured "
                                         "durations; where measurement, replay and prediction diverge"))
@@ -169,7 +169,7 @@ _HANDLERS: dict[str | None, Callable[[argparse.Namespace], int]] = {
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from tinypipe.replay_command import replay_main
+    from tinypipe.replay.runner import replay_main
     from tinypipe.sim import simulate
 
     return replay_main(args, simulate=simulate)

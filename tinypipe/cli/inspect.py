@@ -5,18 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tinypipe.errors import InputError
+from tinypipe.common.errors import InputError
 
 from .util import check_outputs, positive, print_json, print_list, workloads, write_new
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from tinypipe import table
+    from tinypipe.common import table
 
     if args.what == "model":
-        from tinypipe.hardware import load_hardware, shipped_hardware
-        from tinypipe.hfconfig import load_model, shipped_models
-        from tinypipe.inspection import model_report
+        from tinypipe.cli.inspection import model_report
+        from tinypipe.describe.hardware import load_hardware, shipped_hardware
+        from tinypipe.describe.hfconfig import load_model, shipped_models
 
         if not args.name:
             return print_list("models", shipped_models(), args.json)
@@ -53,8 +53,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                             "host ok (compact)", "all-resident ok"], rows, align="lrrrllll"))
         return 0
     if args.what == "hardware":
-        from tinypipe.hardware import HOST, load_hardware, shipped_hardware
-        from tinypipe.inspection import hardware_report
+        from tinypipe.cli.inspection import hardware_report
+        from tinypipe.describe.hardware import HOST, load_hardware, shipped_hardware
 
         if not args.name:
             hws = [load_hardware(n) for n in shipped_hardware()]
@@ -94,10 +94,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect_schedule(args: argparse.Namespace) -> int:
-    from tinypipe import table
+    from tinypipe.common import table
     from tinypipe.compiler import compile_schedule
     from tinypipe.compiler.validate import validate
-    from tinypipe.schedule import grid
+    from tinypipe.ir.schedule import grid
 
     positive("--steps", args.steps)
     check_outputs(out=args.out)

@@ -8,17 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tinypipe.errors import InputError
-from tinypipe.progress import Progress
+from tinypipe.common.errors import InputError
+from tinypipe.common.progress import Progress
 
 from .util import check_outputs, plot_to, positive, print_json, workloads, write_new
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from tinypipe import table
+    from tinypipe.common import table
+    from tinypipe.common.units import parse_bytes
     from tinypipe.compiler import compile_schedule
     from tinypipe.sim import simulate
-    from tinypipe.units import parse_bytes
 
     names = args.policy or ["resident", "mobius", "tinypipe"]
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
@@ -55,7 +55,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write_new(Path(args.trace), json.dumps(first.timeline.to_chrome_trace()))
         wrote.append(f"wrote {args.trace} (Chrome trace of {rows[0]['policy']}; open in Perfetto)")
     if first is not None and args.plot:
-        from tinypipe.plot import plot_timeline
+        from tinypipe.cli.plot import plot_timeline
 
         plot_to(plot_timeline, first.timeline, args.plot)
         wrote.append(f"wrote {args.plot} (timeline of {rows[0]['policy']})")
@@ -86,14 +86,14 @@ def cmd_search(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
-    from tinypipe import table
-    from tinypipe.hardware import load_hardware
-    from tinypipe.hfconfig import load_model
+    from tinypipe.common import table
+    from tinypipe.common.units import parse_bytes
+    from tinypipe.describe.hardware import load_hardware
+    from tinypipe.describe.hfconfig import load_model
+    from tinypipe.describe.trace import find_trace, load_profiles
     from tinypipe.policy.modes import OPTIMIZER_MODES
-    from tinypipe.search import SearchSpace, SearchTarget, describe, search
+    from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
-    from tinypipe.trace import find_trace, load_profiles
-    from tinypipe.units import parse_bytes
 
     for flag in ("seq_len", "batch_tokens", "top"):
         positive("--" + flag.replace("_", "-"), getattr(args, flag))
@@ -130,7 +130,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.out and result.winner is not None:
         write_new(Path(args.out), result.winner.policy.replace(name="searched").dumps())
     if args.plot:
-        from tinypipe.plot import plot_pareto
+        from tinypipe.cli.plot import plot_pareto
 
         plot_to(plot_pareto, result, args.plot)
         print(f"wrote {args.plot} (Pareto front)", file=sys.stderr)
@@ -201,8 +201,8 @@ def _clip(text: str, width: int = 110) -> str:
 
 def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
     """`host 143.75 > 64.00 GiB; GPU 46.42 > 24.00 GiB` for every kind of device over its capacity."""
-    from tinypipe.hardware import HOST
-    from tinypipe.units import GIB
+    from tinypipe.common.units import GIB
+    from tinypipe.describe.hardware import HOST
 
     parts = []
     for label, devs in (("host", [d for d in peak if d == HOST]), ("GPU", [d for d in peak if d != HOST])):

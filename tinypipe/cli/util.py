@@ -9,13 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tinypipe.errors import InputError
+from tinypipe.common.errors import InputError
 
 
 def workloads(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[Any, Any, Any, Any]]:
     """`workload` of each policy name, with the `--profile` traces read once; a note on stderr (once)
     for each microbatch size that none of them matches."""
-    from tinypipe.trace import load_profiles, unmatched_note
+    from tinypipe.describe.trace import load_profiles, unmatched_note
 
     profiles = load_profiles(args.profile or ())
     out = [workload(args, name, profiles) for name in policy_names]
@@ -28,10 +28,10 @@ def workloads(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[A
 
 def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple[Any, Any, Any, Any]:
     """Model, hardware, policy (with CLI overrides) and trace (`profiles` first) for one policy name."""
-    from tinypipe.hardware import load_hardware
-    from tinypipe.hfconfig import load_model
+    from tinypipe.describe.hardware import load_hardware
+    from tinypipe.describe.hfconfig import load_model
+    from tinypipe.describe.trace import trace_for
     from tinypipe.policy import load_policy
-    from tinypipe.trace import trace_for
 
     for flag in ("seq_len", "iterations", "microbatches", "microbatch_size"):
         v = getattr(args, flag, None)
@@ -74,14 +74,14 @@ def print_list(kind: str, names: list[str], as_json: bool) -> int:
 
 def check_outputs(**paths: str | None) -> None:
     """Fail before any work when an output file cannot be written (`--plot` also needs matplotlib)."""
-    from tinypipe.outputs import check_file
+    from tinypipe.common.outputs import check_file
 
     for flag, value in paths.items():
         if value is None:
             continue
         check_file(Path(value), "--" + flag.replace("_", "-"))
         if flag == "plot":
-            from tinypipe.plot import _pyplot
+            from tinypipe.cli.plot import _pyplot
 
             formats = _pyplot().gcf().canvas.get_supported_filetypes()
             suffix = Path(value).suffix.lower().lstrip(".")

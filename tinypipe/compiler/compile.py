@@ -9,18 +9,18 @@ after its last), so stream orders follow need and the final ids point dependenci
 
 from __future__ import annotations
 
+from tinypipe.common.errors import InputError
 from tinypipe.compiler.ops import Op, lower
 from tinypipe.compiler.optimizer import optimizer_pass
 from tinypipe.compiler.passes import compute_plan, gradient_pass, memory_pass, swap_pass, transfer_pass
-from tinypipe.costmodel import CostModel
-from tinypipe.errors import InputError
-from tinypipe.hardware import HOST, Hardware
-from tinypipe.model import ModelSpec
-from tinypipe.plan import Plan, base_plan
+from tinypipe.describe.hardware import HOST, Hardware
+from tinypipe.describe.model import ModelSpec
+from tinypipe.describe.trace import ProfileTrace
+from tinypipe.estimate.calibration import CostModel
+from tinypipe.estimate.plan import Plan, base_plan
+from tinypipe.ir.schedule import Action, Schedule
+from tinypipe.partition.resolve import residency, resolve
 from tinypipe.policy.policy import Policy
-from tinypipe.policy.resolve import residency, resolve
-from tinypipe.schedule import Action, Schedule
-from tinypipe.trace import ProfileTrace
 
 # Iterations `tinypipe run` compiles and executes per window (backends/worker.py; fewer when the run has
 # fewer steps): overlap between iterations is kept inside a window, and the window repeats.

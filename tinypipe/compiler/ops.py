@@ -1,10 +1,10 @@
-"""What the compiler passes work on: mutable Ops, and lowering them to Actions (they read a `tinypipe.plan.Plan`)."""
+"""What the compiler passes work on: mutable Ops, and lowering them to Actions (they read an `estimate.plan.Plan`)."""
 
 from __future__ import annotations
 
-from tinypipe.hardware import HOST
-from tinypipe.kinds import HOST_OPTIM, KIND_STREAM, Kind
-from tinypipe.schedule import Action, Mem, gpu_resource
+from tinypipe.describe.hardware import HOST
+from tinypipe.ir.kinds import HOST_OPTIM, KIND_STREAM, Kind
+from tinypipe.ir.schedule import Action, Mem, gpu_resource
 
 FWD, BWD, LOAD, EVICT = Kind.FWD, Kind.BWD, Kind.LOAD, Kind.EVICT
 SEND_F, SEND_B, RECV_F, RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B

@@ -4,7 +4,7 @@ tied embeddings, the compact layout's gradient ring); docs/schedule-contract.md.
 from __future__ import annotations
 
 from tinypipe.compiler.ops import GRAD_OUT, LOAD, ON_HOST, OPT_STEP, Op, _splice
-from tinypipe.plan import Plan
+from tinypipe.estimate.plan import Plan
 
 
 def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:

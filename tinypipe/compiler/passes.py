@@ -24,11 +24,11 @@ from tinypipe.compiler.ops import (
     Op,
     _splice,
 )
-from tinypipe.gpumem import window_span
-from tinypipe.hardware import HOST
-from tinypipe.kinds import Carries, Kind
-from tinypipe.plan import Plan
-from tinypipe.schedule import Mem
+from tinypipe.describe.hardware import HOST
+from tinypipe.estimate.gpumem import window_span
+from tinypipe.estimate.plan import Plan
+from tinypipe.ir.kinds import Carries, Kind
+from tinypipe.ir.schedule import Mem
 
 # ---- 1. compute plan ----------------------------------------------------------------------------
 

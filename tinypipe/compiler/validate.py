@@ -1,9 +1,9 @@
 """Static checks of a Schedule; a failure raises ScheduleError with a summary line and the marked grid.
 
 Checks, in order: well-formed actions (resource, stream, ids, ranges); exactly M FWD and M BWD
-per layer per iteration, on the layer's GPU; SEND/RECV pairs (`tinypipe.order.pair_halves`) in
+per layer per iteration, on the layer's GPU; SEND/RECV pairs (`tinypipe.ir.order.pair_halves`) in
 the same order on both sides, halves naming the same layer, microbatch, bytes and direction; no
-cycle through `tinypipe.order.predecessors` (dependencies, stream order; a pair is one event);
+cycle through `tinypipe.ir.order.predecessors` (dependencies, stream order; a pair is one event);
 the cross-GPU dependency rule; every FWD/BWD runs while its layer is loaded on its GPU (a
 happens-before check: some LOAD before it, that LOAD's EVICT after it); each BWD after its FWD;
 memory effects balance (each buffer allocated before it is freed, never twice at once, all
@@ -16,10 +16,10 @@ import heapq
 from collections import defaultdict
 from typing import NoReturn
 
-from tinypipe.errors import ScheduleError
-from tinypipe.kinds import GPU_STREAMS, HOST_OPTIM, KIND_STREAM, Kind
-from tinypipe.order import UnpairedError, pair_halves, predecessors, sender_receiver
-from tinypipe.schedule import Schedule, gpu_resource, grid, resource_gpu
+from tinypipe.common.errors import ScheduleError
+from tinypipe.ir.kinds import GPU_STREAMS, HOST_OPTIM, KIND_STREAM, Kind
+from tinypipe.ir.order import UnpairedError, pair_halves, predecessors, sender_receiver
+from tinypipe.ir.schedule import Schedule, gpu_resource, grid, resource_gpu
 
 
 def validate(schedule: Schedule) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from tinypipe.errors import InputError
+from tinypipe.common.errors import InputError
 
 PackerName = Literal["uniform", "balanced", "mobius", "holistic", "per-gpu"]
 MapperName = Literal["round-robin", "cross"]
 SwapMode = Literal["pack", "layer"]  # whole packs load and evict, or layer by layer within a pack
 ResidentMode = Literal["none", "all", "auto"]
-HostLayout = Literal["replicated", "compact"]  # tinypipe.hostmem has the bytes of each
+HostLayout = Literal["replicated", "compact"]  # tinypipe.estimate.hostmem has the bytes of each
 OptimizerMode = Literal["sync", "async"]  # async: the CPU optimizer's step lags one iteration (staleness 1)
 ActivationHome = Literal["gpu", "host"]  # where layer inputs wait between forward and backward
 

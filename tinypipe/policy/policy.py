@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from tinypipe.errors import InputError
-from tinypipe.jsonio import Fields, load_json
+from tinypipe.common.errors import InputError
+from tinypipe.common.jsonio import Fields, load_json
 from tinypipe.policy.modes import (
     MAPPERS,
     PACKERS,

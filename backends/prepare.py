@@ -1,0 +1,283 @@
+"""What a run needs before any worker starts: its inputs checked, the machine it runs on, the schedule.
+
+Every user mistake found here is an `InputError` (one line, exit code 2) raised before a process is
+spawned: a model that cannot be found or trained, a data file that is not JSONL, a policy that
+does not fit the model or the devices (the compiler's checks, then the simulator's memory ledgers
+at the devices' capacities), more devices than exist, batch sizes that do not divide.
+
+The schedule is compiled for a `Hardware` describing where the run happens. On CUDA that is the
+shipped preset of the GPU model when one matches, else a description of the local GPUs; on the
+CPU backend, N worker processes stand in for GPUs and `cpu_hardware` describes them with rates
+measured in a fraction of a second (GEMM rate, copy bandwidth, AdamW rate): the simulator's
+prediction printed beside the measurement is made with it and an analytic trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tinypipe.sim import SimResult, simulate
+
+from tinypipe.common.errors import InputError
+from tinypipe.common.table import gib
+from tinypipe.common.units import MIB, parse_bytes
+from tinypipe.compiler import WINDOW_ITERATIONS, compile_schedule
+from tinypipe.describe.hardware import GPU, HOST, Hardware, Host, Link, load_hardware, shipped_hardware
+from tinypipe.describe.model import ModelSpec
+from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
+from tinypipe.ir.schedule import Schedule
+from tinypipe.policy import Policy, load_policy
+
+from .hoststate import AdamWConfig
+from .settings import DEFAULTS, rank_threads
+from .worker import Job
+
+MAX_CPU_WORKERS_PER_CORE = 4  # more CPU workers than this per core is a mistake, not a test
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A checked run: the job the workers execute and what the summary compares it with."""
+
+    job: Job
+    world: int
+    policy: Policy
+    spec: ModelSpec
+    hardware: Hardware
+    trace: ProfileTrace
+    schedule: Schedule
+    prediction: SimResult  # the simulator's run of `schedule` on `hardware`
+    batch_tokens: int
+    addition_task: bool  # the data is the embedded addition task (accuracy is measured)
+    note: str | None = None  # a choice made for the user, shown under the header
+    compiled_policy: Policy | None = None  # what `schedule` was compiled from (packs pinned on --resume)
+
+
+def _rate(fn: Any, work: float, repeat: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return work / max(best, 1e-9)
+
+
+def cpu_hardware(workers: int, *, threads: int) -> Hardware:
+    """N CPU worker processes as stand-in GPUs, with rates measured here on `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(256, 256)
+        flops = _rate(lambda: [a @ a for _ in range(8)], 8 * 2 * 256**3)
+        src, dst = torch.empty(8 * MIB, dtype=torch.uint8), torch.empty(8 * MIB, dtype=torch.uint8)
+        gbps = _rate(lambda: dst.copy_(src), src.numel()) / 1e9
+        p = torch.zeros(1 << 18, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW([p], fused=True)
+        adam = _rate(opt.step, p.numel())
+    finally:
+        torch.set_num_threads(before)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cores = os.cpu_count() or 1
+    return Hardware(
+        name=f"cpu-x{workers}", provenance="measured",
+        source=f"this host's CPU as {workers} worker processes ({threads} thread(s) each): {flops / 1e9:.1f} GFLOP/s "
+               f"(fp32 GEMM 256^3), {gbps:.1f} GB/s copies, {adam / 1e6:.0f} M params/s fused AdamW, measured "
+               f"at start-up; all workers share the host's memory",
+        host=Host(memory_bytes=mem, dma_gbps=gbps, cpu_cores=cores, adam_params_per_s=adam),
+        gpus=tuple(GPU(f"gpu{i}", "CPU", mem, flops, gbps) for i in range(workers)), switches=("rc0",),
+        links=(Link(HOST, "rc0", "mem", gbps, 0.0),)
+        + tuple(Link("rc0", f"gpu{i}", "pcie", gbps, 2e-6) for i in range(workers)))
+
+
+def cuda_hardware(gpus: int, name: str | None) -> Hardware:
+    """`name` (a preset or file), else the shipped preset of the local GPU model with enough GPUs."""
+    if not torch.cuda.is_available():
+        raise InputError("--backend cuda: no CUDA device is available (torch.cuda.is_available() is false); "
+                         "use --backend cpu")
+    have = torch.cuda.device_count()
+    if gpus > have:
+        raise InputError(f"--gpus {gpus}: only {have} CUDA device{'s' if have != 1 else ''} here")
+    hw: Hardware | None = None
+    if name is not None:
+        hw = load_hardware(name)
+    else:
+        model = torch.cuda.get_device_name(0)
+        for preset in shipped_hardware():
+            cand = load_hardware(preset)
+            if cand.gpus[0].model.casefold() in model.casefold() and len(cand.gpus) >= gpus:
+                if hw is None or len(cand.gpus) < len(hw.gpus):
+                    hw = cand
+        if hw is None:
+            raise InputError(f"no shipped hardware preset describes {model!r}; give --hardware NAME|FILE "
+                             f"(presets: {', '.join(shipped_hardware())})")
+    if len(hw.gpus) < gpus:
+        raise InputError(f"--gpus {gpus}: hardware {hw.name} has only {len(hw.gpus)} GPUs")
+    return hw
+
+
+def _check_model(name: str) -> ModelSpec:
+    from .hf import load_source
+
+    source = load_source(name)
+    d = source.directory
+    if d is not None and Path(name).is_dir() and not source.has_weights:
+        raise InputError(f"{d}: no model weights (model.safetensors or model.safetensors.index.json); "
+                         "give a model directory with safetensors, or a config.json / shipped name to train "
+                         "from a seeded random initialisation")
+    return source.spec
+
+
+def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPlan:
+    """Check the `tinypipe run` options and compile the schedule; InputError on any mistake.
+    `phase(text)` hears what starts next (the CLI shows it as progress)."""
+    from .data.addition import ADDITION
+    from .data.examples import read_examples
+    from .settings import record, settle
+
+    args = settle(args)  # defaults or the resumed run's record; numbers and output paths checked
+    if args.backend == "cpu" and args.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
+        raise InputError(f"--gpus {args.gpus}: too many CPU workers for {os.cpu_count()} cores "
+                         f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
+    say = phase or (lambda text: None)
+    profiles = load_profiles(getattr(args, "profile", None) or ())  # measured traces (`tinypipe profile`)
+    say(f"checking the model {args.model}")
+    spec = _check_model(args.model)
+    if args.seq_len > spec.max_seq_len:
+        raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
+    addition = args.data is None or (args.data == ADDITION and not Path(ADDITION).exists())
+    if not addition:
+        read_examples(args.data)
+    policy = _policy(args)
+    if args.record and args.policy is None and isinstance(args.record.get("policy"), dict):
+        policy = Policy.from_json(args.record["policy"], where=f"{args.out}: the checkpoint's policy")
+    packs = args.record.get("pack_sizes") if args.record else None
+    pinned = policy if packs is None else policy.replace(packing=tuple(packs), mapping=tuple(args.record["pack_gpu"]))
+    tokens_per_mb = policy.microbatch_size * args.seq_len
+    if args.batch_tokens % tokens_per_mb:
+        raise InputError(f"--batch-tokens {args.batch_tokens}: not a multiple of the microbatch "
+                         f"({policy.microbatch_size} sequences x {args.seq_len} tokens = {tokens_per_mb})")
+    policy = policy.replace(microbatches=args.batch_tokens // tokens_per_mb)
+    # a resumed run keeps its packs on its ranks (the packer's choice may depend on rates measured now)
+    pinned = pinned.replace(microbatches=policy.microbatches)
+    threads = max(1, (os.cpu_count() or 1) // args.gpus)
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if getattr(args, "gpu_mem", None) else None
+    if gpu_mem is not None and args.backend != "cuda":
+        raise InputError("--gpu-mem: only with --backend cuda (CPU workers have no device memory to cap)")
+    if args.backend == "cuda":
+        hardware = cuda_hardware(args.gpus, args.hardware)
+        dtype = args.dtype or "bf16"
+        if gpu_mem is not None and gpu_mem > min(g.memory_bytes for g in hardware.gpus):
+            raise InputError(f"--gpu-mem {args.gpu_mem}: more than the {gib(hardware.gpus[0].memory_bytes)} "
+                             f"of {hardware.gpus[0].model}")
+    else:
+        say(f"measuring this CPU as {args.gpus} worker(s)")
+        hardware = cpu_hardware(args.gpus, threads=threads)
+        dtype = args.dtype or "fp32"
+    if len(hardware.gpus) > args.gpus:
+        hardware = _first_gpus(hardware, args.gpus)
+    compile_blocks = args.backend == "cuda" if args.compile is None else args.compile
+    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
+                      compiled=compile_blocks)
+    iterations = min(WINDOW_ITERATIONS, args.steps)
+    say("compiling and simulating the schedule")
+    note = unmatched_note(profiles, trace, spec, compiled=compile_blocks)
+    schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
+    compiled = pinned
+    if not prediction.fits:
+        cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
+        raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
+                         f"{prediction.violation}")
+    used = sorted(set(schedule.pack_gpu))
+    if used != list(range(args.gpus)):
+        spread = _on_every_gpu(policy, spec, hardware, trace, iterations)
+        why = (f"policy {policy.name!r} puts packs on GPUs {used}, but the run has --gpus {args.gpus}: every GPU "
+               "needs at least one pack" + (f" ({spec.name} ties its LM head to its token embedding, so the head's "
+                                            "pack runs on the first pack's GPU)" if spec.tied_embeddings else ""))
+        if spread is None:
+            raise InputError(f"{why}; no policy with more packs fits either: try fewer --gpus")
+        if args.policy is not None or packs is not None:  # the user's choice: say what works instead
+            change = {"packing": spread[0].packing, "num_packs": spread[0].num_packs, "mapping": spread[0].mapping}
+            raise InputError(f"{why}; with {json.dumps(change)} in the policy it runs here")
+        policy, (schedule, prediction) = spread  # the default job: take the spread-out variant
+        compiled = policy
+        spread_note = (f"note: the {policy.name} policy leaves a GPU without a pack here, so its {len(spec.layers)} "
+                       f"layers run in {policy.num_packs} balanced packs dealt round-robin")
+        note = spread_note if note is None else f"{note}\n{spread_note}"
+    out = args.out
+    identity = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": args.seq_len,
+                "batch_tokens": args.batch_tokens, "gpus": args.gpus, "policy": policy.to_json(),
+                "lr": args.lr, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
+                "dtype": dtype, "pack_sizes": [len(p) for p in schedule.pack_layers],
+                "pack_gpu": list(schedule.pack_gpu)}
+    if args.resume:  # the same checks the workers make, before any of them starts
+        from . import checkpoint
+
+        found = checkpoint.find(out)
+        assert found is not None  # settle read it
+        checkpoint.read_meta(found, identity)
+    job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
+              microbatch_size=policy.microbatch_size, data=None if addition else args.data, seed=args.seed,
+              optim=AdamWConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps,
+                                weight_decay=args.weight_decay),
+              staleness=1 if policy.optimizer == "async" else 0, backend=args.backend, out=out,
+              checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
+              resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
+              threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),
+              compile_blocks=compile_blocks, trace_memory=bool(getattr(args, "trace_memory", False)))
+    return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
+                   schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
+                   note=note, compiled_policy=compiled)
+
+
+def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+             iterations: int, gpu_mem: int | None = None) -> tuple[Schedule, SimResult]:
+    schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
+    return schedule, simulate(schedule, spec, hardware, trace, gpu_mem_bytes=gpu_mem, on_capacity="record")
+
+
+def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+                  iterations: int) -> tuple[Policy, tuple[Schedule, SimResult]] | None:
+    """`policy` with its layers in more, balanced packs dealt round-robin, the fewest packs that put
+    at least one on every GPU and fit; None when none does. (A tied model's head shares the first
+    pack's GPU, so it needs a pack more than there are GPUs.)"""
+    gpus = len(hardware.gpus)
+    for k in range(gpus + (1 if spec.tied_embeddings else 0), len(spec.layers) + 1):
+        cand = policy.replace(packing="balanced", num_packs=k, mapping="round-robin")
+        try:
+            schedule, prediction = _compile(cand, spec, hardware, trace, iterations)
+        except InputError:
+            continue
+        if prediction.fits and sorted(set(schedule.pack_gpu)) == list(range(gpus)):
+            return cand, (schedule, prediction)
+    return None
+
+
+def _policy(args: Any) -> Policy:
+    """--policy (default: the embedded job's preset and microbatch size), --microbatch-size over it."""
+    policy = load_policy(args.policy or str(DEFAULTS["policy"]))
+    size = args.microbatch_size
+    if size is None and not args.policy:
+        size = DEFAULTS["microbatch_size"]
+    if size is not None:
+        if size < 1:
+            raise InputError(f"--microbatch-size: must be >= 1, got {size}")
+        policy = policy.replace(microbatch_size=size)
+    return policy
+
+
+def _first_gpus(hw: Hardware, n: int) -> Hardware:
+    """`hw` restricted to its first n GPUs (links to the others dropped)."""
+    keep = {f"gpu{i}" for i in range(n)}
+    links = tuple(x for x in hw.links if not (x.a.startswith("gpu") and x.a not in keep)
+                  and not (x.b.startswith("gpu") and x.b not in keep))
+    return Hardware(name=f"{hw.name}[:{n}]", provenance=hw.provenance, source=hw.source, host=hw.host,
+                    gpus=hw.gpus[:n], switches=hw.switches, links=links, gpu_p2p=hw.gpu_p2p)

@@ -1,0 +1,153 @@
+"""What each action costs in the simulator: how it runs (its mode) and its duration, copy or per-phase times.
+
+`action_costs` is the table sim/engine.py runs from, one entry per action, by its kind's cost class
+(`tinypipe.ir.kinds.KINDS`; docs/schedule-contract.md): compute (FWD / BWD) from the trace
+(`KindProfile.compute_s`, with loop times alone and beside the optimizer and the loop's issue gaps), a
+free kind no time, the optimizer `hostmem.optimizer_step_s` (or, measured by phase,
+`hostmem.optimizer_step_phases_s` and the rank whose compute phase sets its rate), and copies as
+(bytes, latency, the capacities of the route they cross: every directed link and the host's DMA cap).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinypipe.common.errors import InputError, ScheduleError
+from tinypipe.describe.hardware import HOST, Hardware
+from tinypipe.describe.model import ModelSpec
+from tinypipe.describe.trace import ProfileTrace
+from tinypipe.estimate.hostmem import optimizer_step_phases_s, optimizer_steps_s
+from tinypipe.ir.kinds import Cost, Direction
+from tinypipe.ir.order import layer_owner
+from tinypipe.ir.schedule import Schedule, resource_gpu
+
+HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
+# How an action runs (its mode; what `action_costs` gives with it): a fixed time (s); a copy (Copy); a SEND /
+# RECV half (Copy); an OPT_STEP (s, counted as running); a FWD / BWD with loop times ((alone, beside the
+# optimizer, issue gap alone, beside), picked when it is ready); an OPT_STEP whose rate follows its rank's
+# compute phase ((StepPhases, rank), counted as running). Plain ints: the engine's loop compares them.
+TIMED, COPY, PAIR, OPT, LOOP, PHASED = 0, 1, 2, 3, 4, 5
+
+Copy = tuple[float, float, tuple[str, ...]]  # bytes, latency_s, capacities crossed
+
+
+def edge_name(u: str, v: str) -> str:
+    """Name of the directed edge u -> v as a capacity and in `SimResult.link_bytes`."""
+    return f"{u}->{v}"
+
+
+def link_capacities(hardware: Hardware) -> dict[str, float]:
+    """Bytes/s of every directed edge (each link, both directions) and of the host DMA cap."""
+    cap = {HOST_DMA: hardware.host.dma_gbps * 1e9}
+    for link in hardware.links:
+        cap[edge_name(link.a, link.b)] = link.gbps * 1e9
+        cap[edge_name(link.b, link.a)] = link.gbps * 1e9
+    return cap
+
+
+def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+                 partner: dict[int, int]) -> tuple[list[int], list[Any]]:
+    """Per action: its mode and what goes with it (the comment above the modes), checking the inputs."""
+    if len(model.layers) != schedule.num_layers:
+        raise InputError(f"schedule has {schedule.num_layers} layers but model {model.name!r} has "
+                         f"{len(model.layers)}; compile the schedule for this model")
+    if schedule.num_gpus > len(hardware.gpus):
+        raise InputError(f"schedule uses {schedule.num_gpus} GPUs but hardware {hardware.name!r} has "
+                         f"{len(hardware.gpus)}")
+    if trace.tokens_per_microbatch != schedule.tokens_per_microbatch:
+        raise InputError(f"trace was profiled at {trace.tokens_per_microbatch} tokens per microbatch but the "
+                         f"schedule uses {schedule.tokens_per_microbatch}; use a trace for this microbatch size "
+                         "(ProfileTrace.scaled_to scales one linearly)")
+    cap = link_capacities(hardware)
+    routes: dict[tuple[str, str], tuple[float, tuple[str, ...]]] = {}
+
+    def route(src: str, dst: str) -> tuple[float, tuple[str, ...]]:
+        if (src, dst) not in routes:
+            r = hardware.route(src, dst)
+            # The DMA cap counts every pass through host memory: once for host<->GPU, twice for a
+            # GPU -> host -> GPU copy staged in host memory.
+            dma = sum(1 for u, v in r.edges if HOST in (u, v)) if r.through_host else 0
+            links = tuple(edge_name(u, v) for u, v in r.edges) + (HOST_DMA,) * max(dma, int(r.through_host))
+            missing = [x for x in links if x not in cap]
+            if missing:
+                raise InputError(f"hardware {hardware.name!r}: route {src} -> {dst} crosses {missing[0]}, "
+                                 "which is not a link")
+            routes[(src, dst)] = (r.latency_s, links)
+        return routes[(src, dst)]
+
+    gpu_node = [g.name for g in hardware.gpus]
+    gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
+    profiles = {}
+    computes: dict[tuple[int, bool], tuple[int, Any]] = {}  # (layer, forward) -> its mode and cost, made once
+    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
+    opt_phases = [optimizer_step_phases_s(layer, schedule.host_memory, trace, optimizer=schedule.optimizer)
+                  for layer in model.layers]
+    owner = layer_owner(schedule)
+    mode: list[int] = []
+    cost: list[Any] = []
+    n = len(schedule.actions)
+    for a in schedule.actions:
+        for d in a.deps:
+            if not 0 <= d < n or d == a.id:
+                raise ScheduleError(f"`{a}` (action {a.id}) depends on action {d}, which "
+                                    + ("is itself" if d == a.id else f"does not exist (ids are 0..{n - 1})"))
+        k = a.kind
+        c = k.info.cost
+        if c is Cost.COMPUTE or c is Cost.OPTIMIZER:
+            if not 0 <= a.layer < len(model.layers):
+                raise ScheduleError(f"`{a}` (action {a.id}) needs a layer in 0..{len(model.layers) - 1}")
+            layer = model.layers[a.layer]
+            if c is Cost.OPTIMIZER:
+                phases = opt_phases[a.layer]
+                if phases is not None and a.layer in owner:
+                    mode.append(PHASED)
+                    cost.append((phases, owner[a.layer]))
+                else:
+                    mode.append(OPT)
+                    cost.append(opt_s[a.layer])
+                continue
+            if a.layer not in profiles:
+                try:
+                    profiles[a.layer] = trace.layer(layer)
+                except KeyError:
+                    raise InputError(f"trace has no profile for layer kind {layer.kind.value!r} "
+                                     f"(layer {a.layer}); it has {', '.join(trace.kinds)}") from None
+            p = profiles[a.layer]
+            if k.info.direction is Direction.NONE:
+                raise ScheduleError(f"`{a}` (action {a.id}): compute kind {k.value} is neither forward nor backward")
+            forward = k.info.direction is Direction.FORWARD
+            got = computes.get((a.layer, forward))
+            if got is None:
+                redo = schedule.recomputes(a.layer)
+                alone, beside = p.compute_s(forward, redo), p.compute_s(forward, redo, beside_optimizer=True)
+                gaps = p.issue_gap_s(forward, redo), p.issue_gap_s(forward, redo, beside_optimizer=True)
+                timed = alone == beside and not any(gaps)
+                got = computes[a.layer, forward] = (TIMED, alone) if timed else (LOOP, (alone, beside, *gaps))
+            mode.append(got[0])
+            cost.append(got[1])
+        elif c is Cost.FREE:
+            mode.append(TIMED)
+            cost.append(0.0)
+        elif c is Cost.UPLOAD or c is Cost.DOWNLOAD or c is Cost.PEER:
+            g = gpu_of.get(a.resource)
+            if g is None:
+                raise ScheduleError(f"`{a}` (action {a.id}) is a copy and must run on a GPU stream")
+            if c is Cost.UPLOAD:
+                src, dst = HOST, gpu_node[g]
+                nbytes = a.nbytes
+            elif c is Cost.DOWNLOAD:
+                src, dst = gpu_node[g], HOST
+                nbytes = a.nbytes
+            else:  # a SEND / RECV half: one copy sender -> receiver, of the SEND's bytes
+                send = a if k.info.stream == "send" else schedule.actions[partner[a.id]]
+                sg = gpu_of.get(send.resource)
+                assert sg is not None and send.peer is not None
+                src, dst = gpu_node[sg], gpu_node[send.peer]
+                nbytes = send.nbytes
+            lat, links = route(src, dst)
+            mode.append(PAIR if c is Cost.PEER else COPY)
+            cost.append((float(nbytes), lat, links))
+        else:
+            raise ScheduleError(f"`{a}` (action {a.id}): the simulator has no cost for kind {k.value} "
+                                f"(cost {c.value}); add one to sim/durations.py")
+    return mode, cost

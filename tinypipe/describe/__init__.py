@@ -1,0 +1,1 @@
+"""What is being planned for: the model (ModelSpec, Hugging Face configs), the hardware graph, and profiled traces."""

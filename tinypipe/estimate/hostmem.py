@@ -1,0 +1,154 @@
+"""Host memory per parameter under each layout (DESIGN §1.2), as formulas in one place.
+
+`replicated` (what peers do): an fp32 master (4 B), a pinned compute-dtype copy for upload (2 B),
+a full-size fp32 gradient buffer (4 B), AdamW moments m and v (4 + 4 B), and the pinned caching
+allocator's rounding of each pinned block up to a power of two (on the upload copy and the
+gradient buffer). 18 B/param plus rounding.
+
+`compact` (tinypipe): the fp32 master stored as two 16-bit planes in one pinned slab — the high
+plane is the bf16 value that is uploaded, the low plane restores fp32 for the optimizer (4 B) —
+AdamW moments (8 B), and a small pinned ring of gradient slots (in the compute dtype, as the GPU
+accumulated them) instead of a model-sized buffer.
+12 B/param plus the ring; no rounding (one slab). With the asynchronous optimizer, 2 B/param more
+(bf16 compute): the previous version's upload form, kept for the uploads that still want it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinypipe.describe.hardware import Host
+from tinypipe.describe.model import DTYPE_BYTES, LayerSpec, ModelSpec
+from tinypipe.describe.optimprofile import OptimizerProfile, StepPhases
+from tinypipe.describe.trace import ProfileTrace
+from tinypipe.policy.modes import HostLayout, OptimizerMode
+
+# CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
+# by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7 (bench/compact_optim.py
+# -> bench/results/compact_optim.json, 2026-11-30):
+# - compact: join the planes -> fused AdamW -> split, in 4M-element chunks so each chunk's fp32
+#   master stays in cache (backends/planes.py): 1.56x and 1.82x in two runs; the mean is used.
+#   (Unfused whole-tensor join/step/split: 2.35x there; DESIGN §1.2's 2-thread figures give 3.4x.)
+# - replicated: the step plus the fp32 -> bf16 cast that refreshes the pinned upload copy: 1 + 0.31.
+COMPACT_OPTIM_FACTOR = (1.56 + 1.82) / 2
+REPLICATED_OPTIM_FACTOR = 1.0 + 0.31
+
+DEFAULT_GRAD_RING_SLOTS = 4
+
+
+def next_pow2(n: int) -> int:
+    """The block size PyTorch's pinned caching allocator hands out for a request of n bytes."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """Host bytes by purpose for one model under one layout."""
+
+    layout: HostLayout
+    params: int
+    master_bytes: int
+    upload_copy_bytes: int
+    grad_bytes: int
+    optim_state_bytes: int
+    pinned_rounding_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.master_bytes + self.upload_copy_bytes + self.grad_bytes + self.optim_state_bytes
+                + self.pinned_rounding_bytes)
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total_bytes / max(1, self.params)
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("fp32 master", self.master_bytes), ("upload copy", self.upload_copy_bytes),
+                ("gradients", self.grad_bytes), ("AdamW moments", self.optim_state_bytes),
+                ("pinned rounding", self.pinned_rounding_bytes)]
+
+
+def host_bytes(model: ModelSpec, layout: HostLayout, *, compute_dtype: str = "bf16",
+               grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, layers: tuple[int, ...] | None = None,
+               optimizer: OptimizerMode = "sync") -> HostBytes:
+    """Host bytes to train `model` (or only `layers` of it) with an fp32 master and AdamW.
+
+    compact + async optimizer: one more upload-form copy per parameter (the previous version's
+    snapshot region, counted as the upload copy); replicated's upload copy already serves."""
+    chosen = [model.layers[i] for i in layers] if layers is not None else list(model.layers)
+    n = sum(x.params for x in chosen)
+    cd = DTYPE_BYTES[compute_dtype]
+    if layout == "replicated":
+        upload = [x.params * cd for x in chosen]
+        grads = [x.params * 4 for x in chosen]
+        rounding = sum(next_pow2(b) - b for b in upload + grads if b)
+        return HostBytes(layout, n, 4 * n, sum(upload), sum(grads), 8 * n, rounding)
+    if layout == "compact":
+        biggest = max((x.params for x in chosen), default=0)
+        ring = grad_ring_slots * biggest * cd if chosen else 0  # slots hold gradients as the GPU made them
+        snapshots = n * cd if optimizer == "async" else 0
+        return HostBytes(layout, n, 4 * n, snapshots, ring, 8 * n, 0)
+    raise ValueError(f"unknown host memory layout {layout!r}")
+
+
+def optimizer_time_factor(layout: HostLayout) -> float:
+    """How much longer the CPU optimizer takes per parameter under `layout` than a plain fused AdamW."""
+    return COMPACT_OPTIM_FACTOR if layout == "compact" else REPLICATED_OPTIM_FACTOR
+
+
+def optimizer_s_per_param(host: Host, layout: HostLayout) -> float:
+    """Seconds of host optimizer per parameter under `layout`: the measured rate of that layout's step
+    when the hardware has one (`tinypipe profile`), else the fused AdamW rate slowed by the layout's
+    factor. What `optimizer_step_s` falls back to."""
+    measured = host.compact_params_per_s if layout == "compact" else host.replicated_params_per_s
+    if measured is not None:
+        return 1.0 / measured
+    return optimizer_time_factor(layout) / host.adam_params_per_s
+
+
+def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None, *,
+                     optimizer: OptimizerMode = "sync") -> float:
+    """Seconds of one host optimizer step (OPT_STEP) of `layer` under `layout` and `optimizer` mode. The
+    one place the simulator, the cost model, the search bound and the floor take it from.
+
+    When `trace` has the step of the layer's kind measured in a run's conditions (`tinypipe profile`:
+    `OptimizerProfile.in_run_s`, that layer's own tensors, beside the device's work, at a rank's thread
+    count), that time, in proportion to the parameters if the layer differs from the measured one.
+    Else (an analytic trace, or one profiled before these measurements) the layer's parameters at
+    the host's rate for the layout (`optimizer_s_per_param`), as before. On the H200 host the rate,
+    measured in bulk with nothing else running, was 1.13-1.6x too fast for a run's steps (README,
+    "Predicting a run"). An asynchronous step first keeps the version the next iteration's uploads still
+    read (compact: a copy of the high plane; replicated: the upload copy refreshed first); a trace that
+    measured that step (`OptimizerProfile.async_in_run_s`) gives its time, else the sync one: on the H200
+    the kept copy made a Qwen3-1.7B block's step 1.43x slower (2026-12-01)."""
+    measured = _measured(layer, trace)
+    t = measured.step_s(layout, layer.params, asynchronous=optimizer == "async") if measured else None
+    return t if t is not None else layer.params * optimizer_s_per_param(host, layout)
+
+
+def optimizer_step_phases_s(layer: LayerSpec, layout: HostLayout, trace: ProfileTrace | None = None, *,
+                            optimizer: OptimizerMode = "sync") -> StepPhases | None:
+    """Seconds of one OPT_STEP of `layer` by what its rank's main thread does meanwhile (the compute stream
+    waits / it issues FWDs / BWDs), when `trace` measured them for the layer's kind, layout and mode
+    (`OptimizerProfile.phases_s`), else None: the simulator then charges `optimizer_step_s` whatever runs."""
+    measured = _measured(layer, trace)
+    return measured.phases_s(layout, layer.params, asynchronous=optimizer == "async") if measured else None
+
+
+def _measured(layer: LayerSpec, trace: ProfileTrace | None) -> OptimizerProfile | None:
+    """The optimizer step `trace` measured for `layer`'s kind, if any."""
+    kind = trace.kinds.get(layer.kind.value) if trace is not None else None
+    return kind.optimizer if kind is not None else None
+
+
+def optimizer_steps_s(model: ModelSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None, *,
+                      optimizer: OptimizerMode = "sync", least: bool = False) -> tuple[float, ...]:
+    """`optimizer_step_s` of every layer of `model`, by layer index: what the simulator, the floor, the cost
+    model's plan and the search bound read. `least` (the floor's and the search bound's lower bounds): the
+    least of that and the step's times by phase (`optimizer_step_phases_s`), which the simulator may charge."""
+    out = []
+    for layer in model.layers:
+        t = optimizer_step_s(layer, layout, host, trace, optimizer=optimizer)
+        phases = optimizer_step_phases_s(layer, layout, trace, optimizer=optimizer) if least else None
+        out.append(min(t, *phases) if phases is not None else t)
+    return tuple(out)

@@ -1,0 +1,1 @@
+"""Offline policy search: candidates, lower bounds that prune, ranking by simulated throughput and footprint."""

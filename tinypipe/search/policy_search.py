@@ -1,0 +1,334 @@
+"""Offline policy search: candidates, analytic lower bounds that prune, parallel evaluation, ranking.
+
+Pure: it takes an `Evaluator` (a picklable callable Policy -> Evaluation); the CLI passes the
+simulator's. The search is a branch-and-bound beam search:
+
+1. Stage 1 enumerates the structural choices (packing, microbatch size, swap mode, recompute and
+   activation home) with default secondary choices.
+2. Each candidate gets a lower bound on its iteration time (`lower_bound`): the busiest GPU's
+   compute, the weight uploads over the host links, and the CPU optimizer. Candidates are
+   evaluated in order of that bound; once a bound exceeds the best simulated time found so far
+   the rest of that stage is pruned (a lower bound above a real time cannot win).
+3. Stage 2 refines the best `beam` fitting candidates over the secondary choices (mapping,
+   prefetch depth, resident layers, host layout, optimizer mode), again pruned by bound.
+
+Ranking: tokens/s (higher first), then peak GPU memory, then peak host memory, then the policy's
+JSON text, so the same inputs give the same answer on every run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinypipe.common.errors import InputError
+from tinypipe.describe.hardware import HOST, Hardware
+from tinypipe.describe.model import ModelSpec
+from tinypipe.describe.trace import ProfileTrace, trace_for
+from tinypipe.estimate.gpumem import least_peak_bytes
+from tinypipe.estimate.hostmem import host_bytes, optimizer_steps_s
+from tinypipe.estimate.plan import base_plan
+from tinypipe.ir.schedule import recomputes
+from tinypipe.policy import Policy
+from tinypipe.policy.modes import (
+    ActivationHome,
+    HostLayout,
+    MapperName,
+    OptimizerMode,
+    PackerName,
+    ResidentMode,
+    SwapMode,
+)
+
+
+@dataclass(frozen=True)
+class SearchTarget:
+    """What is being searched for: a model on a server, with a global batch and optional tighter limits."""
+
+    model: ModelSpec
+    hardware: Hardware
+    seq_len: int
+    batch_sequences: int  # sequences per optimizer step (global batch)
+    gpu_mem_bytes: int | None = None
+    host_mem_bytes: int | None = None
+    profiles: tuple[ProfileTrace, ...] = ()  # measured traces (`--profile`), used before the shipped ones
+    dtype: str = "bf16"  # compute dtype (a trace must match it)
+
+    @property
+    def gpu_limit(self) -> int:
+        return self.gpu_mem_bytes or min(g.memory_bytes for g in self.hardware.gpus)
+
+    @property
+    def host_limit(self) -> int:
+        return self.host_mem_bytes or self.hardware.host.memory_bytes
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One candidate's simulated outcome (or why it could not be compiled)."""
+
+    policy: Policy
+    fits: bool
+    tokens_per_s: float = 0.0
+    iteration_s: float = float("inf")
+    peak_gpu_bytes: int = 0
+    peak_host_bytes: int = 0
+    why: str = ""
+    gpu_short_bytes: int = 0  # how far GPU memory falls short (0 when it fits)
+    host_short_bytes: int = 0
+
+    def key(self) -> tuple[Any, ...]:
+        return (not self.fits, -self.tokens_per_s, self.peak_gpu_bytes, self.peak_host_bytes,
+                json.dumps(self.policy.to_json(), sort_keys=True))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"policy": self.policy.to_json(), "fits": self.fits, "tokens_per_s": self.tokens_per_s,
+                "iteration_s": self.iteration_s, "peak_gpu_bytes": self.peak_gpu_bytes,
+                "peak_host_bytes": self.peak_host_bytes, "why": self.why,
+                "gpu_short_bytes": self.gpu_short_bytes, "host_short_bytes": self.host_short_bytes}
+
+
+Evaluator = Callable[[Policy], Evaluation]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The choices searched. Stage 1: the first group; stage 2 refines over the second."""
+
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4)
+    pack_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    packers: tuple[PackerName, ...] = ("holistic", "mobius")
+    swaps: tuple[SwapMode, ...] = ("layer", "pack")
+    recompute: tuple[bool, ...] = (True, False)
+    activation_homes: tuple[ActivationHome, ...] = ("gpu", "host")
+    mappings: tuple[MapperName, ...] = ("cross", "round-robin")
+    prefetch_depths: tuple[int, ...] = (1, 2, 3)
+    residents: tuple[ResidentMode, ...] = ("auto", "none")
+    host_layouts: tuple[HostLayout, ...] = ("compact", "replicated")
+    # Only sync by default: async (staleness 1) changes the training semantics, so a user opts in.
+    optimizers: tuple[OptimizerMode, ...] = ("sync",)
+
+
+@dataclass
+class SearchResult:
+    """Every evaluation (ranked), what was pruned, and the winner (None when nothing fits)."""
+
+    workload: SearchTarget
+    ranked: list[Evaluation]
+    pruned: int  # never evaluated: their lower bound exceeded the best time found
+    considered: int
+    rejected: int = 0  # not simulated: a memory bound showed they cannot fit
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def winner(self) -> Evaluation | None:
+        return self.ranked[0] if self.ranked and self.ranked[0].fits else None
+
+    def pareto(self) -> list[Evaluation]:
+        """Fitting evaluations not dominated in (tokens/s up, peak GPU down, peak host down)."""
+        fit = [e for e in self.ranked if e.fits]
+        front = [e for e in fit if not any(_dominates(o, e) for o in fit if o is not e)]
+        seen: set[tuple[float, int, int]] = set()
+        out = []
+        for e in front:  # equal points: keep the best-ranked one
+            k = (round(e.tokens_per_s, 6), e.peak_gpu_bytes, e.peak_host_bytes)
+            if k not in seen:
+                seen.add(k)
+                out.append(e)
+        return out
+
+
+def _dominates(a: Evaluation, b: Evaluation) -> bool:
+    ge = (a.tokens_per_s >= b.tokens_per_s and a.peak_gpu_bytes <= b.peak_gpu_bytes
+          and a.peak_host_bytes <= b.peak_host_bytes)
+    gt = (a.tokens_per_s > b.tokens_per_s or a.peak_gpu_bytes < b.peak_gpu_bytes
+          or a.peak_host_bytes < b.peak_host_bytes)
+    return ge and gt
+
+
+# ---- candidates ------------------------------------------------------------------------------------
+
+def stage1(w: SearchTarget, space: SearchSpace) -> list[Policy]:
+    """Structural candidates: packing x microbatch size x swap mode x recompute/activation home."""
+    out: list[Policy] = []
+    blocks = w.model.num_blocks
+    packings: list[dict[str, Any]] = [{"packing": "uniform", "pack_size": k} for k in space.pack_sizes if k <= blocks]
+    packings += [{"packing": p} for p in space.packers]
+    for mbs in space.microbatch_sizes:
+        if w.batch_sequences % mbs:
+            continue
+        for pk in packings:
+            for swap in space.swaps:
+                for rc in space.recompute:
+                    for home in space.activation_homes:
+                        if home == "host" and not rc:
+                            continue
+                        out.append(Policy(name="search", microbatch_size=mbs, microbatches=w.batch_sequences // mbs,
+                                          swap=swap, recompute=rc, activation_home=home, mapping=space.mappings[0],
+                                          prefetch_depth=1, resident=space.residents[0],
+                                          host_memory=space.host_layouts[0], optimizer=space.optimizers[-1], **pk))
+    return out
+
+
+def stage2(best: Sequence[Policy], space: SearchSpace) -> list[Policy]:
+    """Secondary choices around each of the best structural candidates."""
+    out: list[Policy] = []
+    seen: set[str] = set()
+    for p in best:
+        for m in space.mappings:
+            for d in space.prefetch_depths:
+                for r in space.residents:
+                    for lay in space.host_layouts:
+                        for opt in space.optimizers:
+                            q = p.replace(mapping=m, prefetch_depth=d, resident=r, host_memory=lay, optimizer=opt)
+                            k = q.dumps()
+                            if k not in seen:
+                                seen.add(k)
+                                out.append(q)
+    return out
+
+
+# ---- bounds ----------------------------------------------------------------------------------------
+
+def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
+    """A lower bound on the iteration time of `p` (seconds), and a reason when it cannot fit at all.
+
+    max of: all compute spread perfectly over the GPUs; every non-resident layer uploaded twice
+    (forward and backward) through the slower of the summed host links and the host DMA cap; the
+    CPU optimizer's step of every layer (once per iteration even when asynchronous) spread perfectly
+    over the ranks' optimizer threads (one per GPU), and no shorter than the longest step. It cannot fit
+    when the host layout exceeds host memory, or when a layer's backward alone holds more than a GPU
+    (`gpumem.least_peak_bytes`, the GPU-memory formula's floor under any packing).
+    """
+    hw, model = w.hardware, w.model
+    trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len, dtype=w.dtype,
+                      profiles=w.profiles)
+    compute = 0.0
+    for layer in model.layers:
+        kp = trace.layer(layer)
+        redo = recomputes(p.recompute, layer.index, len(model.layers))
+        compute += kp.least_compute_s(True, redo) + kp.least_compute_s(False, redo)
+    compute *= p.microbatches / len(hw.gpus)
+    links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
+    up_gbps = min(links, hw.host.dma_gbps) * 1e9
+    uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
+    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True)
+    optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
+    why = ""
+    hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
+    if hb > w.host_limit:
+        why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} layout, limit {w.host_limit:,}"
+    least = least_peak_bytes(base_plan(p, model, hw, trace))
+    if least > w.gpu_limit:
+        why = why or (f"GPU memory: a layer's backward holds at least {least:,} bytes (its weights, gradient, "
+                      f"activations and workspace), limit {w.gpu_limit:,}")
+    return max(compute, uploads, optim), why
+
+
+# ---- the search ------------------------------------------------------------------------------------
+
+def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = None, beam: int = 3,
+           workers: int = 1, progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """Find the fastest fitting policy for `w`; see the module docstring for the method."""
+    space = space or SearchSpace()
+    if w.batch_sequences < 1:
+        raise InputError("batch: must hold at least one sequence")
+    evals: list[Evaluation] = []
+    pruned = 0
+    considered = 0
+    rejected = 0
+    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+    try:
+        for stage in (1, 2):
+            if stage == 1:
+                cands = stage1(w, space)
+            else:
+                top = [e.policy for e in sorted(evals, key=Evaluation.key) if e.fits][:beam]
+                cands = stage2(top, space)
+                done = {e.policy.dumps() for e in evals}
+                cands = [c for c in cands if c.dumps() not in done]
+            considered += len(cands)
+            new, n_pruned, n_rejected = _evaluate_bounded(w, cands, evaluate, evals, pool, workers, progress)
+            evals += new
+            pruned += n_pruned
+            rejected += n_rejected
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    ranked = sorted(evals, key=Evaluation.key)
+    result = SearchResult(w, ranked, pruned, considered, rejected)
+    if result.winner is None:
+        result.advice = advise(w, ranked)
+    return result
+
+
+def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator, prior: list[Evaluation],
+                      pool: ProcessPoolExecutor | None, workers: int,
+                      progress: Callable[[int, int], None] | None) -> tuple[list[Evaluation], int, int]:
+    """Evaluate candidates in order of their lower bound, in batches, pruning once bounds pass the best."""
+    bounded = []
+    out: list[Evaluation] = []
+    for c in cands:
+        lb, why = lower_bound(w, c)
+        if why:
+            out.append(Evaluation(c, False, why=why))
+        else:
+            bounded.append((lb, c.dumps(), c))
+    bounded.sort(key=lambda t: (t[0], t[1]))
+    best = min((e.iteration_s for e in prior + out if e.fits), default=float("inf"))
+    batch = max(1, workers) * 2
+    i = 0
+    while i < len(bounded):
+        if bounded[i][0] >= best:
+            break
+        chunk = [c for lb, _, c in bounded[i:i + batch] if lb < best]
+        results: Iterable[Evaluation] = pool.map(evaluate, chunk) if pool is not None else map(evaluate, chunk)
+        for e in results:
+            out.append(e)
+            if e.fits:
+                best = min(best, e.iteration_s)
+        i += batch
+        if progress is not None:
+            progress(min(i, len(bounded)), len(bounded))
+    rejected = len(cands) - len(bounded)
+    return out, len(bounded) - min(i, len(bounded)), rejected
+
+
+def describe(p: Policy) -> str:
+    """A policy in one short line for tables."""
+    pk = p.packing if isinstance(p.packing, str) else "sizes " + "/".join(map(str, p.packing))
+    if p.packing == "uniform":
+        pk = f"uniform {p.pack_size}"
+    return (f"{pk}, {p.mapping}, swap {p.swap} d{p.prefetch_depth}, resident {p.resident}, "
+            f"{p.microbatches}x{p.microbatch_size} mb, {'recompute' if p.recompute else 'keep acts'}"
+            f"{', acts on host' if p.activation_home == 'host' else ''}, {p.host_memory}, {p.optimizer}")
+
+
+def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
+    """When nothing fits: which memory falls short, by how much, and the smallest change that fits."""
+    from tinypipe.common.table import gib
+
+    lines = []
+    gpu_short = [e.gpu_short_bytes for e in ranked if e.gpu_short_bytes > 0]
+    host_short = [e.host_short_bytes for e in ranked if e.host_short_bytes > 0]
+    compact = host_bytes(w.model, "compact").total_bytes
+    replicated = host_bytes(w.model, "replicated").total_bytes
+    if compact > w.host_limit:
+        lines.append(f"host memory falls short: the compact layout needs {gib(compact)} for parameters and "
+                     f"optimizer state, the limit is {gib(w.host_limit)}; add at least {gib(compact - w.host_limit)} "
+                     "of host DRAM")
+    elif host_short and replicated > w.host_limit:
+        lines.append(f"host memory falls short for the replicated layout by {gib(replicated - w.host_limit)}; "
+                     "use host_memory=compact")
+    if gpu_short:
+        closest = min((e for e in ranked if e.gpu_short_bytes > 0), key=lambda e: (e.gpu_short_bytes, e.key()))
+        lines.append(f"GPU memory falls short by {gib(closest.gpu_short_bytes)} per GPU in the closest candidate "
+                     f"({describe(closest.policy)}); use fewer tokens per microbatch (a shorter --seq-len), "
+                     f"or GPUs with at least that much more memory")
+    if not lines:
+        reasons = sorted({e.why for e in ranked if e.why})
+        lines.append("no candidate fits: " + ("; ".join(reasons[:3]) if reasons else "no candidates were generated"))
+    return lines
