@@ -1,33 +1,22 @@
-"""Fidelity on H200 (issue 10): every configuration predicted from one profile, beside its measured run.
+"""Fidelity on H200s (docs/fidelity.md): every run predicted from a profile, beside its measurement.
 
-    python bench/fidelity.py [--profile bench/results/profile_h200_fid] [--profile-2gpu DIR] [--out FILE]
+    python bench/fidelity.py [--records bench/results/cuda_h200.jsonl] [--profile DIR] [--profile-2gpu DIR]
+                             [--out bench/results/fidelity.jsonl] [--optimizer-from own|eager] [--phases]
 
-Measured: the runs of bench/device/fidelity_h200.sh, the records of bench/results/cuda_h200.jsonl whose
-case has `-fid-` (the latest of each case; none ingested with `not_fidelity`): iteration time is the
-mean of the iterations after the record's warm-up ones, peak GPU memory the allocator's peak
-(max_memory_allocated).
-Predicted: `tinypipe simulate` of the record's model, its policy (the JSON the run resolved, microbatch
-size inside), 65,536 tokens per step, seq 2048 and its GPU cap, with the profile folder of its model and
-block mode (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) under --profile (1 GPU) or
---profile-2gpu (2 GPUs: a profile taken on the 2-GPU machine with `GPUS=2`; 2-GPU rows are left out
-while there is none), and the hardware.json of that folder, else of pq/. Nothing of the run being
-predicted goes into its prediction: one profile per model, taken once, predicts every configuration of
-that model (profile_h200_fid/README.md says where and when each was taken).
-A record that names `profile_root` (the runs of 2026-12-01's second to fourth sessions) is predicted from
-the profile taken on the same lent machine, minutes before it (`bench/results/profile_h200_fid2/callN`,
-`profile_h200_fid3/callN`, `profile_h200_fid4/callN`; the fourth session's call 2 alone was planned from
-its call 1's profile, on another machine, and says so in its `machine_call`):
-machines lent on different calls differed as much as the errors (the host optimizer's steps by 20-30%).
-Each folder's own host optimizer steps (`--optimizer-from own`, the default; `eager`: the model's eager
-folder's for compiled rows too, which was the default while one compiled profile's steps ran 1.3-2.6x
-slow: in four H200 calls the compiled profile's compact block step was 2.6x, 1.4x, 0.86x and 1.0x the
-eager one's, and the compiled runs' steps were closer to their own folder's in two of the three calls
-that ran one). The steps by phase are left out unless `--phases` (`tinypipe profile --optimizer-phases`).
-One JSON object per configuration, replacing --out; a table on stdout, whose `run` column says where each
-row was measured (run_label: s4c2 is 2026-12-01's fourth session's device call 2; * marks a run planned
-from a profile taken on another lent machine) and `steal` the share of the host's CPU time the hypervisor
-took during the run (backends/cpustat.py; recorded since the fifth session): runs above 1% are listed, and
-the errors given without them as well as with them.
+Measured: the runs of bench/device/fidelity_h200.sh, the records of --records whose case has `-fid-`
+(the latest of each case and policy; none marked `not_fidelity`): the iteration time is the mean of the
+iterations after the record's warm-up ones, peak GPU memory the allocator's peak (max_memory_allocated).
+Predicted: `tinypipe simulate` of the record's model and policy (the JSON the run resolved, microbatch size
+inside), 65,536 tokens per step, seq 2048 and its GPU cap, with the profile folder of its model and block
+mode (pq / pq-compiled: Qwen3-1.7B, pl / pl-compiled: Llama-3.1-8B) under the record's `profile_root` (the
+profile taken on the run's own machine just before it; bench/device/ingest.py records it), else under
+--profile (1 GPU) or --profile-2gpu (2 GPUs), and the hardware.json of that folder, else of pq/. Nothing
+of the run goes into its prediction. Each folder's own host optimizer steps are used (`--optimizer-from
+own`; `eager`: the eager folder's for compiled rows too); the steps by phase are left out unless --phases
+(`tinypipe profile --optimizer-phases`).
+Writes one JSON object per configuration to --out and prints the table, with `steal`: the share of the
+host's CPU time the hypervisor took during the run (backends/cpustat.py); runs above 1% are listed, and
+the errors given without them as well.
 """
 
 from __future__ import annotations
@@ -49,7 +38,7 @@ from tinypipe.common.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-DEVICE = "NVIDIA H200 (lent machines)"
+DEVICE = "NVIDIA H200"
 FOLDER = {"qwen3-1.7b": "pq", "llama-3.1-8b": "pl"}
 
 
@@ -132,7 +121,7 @@ def describe(rec: dict[str, Any]) -> str:
 def rows(profiles: dict[int, Path], records: Path, optimizer_from: str, phases: bool = False) -> list[dict[str, Any]]:
     out = []
     for rec in fidelity_records(records):
-        # the profile taken on the same lent machine as the run, where the record names it
+        # the profile taken on the run's own machine, where the record names it
         profile = ROOT / rec["profile_root"] if "profile_root" in rec else profiles.get(rec["gpus"])
         if profile is None or not profile.exists():
             print(f"{rec['case']}: left out, no profile for {rec['gpus']} GPU(s) ({profile})", file=sys.stderr)
@@ -195,7 +184,7 @@ def main() -> int:
     stolen = [r for r in rs if (r["run_host_steal_share"] or 0) > NOTABLE_STEAL]
     if stolen:
         print(f"{len(stolen)} run(s) saw the hypervisor take more than {100 * NOTABLE_STEAL:.0f}% of the host's CPU "
-              f"time (steal; `-` where not recorded, before 2026-12-01's fifth session): "
+              f"time (steal; `-` where not recorded): "
               + "; ".join(f"{r['config']} ({r['run']}, {100 * r['iteration_error']:+.1f}%)" for r in stolen))
         print(summary([r for r in rs if r not in stolen], "without them"))
     print(f"wrote {a.out}")

@@ -21,7 +21,7 @@ from tinypipe.policy import PRESETS
 from tinypipe.search.policy_search import SearchTarget, lower_bound
 
 ROOT = Path(__file__).resolve().parent.parent
-OLD_PROFILE = ROOT / "bench" / "results" / "profile_h200"  # taken before per-kind optimizer steps existed
+SHIPPED = ROOT / "traces" / "profiles"  # taken before per-kind optimizer steps existed
 SPEC = load_model("llama-3.1-8b")
 HW = load_hardware("h200x1")
 EMBED, BLOCK, HEAD = SPEC.layers[0], SPEC.layers[1], SPEC.layers[-1]
@@ -50,18 +50,20 @@ def test_step_time_is_the_measured_one_else_the_host_rate() -> None:
     assert 0.125 != pytest.approx(BLOCK.params * rate["compact"])  # the measurement is not the rate here
 
 
-def test_old_traces_load_without_steps_and_predict_as_before(capsys: pytest.CaptureFixture[str]) -> None:
-    """The H200 profile of 2026-12-01 (no `format`, no per-kind steps) loads, and `simulate` predicts the
-    Llama-3.1-8B one-GPU runs from it exactly as it did before the per-kind steps and per-rank lanes
-    (the fidelity table of that day, its rows 1 and 2: 8.4735 s sync, 8.1501 s async)."""
-    for f in sorted(OLD_PROFILE.glob("h200-*.json")):
+def test_traces_without_steps_load_and_predict_at_the_host_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    """The shipped H200 profiles were taken before per-kind optimizer steps (no `format`, no steps): they
+    load with no steps, and giving one as --profile predicts exactly what the shipped default does, the
+    steps at the host's rate."""
+    for f in sorted(SHIPPED.glob("h200-*.json")):
         assert "format" not in json.loads(f.read_text())
         assert all(p.optimizer is None for p in load_trace(str(f)).kinds.values())
-    for policy, want in (("h200x1-24g-sync-compact", 8.473508317760881), ("h200x1-24g-async", 8.150071156100793)):
-        assert cli_main(["simulate", "--model", "llama-3.1-8b", "--hardware", str(OLD_PROFILE / "hardware-h200x1.json"),
-                         "--profile", str(OLD_PROFILE), "--policy", str(ROOT / "bench" / "policies" / f"{policy}.json"),
-                         "--gpu-mem", "24GiB", "--seq-len", "2048", "--batch-tokens", "65536", "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["results"][0]["iteration_s"] == pytest.approx(want, rel=1e-12)
+    argv = ["simulate", "--model", "llama-3.1-8b", "--hardware", "h200x1", "--policy", "tinypipe",
+            "--microbatch-size", "4", "--gpu-mem", "24GiB", "--seq-len", "2048", "--batch-tokens", "65536", "--json"]
+    got = []
+    for extra in ([], ["--profile", str(SHIPPED / "h200-llama-3.1-8b-mb4-seq2048.json")]):
+        assert cli_main([*argv, *extra]) == 0
+        got.append(json.loads(capsys.readouterr().out)["results"][0]["iteration_s"])
+    assert got[0] == got[1]
 
 
 def test_trace_json_round_trip_keeps_the_steps(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
-# On a lent H200 machine (1 GPU), from the repository root (carry .whl):
+# Compiled blocks against eager ones on one H200 (docs/performance.md), from the repository root:
 #   DEADLINE_S=560 bash bench/device/compile_qwen3.sh RUN...
-# (PROFILES=DIR: take step 1's folders from DIR, made by an earlier call on the same warm machine)
+# (PROFILES=DIR: take step 1's folders from DIR, made by an earlier run on the same machine)
 # 1. `tinypipe profile` on this GPU: Qwen3-1.7B at 2 and 4 x 2048 tokens with the copy and optimizer
 #    rates ($OUT/pq, with hardware.json), its block compiled ($OUT/pq-compiled, 4 x 2048), and
 #    Llama-3.1-8B's layers at 4 x 2048 eager ($OUT/pl) and compiled ($OUT/pl-compiled): the
@@ -18,7 +18,7 @@ prof() {  # out dir, then profile options
   timeout 200 tinypipe profile --backend cuda --seq-len 2048 --hardware h200x1 --out "$OUT/$o" "$@" >>"$OUT/log.txt" 2>&1
   echo "profile $o: exit $? at $(( $(date +%s) - START )) s"
 }
-if [ -n "$PROFILES" ]; then  # profiles taken by an earlier call on this machine: reuse them
+if [ -n "$PROFILES" ]; then  # profiles taken by an earlier run on this machine: reuse them
   cp -r "$ROOT/$PROFILES"/pq* "$ROOT/$PROFILES"/pl* "$OUT/"
 else
 prof pq --model qwen3-1.7b --microbatch-size 2 4 --no-compile

@@ -1,4 +1,4 @@
-# On the lent H200 machine, from the repository root (carry .whl):
+# Llama-3.1-8B on H200s at a 24 GiB cap (docs/performance.md), from the repository root:
 #   bash bench/device/cuda_bench.sh CASE...    -> $OUT/cuda_h200.jsonl, $OUT/*.trace.json, $OUT/log.txt
 # Each case runs in its own process under its own time limit (CASE_TIMEOUT, seconds): a case that
 # hangs is recorded as failed and the next one still runs.

@@ -1,11 +1,11 @@
-"""Append a device call's run records to bench/results/cuda_h200.jsonl, naming the call and its profile.
+"""Append a GPU machine's run records to bench/results/cuda_h200.jsonl, naming the machine and its profile.
 
     python bench/device/ingest.py RECORDS --call TEXT [--profile-root DIR] [--not-fidelity CASE=WHY ...]
                                   [--into FILE]
 
-RECORDS: the call's cuda_h200.jsonl (bench/device/fidelity_h200.sh writes it under $OUT). Each record
-gains `machine_call` (which lent machine and call ran it) and, with --profile-root, `profile_root`: the
-folder, relative to the repository root, holding the profile taken on that machine in that call, from
+RECORDS: the cuda_h200.jsonl that bench/device/fidelity_h200.sh writes under $OUT. Each record gains
+`machine_call` (--call: which machine ran it, and when) and, with --profile-root, `profile_root`: the
+folder, relative to the repository root, holding the profile taken on that machine just before, from
 which bench/fidelity.py predicts the record. --not-fidelity CASE=WHY: the record of that case gains
 `not_fidelity` (why), and bench/fidelity.py leaves it out (a run made for another question, e.g. planned
 from another machine's profile to look at something else in its trace).
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records")
-    ap.add_argument("--call", required=True, help="e.g. '2026-12-01 session 4, device call 1'")
-    ap.add_argument("--profile-root", help="the call's profile folder, relative to the repository root")
+    ap.add_argument("--call", required=True, help="which machine ran them, and when")
+    ap.add_argument("--profile-root", help="the profile folder they were planned from")
     ap.add_argument("--not-fidelity", action="append", default=[], metavar="CASE=WHY",
                     help="leave this case's record out of bench/fidelity.py, saying why")
     ap.add_argument("--into", default=str(ROOT / "bench" / "results" / "cuda_h200.jsonl"))

@@ -1,4 +1,4 @@
-# On a lent H200 machine, from the repository root (carry .whl):
+# Llama-3.1-8B on one H200 with compiled blocks (docs/performance.md), from the repository root:
 #   bash bench/device/llama_compile.sh CASE...
 # Each CASE of bench/cuda_bench.py (Llama-3.1-8B shapes, 65,536 tokens per step, --gpu-mem 24GiB) with
 # `--compile`, planned with the compiled-block profile of bench/device/compile_qwen3.sh

@@ -1,12 +1,12 @@
-# On the lent GPU machine, from the repository root (carry .whl and .peers; .peers/wheels comes from
-# `bash bench/peers/fetch_wheels.sh` on a machine with PyPI):
+# tinypipe beside its peers on one GPU machine (docs/performance.md), from the repository root; the peers'
+# wheels in .peers/wheels come from `bash bench/peers/fetch_wheels.sh` on a machine with PyPI:
 #   bash bench/device/peers.sh [RUNNER OPTIONS]   -> the table on stdout, $OUT/peers_h200.json, $OUT/peers/
 # 1. installs RoundPipe (with transformers 4.57) into /tmp/peers-rp and DeepSpeed (from its source
 #    distribution, DS_BUILD_OPS=0) into /tmp/peers-ds, from .peers/wheels only; each install's output and
 #    exit status go into its directory (.install.log, .install.rc), where the runner reads them. tinypipe's
 #    own runs never see these directories: only the RoundPipe and DeepSpeed processes get them on PYTHONPATH.
 # 2. bench/peers/run.py: every run (default: 1 GPU, 24 GiB cap), each in its own process under its time
-#    limit, all within what is left of BUDGET_S (default 580 s; the device call's limit is 600 s).
+#    limit, all within what is left of BUDGET_S (default 580 s).
 #    RUNNER OPTIONS pass through, e.g. `--caps none`, `--runs deepspeed mobius mobius-async`, `--gpus 1,2`.
 . bench/device/setup.sh
 START=$(date +%s)

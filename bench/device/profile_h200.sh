@@ -1,9 +1,8 @@
-# On a lent H200 machine (1 GPU is enough), from the repository root (carry .whl):
+# Profile an H200 machine (1 GPU is enough), from the repository root:
 #   bash bench/device/profile_h200.sh
 # 1. `tinypipe profile` of Llama-3.1-8B (with host rates -> hardware.json) and Qwen3-1.7B shapes,
 #    4 x 2048 tokens, on this GPU; 2. the profiler's GPU test; 3. a Qwen3-1.7B run planned with its
-#    profile (prediction beside measurement in the run's summary) and its replay;
-# 4. bench/host_optim_rates.py (ranks stepping at once) on this host.
+#    profile (prediction beside measurement in the run's summary) and its replay.
 . bench/device/setup.sh
 ROOT=$(pwd)
 cd /tmp
@@ -20,4 +19,3 @@ timeout 200 tinypipe run --backend cuda --gpus 1 --model qwen3-1.7b --seq-len 20
   --microbatch-size 4 --policy tinypipe --gpu-mem 24GiB --steps 6 --checkpoint-minutes 0 --out /tmp/q \
   --profile "$OUT/pq" "${hw[@]}" --trace "$OUT/qwen3.trace.json" 2>&1 | grep -v "^training \[" | tee -a "$OUT/log.txt" | tail -25
 [ -f "$OUT/qwen3.trace.json" ] && timeout 60 tinypipe replay "$OUT/qwen3.trace.json" --warmup 2 2>&1 | tee "$OUT/qwen3.replay.txt" | head -40
-timeout 120 python3 "$ROOT/bench/host_optim_rates.py" --steps 5 --out "$OUT/host_optim_rates.json" 2>&1 | tee -a "$OUT/log.txt"

@@ -1,11 +1,15 @@
-# Source on the lent GPU machine (the device tool runs commands in the repository root):
-#   . bench/device/setup.sh
-# The image has torch, transformers and safetensors but not simpy: the wheel travels in .whl/
-# (carry it). The project installs without dependencies into /tmp/site.
+# Sourced by every script of bench/device/, from the repository root:  . bench/device/setup.sh
+# Installs the project without dependencies into /tmp/site (the GPU image brings torch, transformers and
+# safetensors; wheels in .whl/, if there, bring the rest, e.g. simpy, on a machine without a package
+# index), sets OUT (default bench/out: logs, records, traces) and the NCCL settings of the H200 hosts.
 set -e
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export OUT=${OUT:-$(pwd)/bench/out}
+mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # a run that hangs prints every thread's Python stack (backends/worker.py) instead of dying silently
 export TINYPIPE_STACKS_AFTER_S=${TINYPIPE_STACKS_AFTER_S:-240}

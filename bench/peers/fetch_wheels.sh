@@ -1,5 +1,5 @@
 # On a machine with PyPI (not the GPU machine, which has none), from the repository root:
-#   bash bench/peers/fetch_wheels.sh        -> .peers/wheels/{roundpipe,deepspeed}/ (git-ignored; carry .peers)
+#   bash bench/peers/fetch_wheels.sh        -> .peers/wheels/{roundpipe,deepspeed}/ (git-ignored)
 # Every wheel of bench/peers/requirements-*.txt for Linux x86-64 and CPython 3.10-3.13 (the GPU image's
 # version is not known here: pure-Python and abi3 wheels serve all; the others come once per version),
 # and DeepSpeed's source distribution. Nothing is installed here.
