@@ -19,15 +19,14 @@
 #    set for that run only (an A/B run, labelled -ab-...-VAR_VALUE, which bench/fidelity.py leaves out;
 #    backends/hostwork.py host_settings reads TINYPIPE_GIL_SWITCH_S and TINYPIPE_THREADS). A run that would
 #    pass DEADLINE_S is skipped.
-# At the end: $OUT/log.txt, $OUT/cuda_h200.jsonl, and $OUT/results.tgz with the profile folders and traces.
-# Then: python bench/fidelity.py --records $OUT/cuda_h200.jsonl --profile DIR (DIR: the profile folders).
+# At the end $OUT holds log.txt, cuda_h200.jsonl, the profile folders and the runs' traces; then
+#   python bench/fidelity.py --records $OUT/cuda_h200.jsonl --profile $OUT
 . bench/device/setup.sh
 ROOT=$(pwd)
 START=$(date +%s)
 cd /tmp
 nproc; free -g | head -2
-pack() { cd "$OUT" && tar czf results.tgz --remove-files $(ls -d p* *.trace.json 2>/dev/null) 2>/dev/null; ls -la "$OUT"; }
-trap pack EXIT
+trap 'ls -la "$OUT"' EXIT
 GPUS=${GPUS:-1}
 RATES_TAKEN=
 left() { echo $(( ${DEADLINE_S:-560} - ($(date +%s) - START) )); }
