@@ -1,8 +1,8 @@
 """When each action of a rank runs: per-resource list order plus dependencies, like CUDA streams + events.
 
 `run_actions` takes a window of one rank's actions (those of the schedule's first n iterations)
-and runs them through an `Interpreter`. Dependencies on actions outside the window are taken as met (an
-earlier window finished them, or another rank's half of a SEND / RECV pair).
+and runs them through an `Interpreter` with an `IssueLoop`. Dependencies on actions outside the window
+are taken as met (an earlier window finished them, or another rank's half of a SEND / RECV pair).
 
 One loop *issues* actions: it repeatedly takes the lowest-id action that heads its resource's list
 and whose dependencies are available, and hands it to the rank's `Streams` (`streams.py`): each
@@ -17,16 +17,14 @@ schedule needs it:
   would make the caching allocator hold more than the schedule's ledger says.
 - RECV gate: a RECV (which allocates its buffer when posted) is issued only once every FWD / BWD
   of this rank listed before it has been issued. A RECV has no dependencies of its own, so without
-  this every receive of the window was posted at its start: 8B on 2 GPUs asked for hundreds of
-  64 MiB buffers at once against a 24 GiB cap. Issue order still follows a topological order
+  this every receive of the window would be posted at its start (for an 8B model on 2 GPUs, hundreds
+  of 64 MiB buffers at once). Issue order still follows a topological order
   (ids), so the gate cannot deadlock: the lowest unfinished action can always be issued.
 - EVICT before LOAD: a LOAD is issued only once the device has run the EVICTs it depends on (their end
   markers). The caching allocator hands a freed block back only once every stream that used it has
   passed it, while a LOAD allocates when the host issues it: a host running ahead could hold the old
-  and the new weights at once. Measured on an H200 (2026-12-01, Qwen3-1.7B, resident none, search
-  pick 4): peak 10.91 GiB with the wait against 11.01 without (two calls, so within their noise). The
-  head's 0.55 GiB above the ledger there was its graph holding its weights, which no wait frees
-  (tinypipe.compiler.passes.memory_pass counts that).
+  and the new weights at once. A layer whose graph is kept from forward to backward (the head) holds
+  its weights whatever the wait; tinypipe.compiler.passes.memory_pass counts that.
 
 The readiness rules and the loop's constants are `tinypipe.ir.issueloop`'s; the simulator replays this loop
 with a run's measured issue times (sim/issuer.py, `tinypipe replay`).
@@ -64,8 +62,8 @@ class Carried:
     """OPT_STEPs a window left running on the host worker, for the next window (`run_actions(carry=)`).
 
     Under the asynchronous optimizer the next step's forward does not wait for the last layers'
-    updates, so a window that drained them before returning left the GPU idle for the tail of the
-    optimizer (0.9-1.4 s per 4-step window on H200, 2026-12-01). Instead the next window starts at
+    updates, so a window that drained them before returning would leave the GPU idle for the tail of
+    the optimizer (about a second per 4-step window for an 8B model). Instead the next window starts at
     once: each of its actions that touches a carried step's host state waits for that step alone --
     a LOAD for the steps whose version it wants (`Interpreter.want_version`), a GRAD_OUT for the
     earlier steps of the layers it hands gradients to. Device work was synchronised at the window's
@@ -134,7 +132,7 @@ class RunLog:
 def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, StepData], *, shift: int = 0,
                 ledger: Ledger | None = None, id_stride: int = 0, host_worker: HostWorker | None = None,
                 carry: Carried | None = None, memory: bool = False) -> RunLog:
-    """Run `actions` (one rank's, in schedule order) for steps `a.iteration + shift`.
+    """Run `actions` (one rank's, in schedule order) for steps `a.iteration + shift`: `IssueLoop(...).run()`.
 
     `data` holds the input of each step. Timeline record ids are `a.id + shift * id_stride`, so
     that windows repeating the schedule stay distinct (`id_stride`: the schedule's length).
@@ -144,161 +142,197 @@ def run_actions(interp: Interpreter, actions: Sequence[Action], data: dict[int, 
     `carry.collect(wait=True)` before it reads the host state (a checkpoint, the end). `memory`, on
     CUDA: sample the device's memory after each action (`RunLog.memory`) and keep the allocator's peak
     per issued action (`RunLog.peaks`); a statistics read each (~0.2 ms of the issuing thread on an H200
-    host, 2026-12-01), so off by default there. The CPU stand-in always samples (the interpreter's bytes).
+    host), so off by default there. The CPU stand-in always samples (the interpreter's bytes).
     """
     if carry is not None and host_worker is None:
         raise ValueError("run_actions: carry needs the host worker that runs the carried steps")
-    interp.data = data
-    ledger = ledger if ledger is not None else Ledger(buffers=True)
-    by_id = {a.id: a for a in actions}
-    queues: dict[str, deque[Action]] = defaultdict(deque)
-    for a in actions:
-        queues[a.resource].append(a)
-    # what each action waits for (tinypipe.ir.issueloop) on other resources; on its own resource the queue
-    # issues it after the earlier ones, and the stream (or the host worker) runs them in order. A LOAD
-    # allocates when the host issues it, but the weights an EVICT drops stay allocated until the device
-    # has passed their last use (they were used on another stream): see "EVICT before LOAD"
-    rules = issue_rules(actions)
-    needs, evicts = rules.needs, rules.evicts
-    loads_left: dict[tuple[int, int], int] = defaultdict(int)
-    for a in actions:
-        if a.kind == Kind.LOAD:
-            for layer in interp.reads(a.layer):
-                loads_left[(layer, a.iteration + shift)] += 1
-    interp.pending_loads = dict(loads_left)
-    streams = make_streams(interp.device, kept=interp.streams, memory=interp.device_bytes)
-    sample = memory or interp.device.type != "cuda"
-    interp.use = streams.use
-    worker = host_worker if host_worker is not None else HostWorker()
-    log = RunLog()
-    available: set[int] = set()  # dependents may be issued after these
-    running: dict[str, tuple[Action, tuple[Handle, Callable[[], None]]]] = {}  # transfers the host polls
-    on_host: dict[int, tuple[Action, Future[tuple[float, float]]]] = {}  # OPT_STEPs submitted, not finished
-    host_times: dict[int, tuple[float, float]] = {}
-    in_flight: deque[int] = deque()  # FWD / BWD issued and maybe not finished on the device
-    finished: list[int] = []  # ids in the order they finished (host view)
-    idle_since = time.perf_counter()
+    loop = IssueLoop(interp, actions, data, shift=shift, ledger=ledger, id_stride=id_stride,
+                     host_worker=host_worker, carry=carry, memory=memory)
+    return loop.run()
 
-    def finish(a: Action) -> None:
-        ledger.end(a)
-        available.add(a.id)
-        finished.append(a.id)
-        if sample:
-            log.memory.append((time.perf_counter(), streams.memory_allocated()))
 
-    compute = queues.get(gpu_resource(interp.rank, "compute"))
+class IssueLoop:
+    """One window of one rank's actions issued by the rank's main thread (module docstring): its state in fields,
+    one method per step of the loop."""
 
-    def computing() -> int:
+    def __init__(self, interp: Interpreter, actions: Sequence[Action], data: dict[int, StepData], *, shift: int,
+                 ledger: Ledger | None, id_stride: int, host_worker: HostWorker | None, carry: Carried | None,
+                 memory: bool) -> None:
+        self.interp, self.shift, self.id_stride, self.carry, self.memory = interp, shift, id_stride, carry, memory
+        interp.data = data
+        self.ledger = ledger if ledger is not None else Ledger(buffers=True)
+        self.by_id = {a.id: a for a in actions}
+        self.queues: dict[str, deque[Action]] = defaultdict(deque)
+        for a in actions:
+            self.queues[a.resource].append(a)
+        # what each action waits for (tinypipe.ir.issueloop) on other resources; on its own resource the queue
+        # issues it after the earlier ones, and the stream (or the host worker) runs them in order. A LOAD
+        # allocates when the host issues it, but the weights an EVICT drops stay allocated until the device
+        # has passed their last use (they were used on another stream): see "EVICT before LOAD"
+        rules = issue_rules(actions)
+        self.needs, self.evicts = rules.needs, rules.evicts
+        loads_left: dict[tuple[int, int], int] = defaultdict(int)
+        for a in actions:
+            if a.kind == Kind.LOAD:
+                for layer in interp.reads(a.layer):
+                    loads_left[(layer, a.iteration + shift)] += 1
+        interp.pending_loads = dict(loads_left)
+        self.streams = make_streams(interp.device, kept=interp.streams, memory=interp.device_bytes)
+        self.sample = memory or interp.device.type != "cuda"
+        interp.use = self.streams.use
+        self.own_worker = host_worker is None
+        self.worker = host_worker if host_worker is not None else HostWorker()
+        self.log = RunLog()
+        self.available: set[int] = set()  # dependents may be issued after these
+        self.running: dict[str, tuple[Action, tuple[Handle, Callable[[], None]]]] = {}  # transfers the host polls
+        self.on_host: dict[int, tuple[Action, Future[tuple[float, float]]]] = {}  # OPT_STEPs submitted, not finished
+        self.host_times: dict[int, tuple[float, float]] = {}
+        self.in_flight: deque[int] = deque()  # FWD / BWD issued and maybe not finished on the device
+        self.finished: list[int] = []  # ids in the order they finished (host view)
+        self.compute = self.queues.get(gpu_resource(interp.rank, "compute"))
+        self.freeing = False  # a LOAD was held back this pass until the device has run the EVICTs it follows
+        self.idle_since = time.perf_counter()
+
+    def run(self) -> RunLog:
+        try:
+            while self.queues or self.running or (self.on_host and self.carry is None):
+                progressed = self._poll()
+                self.freeing = False
+                heads = [q[0] for r, q in self.queues.items() if r not in self.running and self._ready(q[0])]
+                if heads:
+                    self._issue(min(heads, key=lambda x: x.id))
+                    self.idle_since = time.perf_counter()
+                elif self._idle(progressed):
+                    break
+            self.streams.synchronize()
+            if self.carry is not None:
+                for aid, (a, fut) in self.on_host.items():
+                    self.carry.steps[aid + self.shift * self.id_stride] = (a, fut, self.shift)
+        finally:
+            if self.own_worker:
+                self.worker.close()
+        return self._close()
+
+    def _finish(self, a: Action) -> None:
+        self.ledger.end(a)
+        self.available.add(a.id)
+        self.finished.append(a.id)
+        if self.sample:
+            self.log.memory.append((time.perf_counter(), self.streams.memory_allocated()))
+
+    def _computing(self) -> int:
         """FWD / BWD issued and not yet finished on the device (finished ones are dropped)."""
-        while in_flight and streams.done(in_flight[0]):
-            in_flight.popleft()
-        return len(in_flight)
+        while self.in_flight and self.streams.done(self.in_flight[0]):
+            self.in_flight.popleft()
+        return len(self.in_flight)
 
-    freeing = False  # a LOAD was held back this pass until the device has run the EVICTs it follows
-
-    def ready(a: Action) -> bool:
-        nonlocal freeing
-        if not all(d in available for d in needs[a.id]):
+    def _ready(self, a: Action) -> bool:
+        if not all(d in self.available for d in self.needs[a.id]):
             return False
-        if a.kind == Kind.LOAD and not all(streams.done(d) for d in evicts[a.id]):
-            freeing = True
+        if a.kind == Kind.LOAD and not all(self.streams.done(d) for d in self.evicts[a.id]):
+            self.freeing = True
             return False
-        if a.kind.info.stream == "recv" and compute and compute[0].id < a.id:
+        if a.kind.info.stream == "recv" and self.compute and self.compute[0].id < a.id:
             return False  # posted no earlier than its place in the schedule: see "RECV gate" in the module docstring
-        if carry is not None and carry.steps and carry.blocks(interp, a, a.iteration + shift):
+        if self.carry is not None and self.carry.steps and self.carry.blocks(self.interp, a, a.iteration + self.shift):
             return False
-        return not a.kind.info.is_compute or len(in_flight) < RUNAHEAD_COMPUTE or computing() < RUNAHEAD_COMPUTE
+        return (not a.kind.info.is_compute or len(self.in_flight) < RUNAHEAD_COMPUTE
+                or self._computing() < RUNAHEAD_COMPUTE)
 
-    try:
-        while queues or running or (on_host and carry is None):
-            progressed = False
-            if carry is not None and carry.steps:
-                done = carry.collect(id_stride=id_stride, ledger=ledger)
-                log.records += done
-                progressed = bool(done)
-            for res, (a, (handle, on_done)) in list(running.items()):
-                if handle.is_completed():
-                    handle.wait()  # surfaces a failed transfer
-                    on_done()
-                    streams.mark_end(a.id)
-                    del running[res]
-                    finish(a)
-                    progressed = True
-            for aid, (a, fut) in list(on_host.items()):
-                if fut.done():
-                    host_times[aid] = fut.result()  # re-raises the step's error
-                    del on_host[aid]
-                    finish(a)
-                    progressed = True
-            freeing = False
-            heads = [q[0] for r, q in queues.items() if r not in running and ready(q[0])]
-            if not heads:
-                if not (running or on_host or freeing or computing() or (carry is not None and carry.steps)):
-                    if not queues:
-                        break
-                    raise ExecutionError(_stuck(interp.rank, queues, available, by_id))
-                if progressed:
-                    idle_since = time.perf_counter()
-                elif time.perf_counter() - idle_since > STUCK_S:
-                    raise ExecutionError(_stuck(interp.rank, queues, available, by_id) + "; still unfinished: "
-                                         + ", ".join(f"{a.id} ({a})" for a, _ in [*running.values(),
-                                                                                  *on_host.values()]))
-                # nothing to issue: wait without holding the GIL, which the optimizer thread needs
-                time.sleep(IDLE_SLEEP_S)
-                continue
-            a = min(heads, key=lambda x: x.id)
-            q = queues[a.resource]
-            q.popleft()
-            if not q:
-                del queues[a.resource]
-            log.order[a.resource].append(a.id)
-            log.issued.append(a.id)
-            ledger.start(a)
-            step = a.iteration + shift
-            if a.kind == Kind.OPT_STEP:
-                # the worker waits for the device work the step reads (the gradients' download);
-                # uploads still reading the layer's host memory are the host state's to wait for
-                waits = [d for d in a.deps if d in by_id]
-                fut = worker.submit(functools.partial(streams.host_wait, waits),
-                                    functools.partial(interp.dispatch, a, step))
-                on_host[a.id] = (a, fut)
-            else:
-                t_issue = time.perf_counter()
-                with streams.issuing(a.resource, a.id, (d for d in a.deps if d in by_id)):
-                    started = streams.settle(interp.dispatch(a, step))
-                    if started is None:
-                        streams.mark_end(a.id)
-                rid = a.id + shift * id_stride
-                log.issue.append((rid, t_issue, time.perf_counter()))
-                if memory:
-                    got = streams.take_peak()
-                    if got is not None:
-                        log.peaks.append((time.perf_counter(), rid, got[0]))
-                        log.reserved_peak = max(log.reserved_peak, got[1])
-                if a.kind.info.is_compute:
-                    in_flight.append(a.id)
-                if started is None:
-                    finish(a)
-                else:
-                    running[a.resource] = (a, started)
-            idle_since = time.perf_counter()
-        streams.synchronize()
-        if carry is not None:
-            for aid, (a, fut) in on_host.items():
-                carry.steps[aid + shift * id_stride] = (a, fut, shift)
-    finally:
-        if host_worker is None:
-            worker.close()
-    for aid in finished:
-        a = by_id[aid]
-        times = host_times.get(aid) or streams.times(aid)
-        t0, t1 = times if times is not None else (0.0, 0.0)
-        log.records.append(_record(a, shift, id_stride, t0, t1))
-    streams.forget()
-    for (step, _m), loss in sorted(interp.losses.items()):
-        log.losses[step] = log.losses.get(step, 0.0) + float(loss.item())
-    interp.losses.clear()
-    return log
+    def _poll(self) -> bool:
+        """Finish what has completed since the last pass: carried steps, polled transfers, host steps."""
+        progressed = False
+        if self.carry is not None and self.carry.steps:
+            done = self.carry.collect(id_stride=self.id_stride, ledger=self.ledger)
+            self.log.records += done
+            progressed = bool(done)
+        for res, (a, (handle, on_done)) in list(self.running.items()):
+            if handle.is_completed():
+                handle.wait()  # surfaces a failed transfer
+                on_done()
+                self.streams.mark_end(a.id)
+                del self.running[res]
+                self._finish(a)
+                progressed = True
+        for aid, (a, fut) in list(self.on_host.items()):
+            if fut.done():
+                self.host_times[aid] = fut.result()  # re-raises the step's error
+                del self.on_host[aid]
+                self._finish(a)
+                progressed = True
+        return progressed
+
+    def _idle(self, progressed: bool) -> bool:
+        """Nothing could be issued this pass: True when the window is done; a schedule that cannot
+        progress is an ExecutionError; otherwise wait a little without holding the GIL (which the
+        optimizer thread needs)."""
+        carried = self.carry is not None and bool(self.carry.steps)
+        if not (self.running or self.on_host or self.freeing or self._computing() or carried):
+            if not self.queues:
+                return True
+            raise ExecutionError(_stuck(self.interp.rank, self.queues, self.available, self.by_id))
+        if progressed:
+            self.idle_since = time.perf_counter()
+        elif time.perf_counter() - self.idle_since > STUCK_S:
+            unfinished = [*self.running.values(), *self.on_host.values()]
+            raise ExecutionError(_stuck(self.interp.rank, self.queues, self.available, self.by_id)
+                                 + "; still unfinished: " + ", ".join(f"{a.id} ({a})" for a, _ in unfinished))
+        time.sleep(IDLE_SLEEP_S)
+        return False
+
+    def _issue(self, a: Action) -> None:
+        q = self.queues[a.resource]
+        q.popleft()
+        if not q:
+            del self.queues[a.resource]
+        self.log.order[a.resource].append(a.id)
+        self.log.issued.append(a.id)
+        self.ledger.start(a)
+        if a.kind == Kind.OPT_STEP:
+            self._issue_host(a)
+        else:
+            self._issue_device(a)
+
+    def _issue_host(self, a: Action) -> None:
+        """An OPT_STEP on the host worker: it waits for the device work the step reads (the gradients'
+        download); uploads still reading the layer's host memory are the host state's to wait for."""
+        waits = [d for d in a.deps if d in self.by_id]
+        fut = self.worker.submit(functools.partial(self.streams.host_wait, waits),
+                                 functools.partial(self.interp.dispatch, a, a.iteration + self.shift))
+        self.on_host[a.id] = (a, fut)
+
+    def _issue_device(self, a: Action) -> None:
+        t_issue = time.perf_counter()
+        with self.streams.issuing(a.resource, a.id, (d for d in a.deps if d in self.by_id)):
+            started = self.streams.settle(self.interp.dispatch(a, a.iteration + self.shift))
+            if started is None:
+                self.streams.mark_end(a.id)
+        rid = a.id + self.shift * self.id_stride
+        self.log.issue.append((rid, t_issue, time.perf_counter()))
+        if self.memory:
+            got = self.streams.take_peak()
+            if got is not None:
+                self.log.peaks.append((time.perf_counter(), rid, got[0]))
+                self.log.reserved_peak = max(self.log.reserved_peak, got[1])
+        if a.kind.info.is_compute:
+            self.in_flight.append(a.id)
+        if started is None:
+            self._finish(a)
+        else:
+            self.running[a.resource] = (a, started)
+
+    def _close(self) -> RunLog:
+        """The window's records (device markers; the host clock for OPT_STEPs) and losses."""
+        for aid in self.finished:
+            a = self.by_id[aid]
+            times = self.host_times.get(aid) or self.streams.times(aid)
+            t0, t1 = times if times is not None else (0.0, 0.0)
+            self.log.records.append(_record(a, self.shift, self.id_stride, t0, t1))
+        self.streams.forget()
+        for (step, _m), loss in sorted(self.interp.losses.items()):
+            self.log.losses[step] = self.log.losses.get(step, 0.0) + float(loss.item())
+        self.interp.losses.clear()
+        return self.log
 
 
 def _record(a: Action, shift: int, id_stride: int, t0: float, t1: float) -> Record:

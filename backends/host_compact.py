@@ -1,4 +1,4 @@
-"""The `compact` host layout: fp32 masters as two 16-bit planes in one pinned slab, a small ring
+"""The `compact` host memory layout: fp32 masters as two 16-bit planes in one pinned slab, a small ring
 of gradient slots, and a chunked AdamW on the planes (`planes.compact_adamw_step`).
 
 The high plane *is* the bf16 value (truncated) and is uploaded as it is; the low plane restores the
@@ -17,20 +17,21 @@ from typing import Any
 import torch
 
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS
+from tinypipe.policy.modes import HostMemory
 
 from . import planes
 from .hoststate import AdamWConfig, HeldBytes, HostState, _Param, _to, storage_bytes, view_bytes
 
 
 class CompactHostState(HostState):
-    layout = "compact"
+    host_memory = HostMemory.COMPACT
 
     def __init__(self, params: dict[int, dict[str, torch.Tensor]], *, compute_dtype: torch.dtype,
                  optim: AdamWConfig, pin: bool = False, shared_grad: int | None = None,
                  grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, snapshots: bool = False) -> None:
         """Copies `params` into its slab (the caller may drop them)."""
         if sys.byteorder != "little":  # pragma: no cover - the planes assume little-endian fp32
-            raise RuntimeError("the compact host layout needs a little-endian host")
+            raise RuntimeError("the compact host memory layout needs a little-endian host")
         super().__init__(params, compute_dtype=compute_dtype, optim=optim, pin=pin, shared_grad=shared_grad)
         # with the asynchronous optimizer: one region per layer in the slab for the previous version's
         # upload form (the "one extra bf16 copy"), so a step never allocates
@@ -207,7 +208,7 @@ class CompactHostState(HostState):
         scratch = storage_bytes([self._chunk_scratch], seen)
         stale = (view_bytes(self._snap_region.values()) if self.snapshots
                  else storage_bytes((t for _, t in self._stale.values()), seen))
-        return HeldBytes(self.layout, self.params, master, 0, grads, optim, scratch, stale, padding)
+        return HeldBytes(self.host_memory, self.params, master, 0, grads, optim, scratch, stale, padding)
 
 
 def join_planes_on(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The `replicated` host layout (what peers do): per layer an fp32 master, a compute-dtype upload
+"""The `replicated` host memory layout (what peers do): per layer an fp32 master, a compute-dtype upload
 copy and a full-size fp32 gradient buffer, carved from one pinned slab, plus AdamW moments.
 
 A step that keeps the previous version (asynchronous optimizer) leaves the upload copy at that
@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 
+from tinypipe.policy.modes import HostMemory
+
 from .hoststate import AdamWConfig, HeldBytes, HostState, _to, storage_bytes, view_bytes
 
 
 class ReplicatedHostState(HostState):
-    layout = "replicated"
+    host_memory = HostMemory.REPLICATED
 
     def __init__(self, params: dict[int, dict[str, torch.Tensor]], *, compute_dtype: torch.dtype,
                  optim: AdamWConfig, pin: bool = False, shared_grad: int | None = None) -> None:
@@ -88,4 +90,4 @@ class ReplicatedHostState(HostState):
         master = storage_bytes((t for m in self._master.values() for t in m.values()), seen)
         upload = view_bytes(self._upload_flat.values())
         grads = view_bytes(self._grad_flat.values())
-        return HeldBytes(self.layout, self.params, master, upload, grads, optim, 0, 0, padding)
+        return HeldBytes(self.host_memory, self.params, master, upload, grads, optim, 0, 0, padding)

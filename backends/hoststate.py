@@ -1,7 +1,7 @@
 """Host state of the layers one rank owns: fp32 masters, what is uploaded, gradient landing, AdamW.
 
 This module holds what both layouts share (`HostState`); each layout is its own module
-(`host_replicated.py`, `host_compact.py`), and `hostlayouts.make_host_state` picks one by name.
+(`host_replicated.py`, `host_compact.py`), and `host_states.make_host_state` picks one by name.
 
 Two layouts (DESIGN §1.2; the formulas they are checked against live in `tinypipe.estimate.hostmem`):
 
@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tinypipe.policy.modes import HostLayout
+from tinypipe.policy.modes import HostMemory
 
 from .pinned import PinnedSlab, Request
 
@@ -69,7 +69,7 @@ class HeldBytes:
     """Host bytes this rank really holds, by purpose (tensor storage sizes; a pinned slab's views by
     their own sizes, the slab's alignment padding apart)."""
 
-    layout: HostLayout
+    host_memory: HostMemory
     params: int
     master_bytes: int
     upload_copy_bytes: int
@@ -89,7 +89,7 @@ class HeldBytes:
         return self.total_bytes / max(1, self.params)
 
     def to_json(self) -> dict[str, Any]:
-        return {"layout": self.layout, "params": self.params, "master_bytes": self.master_bytes,
+        return {"layout": self.host_memory, "params": self.params, "master_bytes": self.master_bytes,
                 "upload_copy_bytes": self.upload_copy_bytes, "grad_bytes": self.grad_bytes,
                 "optim_state_bytes": self.optim_state_bytes, "scratch_bytes": self.scratch_bytes,
                 "stale_bytes": self.stale_bytes, "pinned_rounding_bytes": self.pinned_rounding_bytes,
@@ -124,14 +124,14 @@ class _Param:
 
 
 class HostState:
-    """Host state of one rank's layers under one layout (`ReplicatedHostState`, `CompactHostState`;
-    `hostlayouts.make_host_state` picks one by name): versions, locking beside the optimizer thread,
+    """Host state of one rank's layers under one host memory layout (`ReplicatedHostState`, `CompactHostState`;
+    `host_states.make_host_state` picks one by name): versions, locking beside the optimizer thread,
     gradient shares of a tied layer, checkpoints and the bytes held. See the module docstring.
 
     `params`: {layer: {name: fp32 tensor}} (e.g. `LayerStack.state()`).
     """
 
-    layout: ClassVar[HostLayout]
+    host_memory: ClassVar[HostMemory]
     snapshots = False  # previous-version regions carved in advance (compact + asynchronous optimizer)
 
     def __init__(self, params: dict[int, dict[str, torch.Tensor]], *, compute_dtype: torch.dtype,
@@ -337,14 +337,14 @@ class HostState:
         memory): write them out before the next step changes them. Checkpoints are taken between
         windows, when no optimizer step runs.
         """
-        return {"layout": self.layout, "steps": dict(self._steps),
+        return {"layout": self.host_memory, "steps": dict(self._steps),
                 "optim": {i: self._opt[i].state_dict() for i in self.layers}, **self._layout_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (a loaded checkpoint): the optimizer takes its moment tensors, not copies."""
-        if state["layout"] != self.layout or set(state["steps"]) != set(self.layers):
-            raise ValueError(f"checkpoint holds layout {state['layout']} for layers {sorted(state['steps'])}; "
-                             f"this run has {self.layout} for {list(self.layers)}")
+        if state["layout"] != self.host_memory or set(state["steps"]) != set(self.layers):
+            raise ValueError(f"checkpoint holds host memory {state['layout']} for layers {sorted(state['steps'])}; "
+                             f"this run has {self.host_memory} for {list(self.layers)}")
         self._steps = dict(state["steps"])
         with torch.no_grad():
             self._load_layout_state(state)

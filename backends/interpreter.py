@@ -61,7 +61,7 @@ class Interpreter:
     }
 
     def __init__(self, *, rank: int, schedule: Schedule, layers: list[nn.Module | None], host: HostState,
-                 comm: Comm | None, device: torch.device, hidden_size: int, staleness: int = 0,
+                 comm: Comm | None, device: torch.device, hidden_size: int,
                  tied: tuple[str, str] | None = None, caller: LayerCaller | None = None) -> None:
         self.rank = rank
         self.schedule = schedule
@@ -70,7 +70,7 @@ class Interpreter:
         self.comm = comm
         self.device = device
         self.hidden_size = hidden_size
-        self.staleness = staleness
+        self.staleness = schedule.optimizer.staleness  # the schedule's optimizer mode: the one source of truth
         self.caller = caller if caller is not None else LayerCaller()  # compiles the blocks under --compile
         self.compute_dtype = host.compute_dtype
         self.owned = set(owned_layers(schedule, rank))

@@ -232,7 +232,7 @@ def _i16(plane: torch.Tensor) -> torch.Tensor:
 
 def _check_planes(hi: torch.Tensor, lo: torch.Tensor) -> int:
     if sys.byteorder != "little":  # pragma: no cover - the planes assume little-endian fp32
-        raise RuntimeError("the compact host layout needs a little-endian host")
+        raise RuntimeError("the compact host memory layout needs a little-endian host")
     for name, t in (("hi", hi), ("lo", lo)):
         if t.dtype not in _PLANE_DTYPES:
             raise TypeError(f"plane {name} must be int16 or uint16, got {t.dtype}")

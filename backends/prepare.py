@@ -228,7 +228,7 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
               microbatch_size=policy.microbatch_size, data=None if addition else args.data, seed=args.seed,
               optim=AdamWConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps,
                                 weight_decay=args.weight_decay),
-              staleness=1 if policy.optimizer == "async" else 0, backend=args.backend, out=out,
+              backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
               threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),

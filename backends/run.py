@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tinypipe.policy.modes import HostMemory
+
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
     raise ImportError("torch is not installed")
 
@@ -277,7 +279,7 @@ def _host_lines(plan: Any, results: list[Any]) -> list[str]:
            f"          formula {per_rank / n:.2f} B/param for the layers each of the {len(results)} rank(s) holds "
            f"({whole.bytes_per_param:.2f} for the whole model on one rank); it leaves out the optimizer scratch, "
            f"stale copies ({(held['scratch_bytes'] + held['stale_bytes']) / n:.2f}) and AdamW's step counters"]
-    if len(results) > 1 and sched.host_memory == "compact" and per_rank > whole.total_bytes * 1.05:
+    if len(results) > 1 and sched.host_memory == HostMemory.COMPACT and per_rank > whole.total_bytes * 1.05:
         out.append(f"          each rank has its own gradient ring and scratch, sized by its largest layer: on a model "
                    f"of {n:,} parameters they weigh as much as the per-parameter state")
     out.append(f"          predicted peak {_mib(sim.peak_host_bytes)}; peak RSS of the workers {_mib(rss)}")

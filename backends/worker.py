@@ -33,7 +33,7 @@ from .compiled import COMPILE_BACKEND, LayerCaller
 from .cpustat import Steal
 from .executor import Carried, RunLog, run_actions
 from .groups import DistGroup, Group
-from .hostlayouts import make_host_state
+from .host_states import make_host_state
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
 from .interpreter import ExecutionError, Interpreter, StepData
@@ -52,7 +52,6 @@ class Job:
     data: str | None = None
     seed: int = 0
     optim: AdamWConfig = AdamWConfig()
-    staleness: int = 0
     backend: str = "cpu"
     out: str | None = None
     checkpoint_every: int = 0
@@ -175,9 +174,9 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     stack = build_model(job.model, seed=job.seed, only=set(layers))
     rss["model built"] = _rss()
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
-    host = make_host_state(stack.state(), layout=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
+    host = make_host_state(stack.state(), host_memory=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
                            optim=job.optim, pin=device.type == "cuda", shared_grad=shared,
-                           snapshots=job.staleness > 0)
+                           snapshots=sched.optimizer.staleness > 0)
     rss["host state made"] = _rss()
     for i in layers:
         module = stack.layers[i]
@@ -188,7 +187,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
                            microbatches=sched.microbatches, seed=job.seed)
     interp = Interpreter(rank=rank, schedule=sched, layers=stack.layers, host=host, comm=comm, device=device,
-                         hidden_size=stack.spec.hidden_size, staleness=job.staleness, tied=stack.tied,
+                         hidden_size=stack.spec.hidden_size, tied=stack.tied,
                          caller=LayerCaller(compile_blocks=job.compile_blocks, backend=job.compile_backend))
     actions = rank_actions(sched, rank)
     by_prefix: dict[int, list[Any]] = {}  # n -> this rank's actions of iterations 0..n-1

@@ -23,7 +23,7 @@ def capacity_message(device: str, action: Action, needed: int, free: int, capaci
     """The one-line error for an allocation that does not fit."""
     what = ", ".join(buffers)
     hint = ("lower the prefetch depth or microbatch size, swap layer by layer, or use more GPUs"
-            if device != HOST else "use the compact host layout if not in use, or a host with more memory")
+            if device != HOST else "use the compact host memory layout if not in use, or a host with more memory")
     return (f"{device} out of memory at `{action}` (action {action.id}, t={t_s:.6f} s): needs {needed:,} bytes "
             f"({what}), only {free:,} of {capacity:,} bytes free; {hint}")
 
@@ -47,7 +47,7 @@ class Memory:
             if used > self.capacity_bytes[d]:
                 msg = (f"{d} out of memory before the first action: static {used:,} bytes exceed "
                        f"the capacity of {self.capacity_bytes[d]:,} bytes; use a device with more memory, or a "
-                       "layout that holds less (the compact host layout, if not in use)")
+                       "layout that holds less (the compact host memory layout, if not in use)")
                 self._violate(msg)
 
     def _violate(self, message: str) -> None:

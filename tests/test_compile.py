@@ -16,7 +16,7 @@ from tinypipe.common.errors import InputError
 from tinypipe.common.units import GIB
 from tinypipe.compiler import (
     compile_schedule,
-    compute_plan,
+    compute_ops,
     gradient_pass,
     lower,
     make_plan,
@@ -90,10 +90,10 @@ def short(ops: list) -> list[str]:
 
 # ---- passes, each alone ----------------------------------------------------------------------------
 
-def test_compute_plan_order() -> None:
+def test_compute_ops_order() -> None:
     """Forward packs in order, backward in reverse; microbatch-major inside a pack; data deps only."""
     plan = Plan.toy((2, 1), (0, 1), 2)
-    ops = compute_plan(plan)
+    ops = compute_ops(plan)
     assert short(ops) == [
         "FWD L0 m0 g0", "FWD L1 m0 g0", "FWD L0 m1 g0", "FWD L1 m1 g0", "FWD L2 m0 g1", "FWD L2 m1 g1",
         "BWD L2 m0 g1", "BWD L2 m1 g1", "BWD L1 m0 g0", "BWD L0 m0 g0", "BWD L1 m1 g0", "BWD L0 m1 g0"]
@@ -106,7 +106,7 @@ def test_compute_plan_order() -> None:
 def test_swap_pass_layer_mode() -> None:
     """Layer swapping: LOAD right before a layer's first use, EVICT right after its last; window deps."""
     plan = Plan.toy((2, 2), (0, 0), 2, swap="layer", prefetch_depth=0)
-    ops = swap_pass(plan, compute_plan(plan))
+    ops = swap_pass(plan, compute_ops(plan))
     assert short(ops)[:8] == ["LOAD L0 g0", "FWD L0 m0 g0", "LOAD L1 g0", "FWD L1 m0 g0", "FWD L0 m1 g0",
                               "EVICT L0 g0", "FWD L1 m1 g0", "EVICT L1 g0"]
     loads = [o for o in ops if o.kind is Kind.LOAD]
@@ -124,14 +124,14 @@ def test_swap_pass_layer_mode() -> None:
 def test_plan_refuses_an_unknown_mode(field: str, value: str) -> None:
     """A plan built with a mode it does not know fails at once instead of compiling as another mode
     (`swap="layers"` once compiled as pack swapping); mypy catches the literal before that."""
-    with pytest.raises(ValueError, match=f"plan: {field} must be one of"):
+    with pytest.raises(InputError, match=f"plan: {field}: must be one of"):
         Plan.toy((1, 1), (0, 0), 1, **{field: value})
 
 
 def test_swap_pass_pack_mode_prefetch() -> None:
     """Pack swapping: a pack's LOADs precede its first op; with depth 1 they wait two uses back."""
     plan = Plan.toy((1, 1, 1), (0, 0, 0), 1, swap="pack", prefetch_depth=1)
-    ops = swap_pass(plan, compute_plan(plan))
+    ops = swap_pass(plan, compute_ops(plan))
     assert short(ops) == [
         "LOAD L0 g0", "FWD L0 m0 g0", "EVICT L0 g0", "LOAD L1 g0", "FWD L1 m0 g0", "EVICT L1 g0",
         "LOAD L2 g0", "FWD L2 m0 g0", "EVICT L2 g0", "LOAD L2 g0", "BWD L2 m0 g0", "EVICT L2 g0",
@@ -145,7 +145,7 @@ def test_swap_pass_pack_mode_prefetch() -> None:
 def test_swap_pass_kept_and_pinned() -> None:
     """Kept layers stay from forward to backward; pinned layers for the whole iteration."""
     plan = Plan.toy((1, 1), (0, 0), 1, kept=frozenset({1}), pinned=frozenset({0}))
-    ops = swap_pass(plan, compute_plan(plan))
+    ops = swap_pass(plan, compute_ops(plan))
     assert short(ops) == ["LOAD L0 g0", "FWD L0 m0 g0", "LOAD L1 g0", "FWD L1 m0 g0", "BWD L1 m0 g0",
                           "EVICT L1 g0", "BWD L0 m0 g0", "EVICT L0 g0"]
 
@@ -154,7 +154,7 @@ def test_transfer_pass_pairs_and_offload() -> None:
     """Cross-GPU deps become SEND/RECV right after the producer; host activations offload and return,
     except the head's (L2), which its kept forward graph holds on the GPU anyway."""
     plan = Plan.toy((1, 1, 1), (0, 1, 1), 2, activation_home="host")
-    ops = transfer_pass(plan, compute_plan(plan))
+    ops = transfer_pass(plan, compute_ops(plan))
     assert short(ops) == [
         "FWD L0 m0 g0", "SEND_F L1 m0 g0", "RECV_F L1 m0 g1", "FWD L0 m1 g0", "SEND_F L1 m1 g0", "RECV_F L1 m1 g1",
         "FWD L1 m0 g1", "OFFLOAD_ACT L1 m0 g1", "FWD L1 m1 g1", "OFFLOAD_ACT L1 m1 g1",
@@ -174,7 +174,7 @@ def test_gradient_and_optimizer_passes_sync() -> None:
     GPU's last GRAD_OUT of the iteration (the next forward reads the head last); the next
     iteration's first LOAD of a layer waits for its step."""
     plan = Plan.toy((1, 1), (0, 0), 2, iterations=2, host_memory="replicated")
-    ops = optimizer_pass(plan, gradient_pass(plan, swap_pass(plan, compute_plan(plan))))
+    ops = optimizer_pass(plan, gradient_pass(plan, swap_pass(plan, compute_ops(plan))))
     outs = [o for o in ops if o.kind is Kind.GRAD_OUT]
     steps = [o for o in ops if o.kind is Kind.OPT_STEP]
     assert [(o.layer, o.it) for o in outs] == [(1, 0), (0, 0), (1, 1), (0, 1)]
@@ -195,7 +195,7 @@ def test_optimizer_pass_ring_follows_step_order() -> None:
     """compact: the k-th GRAD_OUT of a GPU waits for the (k - ring_slots)-th OPT_STEP in host.optim
     order, which the deferred head step changes (waiting for the head's own step would be a cycle)."""
     plan = Plan.toy((1, 1, 1), (0, 0, 0), 1, iterations=2, host_memory="compact", ring_slots=2)
-    ops = optimizer_pass(plan, gradient_pass(plan, swap_pass(plan, compute_plan(plan))))
+    ops = optimizer_pass(plan, gradient_pass(plan, swap_pass(plan, compute_ops(plan))))
     outs = [o for o in ops if o.kind is Kind.GRAD_OUT]
     steps = [o for o in ops if o.kind is Kind.OPT_STEP]
     assert [(o.layer, o.it) for o in outs] == [(2, 0), (1, 0), (0, 0), (2, 1), (1, 1), (0, 1)]
@@ -212,7 +212,7 @@ def test_optimizer_pass_async() -> None:
     """Async: LOADs of iteration i wait for OPT_STEP of i-2; OPT_STEP of i-1 waits only for its gradient
     (its GRAD_OUT): uploads of i that come after it read the host state's snapshot of the previous version."""
     plan = Plan.toy((1,), (0,), 1, iterations=3, optimizer="async")
-    ops = optimizer_pass(plan, gradient_pass(plan, swap_pass(plan, compute_plan(plan))))
+    ops = optimizer_pass(plan, gradient_pass(plan, swap_pass(plan, compute_ops(plan))))
     steps = {o.it: o for o in ops if o.kind is Kind.OPT_STEP}
     loads = [o for o in ops if o.kind is Kind.LOAD]
     by_it = {i: [x for x in loads if x.it == i] for i in range(3)}
@@ -226,7 +226,7 @@ def test_memory_pass_effects() -> None:
     """Buffers per the contract: weights, inputs, gradients, workspace, host slots."""
     plan = Plan.toy((1, 1), (0, 1), 1, recompute=False)
     ops = memory_pass(plan, optimizer_pass(plan, gradient_pass(plan, transfer_pass(
-        plan, swap_pass(plan, compute_plan(plan))))))
+        plan, swap_pass(plan, compute_ops(plan))))))
     text = {f"{o.kind.value} L{o.layer} g{o.gpu}": ([m.text() for m in o.allocs], [m.text() for m in o.frees])
             for o in ops}
     assert text["FWD L0 g0"] == (["g0:x.L1.m0=10", "g0:a.L0.m0=30", "g0:ws=5"], ["g0:ws=5"])
@@ -249,7 +249,7 @@ def test_memory_pass_effects() -> None:
 def test_lower_ids_are_topological() -> None:
     """Lowered ids are list positions and every dependency points to a smaller id."""
     plan = Plan.toy((2, 1, 1), (0, 1, 0), 3, iterations=2, activation_home="host", optimizer="async")
-    ops = compute_plan(plan)
+    ops = compute_ops(plan)
     for p in (swap_pass, transfer_pass, gradient_pass, optimizer_pass, memory_pass):
         ops = p(plan, ops)
     acts = lower(ops)

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_contains_traces_and_subpackages(tmp_path: Path) -> None:
-    """`pip wheel .` puts every shipped JSON and every module of the core, tinypipe.sim and tinypipe.backends in the wheel
-    (a subpackage missing from pyproject.toml's package list fails here)."""
+    """`pip wheel .` puts every shipped JSON and every module of the core, tinypipe.sim and tinypipe.backends in
+    the wheel (a subpackage missing from pyproject.toml's package list fails here)."""
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and "No module named" in r.stderr:

@@ -13,24 +13,17 @@ from hypothesis import strategies as st
 
 from tinypipe.common.errors import InputError
 from tinypipe.policy import PRESETS, Policy, load_policy
-from tinypipe.policy.modes import (
-    ACT_HOMES,
-    HOST_LAYOUTS,
-    MAPPERS,
-    OPTIMIZER_MODES,
-    PACKERS,
-    RESIDENT_MODES,
-    SWAP_MODES,
-)
+from tinypipe.policy.modes import MAPPERS, PACKERS, ActivationHome, HostMemory, OptimizerMode, ResidentMode, SwapMode
 
 policies = st.builds(
     Policy,
     packing=st.sampled_from(PACKERS) | st.lists(st.integers(1, 8), min_size=1, max_size=6).map(tuple),
     mapping=st.sampled_from(MAPPERS) | st.lists(st.integers(0, 7), min_size=1, max_size=6).map(tuple),
-    swap=st.sampled_from(SWAP_MODES), prefetch_depth=st.integers(0, 4),
-    resident=st.sampled_from(RESIDENT_MODES) | st.lists(st.integers(0, 9), max_size=3).map(tuple),
-    host_memory=st.sampled_from(HOST_LAYOUTS), microbatches=st.integers(1, 16), microbatch_size=st.integers(1, 8),
-    recompute=st.just(True), optimizer=st.sampled_from(OPTIMIZER_MODES), activation_home=st.sampled_from(ACT_HOMES),
+    swap=st.sampled_from(tuple(SwapMode)), prefetch_depth=st.integers(0, 4),
+    resident=st.sampled_from(tuple(ResidentMode)) | st.lists(st.integers(0, 9), max_size=3).map(tuple),
+    host_memory=st.sampled_from(tuple(HostMemory)), microbatches=st.integers(1, 16), microbatch_size=st.integers(1, 8),
+    recompute=st.just(True), optimizer=st.sampled_from(tuple(OptimizerMode)),
+    activation_home=st.sampled_from(tuple(ActivationHome)),
 )
 
 
@@ -126,18 +119,18 @@ def test_mutated_field_only_input_errors(key: str, value: object) -> None:
 MISSPELLED = '''
 from tinypipe.estimate.plan import Plan
 from tinypipe.policy import Policy
-from tinypipe.search.policy_search import SearchSpace
-
+from tinypipe.policy.modes import OptimizerMode
 
 def modes(plan: Plan) -> None:
     Policy(swap="layers")
-    SearchSpace(host_layouts=("compacted",))
-    assert plan.optimizer != "asynchronous"
+    Policy(host_memory="compact")
+    assert plan.optimizer is OptimizerMode.ASYNCHRONOUS
 '''
 
 
 def test_mypy_catches_a_misspelled_mode(tmp_path) -> None:
-    """The modes are Literal types: a misspelled mode passed, listed or compared is a mypy error."""
+    """The modes are typed values: a string where a mode is expected (misspelled or not) and a misspelled
+    member are mypy errors."""
     pytest.importorskip("mypy")
     root = Path(__file__).resolve().parents[1]
     f = tmp_path / "misspelled.py"
@@ -146,4 +139,4 @@ def test_mypy_catches_a_misspelled_mode(tmp_path) -> None:
                         "--follow-imports=silent", "--no-incremental", str(f)],
                        capture_output=True, text=True, cwd=root, timeout=300)
     flagged = {int(line.split(":")[1]) for line in r.stdout.splitlines() if line.startswith(str(f))}
-    assert flagged == {8, 9, 10}, r.stdout
+    assert flagged == {7, 8, 9}, r.stdout

@@ -14,7 +14,7 @@ def _w(**kw: object) -> SearchTarget:
 
 SMALL = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(2, 4), packers=("holistic",), swaps=("layer", "pack"),
                     recompute=(True, False), activation_homes=("gpu",), mappings=("cross",), prefetch_depths=(1, 2),
-                    residents=("none",), host_layouts=("compact", "replicated"), optimizers=("sync",))
+                    residents=("none",), host_memories=("compact", "replicated"), optimizers=("sync",))
 
 
 class FakeEvaluator:
@@ -100,7 +100,7 @@ def test_simulated_search_is_the_same_serial_and_parallel() -> None:
     model, hw = load_model("tiny-llama"), load_hardware("h200x2")
     w = SearchTarget(model, hw, 64, 4)
     space = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(1, 3), packers=("holistic",), recompute=(True,),
-                        activation_homes=("gpu",), prefetch_depths=(1,), host_layouts=("compact",))
+                        activation_homes=("gpu",), prefetch_depths=(1,), host_memories=("compact",))
     serial = search(w, SimEvaluator(model, hw, 64), space=space, workers=1)
     parallel = search(w, SimEvaluator(model, hw, 64), space=space, workers=2)
     assert serial.winner is not None

@@ -35,6 +35,7 @@ from tinypipe.common.progress import Progress
 from tinypipe.describe.hardware import Hardware, load_hardware, shipped_hardware
 from tinypipe.describe.looptimes import LoopTimes
 from tinypipe.describe.trace import ProfileTrace
+from tinypipe.policy.modes import HostMemory
 
 from ..cpustat import NOTABLE_STEAL
 from ..hostwork import host_settings
@@ -302,7 +303,8 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
         lines += ["", f"copies ({rates.device}): H2D {rates.h2d_gbps:.1f} GB/s, D2H {rates.d2h_gbps:.1f} GB/s, both at "
                       f"once {rates.bidir_gbps:.1f} GB/s, fixed cost {rates.copy_latency_s * 1e6:.1f} us",
                   f"host optimizer ({rates.threads} thread(s)): fused AdamW {rates.adam_params_per_s / 1e6:,.0f} M "
-                  f"params/s; replicated step {f['replicated']:.2f} x, compact step {f['compact']:.2f} x its time"]
+                  f"params/s; replicated step {f[HostMemory.REPLICATED]:.2f} x, compact step "
+                  f"{f[HostMemory.COMPACT]:.2f} x its time"]
         if base is None:
             lines.append("no hardware.json: give --hardware NAME|FILE as the base preset the rates go into")
     lines += ["", *(f"wrote {p}" for p in written)]

@@ -38,9 +38,10 @@ import torch
 
 from tinypipe.describe.model import LayerKind
 from tinypipe.ir.schedule import Action, Kind, gpu_resource
+from tinypipe.policy.modes import HostMemory
 
 from ..executor import RunLog, run_actions
-from ..hostlayouts import make_host_state
+from ..host_states import make_host_state
 from ..hoststate import AdamWConfig
 from ..interpreter import Interpreter, StepData
 from .measure_layers import STEP, LayerBench
@@ -94,7 +95,7 @@ class DeviceLoop:
         # GRAD_OUT are asynchronous copies on their streams (the profile's own state is pageable). Its layout
         # is the replicated one: its gradient buffer takes GRAD_OUT after GRAD_OUT, where the compact ring
         # wants an OPT_STEP between two; so the downloads are fp32, twice a compact run's bytes.
-        host = make_host_state({L: bench.host.master(L)}, layout="replicated", compute_dtype=bench.dtype,
+        host = make_host_state({L: bench.host.master(L)}, host_memory=HostMemory.REPLICATED, compute_dtype=bench.dtype,
                                optim=AdamWConfig(), pin=bench.device.type == "cuda")
         like = bench.interp[True]  # the recomputing schedule's interpreter, as the presets run
         self.it = Interpreter(rank=0, schedule=like.schedule, layers=like.layers, host=host, comm=None,

@@ -44,10 +44,11 @@ from tinypipe.describe.model import LayerKind, ModelSpec, head_workspace_bytes, 
 from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.describe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
 from tinypipe.ir.schedule import Action, Kind, Schedule, gpu_resource
+from tinypipe.policy.modes import HostMemory
 
 from ..compiled import LayerCaller
 from ..hf import build_model
-from ..hostlayouts import make_host_state
+from ..host_states import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
 from ..interpreter import Interpreter, StepData
 from ..worker import strip_parameters
@@ -178,8 +179,8 @@ class LayerBench:
         stack = build_model(model, seed=seed, only=set(self.layers.values()))
         self.spec, self.device, self.last, self.tied = stack.spec, device, last, stack.tied
         # the layers' masters, which the optimizer's profile (optim.py) also reads
-        self.host = host = make_host_state(stack.state(), layout="replicated", compute_dtype=DTYPES[dtype],
-                                           optim=AdamWConfig())
+        self.host = host = make_host_state(stack.state(), host_memory=HostMemory.REPLICATED,
+                                           compute_dtype=DTYPES[dtype], optim=AdamWConfig())
         for i in stack.owned():
             strip_parameters(stack.layers[i])  # type: ignore[arg-type]
         caller = LayerCaller(compile_blocks=compile_blocks)  # one, so both interpreters share its graphs

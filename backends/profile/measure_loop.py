@@ -12,7 +12,7 @@ compiled block's FWD 27% faster). So per microbatch size, on one `devloop.Device
 - alone: that many windows with nothing else running on the host;
 - beside the optimizer: that many windows while a `HostWorker` thread steps a host state of the
   same block without a pause (`optim.Stepper`: the run's own host state under the default policy's
-  layout, the gradients delivered before each step as GRAD_OUT does). Its first step (which
+  host_memory, the gradients delivered before each step as GRAD_OUT does). Its first step (which
   allocates the AdamW moments) ends before the first window starts and it steps on until the last
   window has ended, so every action of those windows starts while a step (or the delivery between
   two) runs: the condition the simulator's `*_beside_optimizer_s` stands for.
@@ -40,7 +40,7 @@ from tinypipe.describe.trace import ProfileTrace
 from tinypipe.ir.schedule import Kind
 from tinypipe.ir.timeline import Record
 from tinypipe.policy import Policy
-from tinypipe.policy.modes import HostLayout
+from tinypipe.policy.modes import HostMemory
 
 from ..executor import RunLog
 from .devloop import DeviceLoop
@@ -49,7 +49,7 @@ from .optim import Stepper
 
 LOOP_BUDGET_S = 0.5  # seconds of timed windows per microbatch size and condition (alone / beside)
 MIN_WINDOWS = 2  # at least this many per condition (unless the profile's repeat is lower)
-LAYOUT: HostLayout = Policy().host_memory  # the host layout the stepping optimizer uses: the default policy's
+LAYOUT: HostMemory = Policy().host_memory  # the host memory layout the stepping optimizer uses: the default policy's
 
 
 def windows_for(warm_s: float, max_windows: int) -> int:
@@ -146,7 +146,7 @@ def time_loop(bench: LayerBench, loop: DeviceLoop, *, max_windows: int) -> LoopS
     loop.window()
     n = windows_for(time.perf_counter() - t0, max_windows)
     alone = [loop.window() for _ in range(n)]
-    s = Stepper(bench.host.master(loop.layer), layer=loop.layer, layout=LAYOUT, dtype=bench.dtype, tied=None)
+    s = Stepper(bench.host.master(loop.layer), layer=loop.layer, host_memory=LAYOUT, dtype=bench.dtype, tied=None)
     go, stop = threading.Event(), threading.Event()
     steps = [0]
 

@@ -2,13 +2,13 @@
 
 Each kind's result is a `tinypipe.describe.optimprofile.OptimizerProfile`, which its trace carries.
 
-The simulator used to cost every OPT_STEP at one rate per host layout, measured on one large tensor
+The simulator used to cost every OPT_STEP at one rate per host memory layout, measured on one large tensor
 with nothing else running. On the H200 host that rate (compact: 1.75 G params/s) was too fast twice
 over: inside a run the same step ran at 1.55 G params/s (beside GPU dispatch, copies and the
 executor's polling loop), and Qwen3-1.7B's smaller tensors stepped at 1.1-1.4 G params/s. So per
-layer kind (embedding, block, head: their real tensors) and per host layout:
+layer kind (embedding, block, head: their real tensors) and per host memory layout:
 
-- the host state is the run's own (`hostlayouts.make_host_state`: the layer's fp32 masters in the
+- the host state is the run's own (`host_states.make_host_state`: the layer's fp32 masters in the
   layout's slab, one gradient slot), and the step is `HostState.step`, what an
   OPT_STEP runs, on a `HostWorker` thread as in a run, at `threads` torch intra-op threads (the
   count a rank of `tinypipe run` gets). Before each step the worker delivers the gradients as
@@ -54,10 +54,10 @@ import torch
 
 from tinypipe.describe.model import LayerKind
 from tinypipe.describe.optimprofile import OptimizerProfile
-from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
+from tinypipe.policy.modes import HostMemory
 
 from ..cpustat import NOTABLE_STEAL, Steal
-from ..hostlayouts import make_host_state
+from ..host_states import make_host_state
 from ..hoststate import AdamWConfig, HostState
 from ..hostwork import HostWorker
 from .devloop import DeviceLoop
@@ -65,7 +65,7 @@ from .measure_layers import LayerBench
 
 # OptimizerProfile's fields by phase, as KindSteps.phases_s names them
 PHASE_FIELDS = ("beside_fwd_s", "beside_bwd_s", "async_alone_s", "async_beside_fwd_s", "async_beside_bwd_s")
-OPT_BUDGET_S = 1.0  # seconds of timed steps per kind, layout and condition (alone / in the run)
+OPT_BUDGET_S = 1.0  # seconds of timed steps per kind, host memory layout and condition (alone / in the run)
 MIN_STEPS = 3  # a median of at least this many, whatever their length (unless the profile's repeat is lower)
 
 
@@ -78,7 +78,7 @@ def steps_for(warm_s: float, max_steps: int) -> int:
 
 @dataclass(frozen=True)
 class KindSteps:
-    """The timed steps of one layer kind under one layout, seconds each."""
+    """The timed steps of one layer kind under one host memory layout, seconds each."""
 
     params: int
     warm_s: float
@@ -98,13 +98,13 @@ class KindSteps:
 
 
 class Stepper:
-    """One layer's host state under one layout, and its gradients, stepped on a `HostWorker`."""
+    """One layer's host state under one host memory layout, and its gradients, stepped on a `HostWorker`."""
 
-    def __init__(self, masters: dict[str, torch.Tensor], *, layer: int, layout: HostLayout, dtype: torch.dtype,
+    def __init__(self, masters: dict[str, torch.Tensor], *, layer: int, host_memory: HostMemory, dtype: torch.dtype,
                  tied: str | None, keep_previous: bool = False) -> None:
         self.layer = layer
         self.keep_previous = keep_previous  # the asynchronous optimizer's step
-        self.state: HostState = make_host_state({layer: masters}, layout=layout, compute_dtype=dtype,
+        self.state: HostState = make_host_state({layer: masters}, host_memory=host_memory, compute_dtype=dtype,
                                                 optim=AdamWConfig(), grad_ring_slots=1,
                                                 shared_grad=layer if tied is not None else None,
                                                 snapshots=keep_previous)
@@ -138,9 +138,9 @@ def _seconds(fut: Future[tuple[float, float]]) -> float:
     return t1 - t0
 
 
-def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoop, *, max_steps: int,
+def time_steps(bench: LayerBench, kind: str, host_memory: HostMemory, loop: DeviceLoop, *, max_steps: int,
                phases: Mapping[str, DeviceLoop] | None = None) -> KindSteps:
-    """Time `kind`'s OPT_STEP under `layout`: a warm-up, then alone, then beside `loop` (module docstring);
+    """Time `kind`'s OPT_STEP under `host_memory`: a warm-up, then alone, then beside `loop` (module docstring);
     with `phases` (a loop of FWDs only under "fwd", of BWDs only under "bwd") also beside each of them, and
     the async step alone and beside each. The caller sets the torch thread count (the rank's)."""
     layer = bench.layers[kind]
@@ -156,7 +156,7 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
         return tuple(_seconds(f) for f in futs)
 
     by_phase: dict[str, tuple[float, ...]] = {}
-    s = Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied)
+    s = Stepper(bench.host.master(layer), layer=layer, host_memory=host_memory, dtype=bench.dtype, tied=tied)
     try:
         warm = _seconds(s.submit())
         n = steps_for(warm, max_steps)
@@ -166,7 +166,7 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
             by_phase[f"beside_{phase}_s"] = in_run(s, n, beside)
     finally:
         s.close()
-    a = Stepper(bench.host.master(layer), layer=layer, layout=layout, dtype=bench.dtype, tied=tied,
+    a = Stepper(bench.host.master(layer), layer=layer, host_memory=host_memory, dtype=bench.dtype, tied=tied,
                  keep_previous=True)
     try:
         _seconds(a.submit())  # its own warm-up: the moments, and the first touch of the kept copy
@@ -184,10 +184,10 @@ def time_steps(bench: LayerBench, kind: str, layout: HostLayout, loop: DeviceLoo
 def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_steps: int, rounds: int = 1,
                       say: Callable[[str], None] = lambda text: None, phases: Mapping[str, DeviceLoop] | None = None,
                       ) -> tuple[dict[str, OptimizerProfile], dict[str, dict[str, KindSteps]], list[float | None]]:
-    """Per layer kind, its `OptimizerProfile` (medians per layout), the timed steps the medians are over
-    (kind -> layout -> KindSteps) and the host's stolen CPU share in each round taken (`cpustat.Steal`), at
+    """Per layer kind, its `OptimizerProfile` (medians per host memory layout), the timed steps the medians are over
+    (kind -> host_memory -> KindSteps) and the host's stolen CPU share in each round taken (`cpustat.Steal`), at
     `threads` torch intra-op threads; with `phases` (`time_steps`) the steps by phase too. Every kind and
-    layout is timed in each of `rounds` rounds, one after another, and the medians are over all rounds'
+    host_memory is timed in each of `rounds` rounds, one after another, and the medians are over all rounds'
     steps: the lent machines' host steps came 2x slow for tens of seconds at a time (cpustat), and one
     round's steps all fall inside such a spell. A round during which the hypervisor took more than
     NOTABLE_STEAL of the host's CPU is taken again, up to `rounds` more, and left out of the medians
@@ -205,13 +205,14 @@ def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_
             meter = Steal()
             got: dict[str, dict[str, KindSteps]] = {}
             for kind in (k.value for k in LayerKind):
-                for layout in HOST_LAYOUTS:
-                    say(f"timing the {kind}'s host optimizer step ({layout}, {threads} thread(s)) alone and beside "
+                for host_memory in tuple(HostMemory):
+                    say(f"timing the {kind}'s host optimizer step ({host_memory}, {threads} thread(s)) alone and "
+                        "beside "
                         f"the device's work" + (" (and by phase)" if phases else "")
                         + (f", round {len(taken) + 1} (of {rounds}, and one more for each round under "
                            "steal)" if rounds > 1 else ""))
-                    got.setdefault(kind, {})[layout] = time_steps(bench, kind, layout, loop, max_steps=max_steps,
-                                                                  phases=phases)
+                    got.setdefault(kind, {})[host_memory] = time_steps(bench, kind, host_memory, loop,
+                                                                       max_steps=max_steps, phases=phases)
             taken.append((got, meter.share()))
     finally:
         torch.set_num_threads(before)
@@ -253,7 +254,7 @@ def describe(threads: int, steps: dict[str, dict[str, KindSteps]], loop: DeviceL
                        for kind, by in steps.items())
     by_phase = "".join(f"; beside_{p}_s and async_beside_{p}_s while it ran {x.describe}"
                        for p, x in (phases or {}).items())
-    return (f"one OPT_STEP of each kind's layer (`HostState.step` under each host layout, its own tensors, the "
+    return (f"one OPT_STEP of each kind's layer (`HostState.step` under each host memory layout, its own tensors, the "
             f"gradients delivered first and not timed) on a host-worker thread at {threads} torch thread(s), median "
             f"of N after one warm-up step (N: {counts}); alone_s with nothing else running, in_run_s (what the "
             f"simulator charges without the phases) while the main thread ran {loop.describe}"

@@ -16,8 +16,8 @@ through the run's own code (`HostState.step`, what an OPT_STEP runs), gradients 
 - compact_params_per_s: the compact layout's step (`planes.compact_adamw_step`, chunked join /
   AdamW / split over the 16-bit planes).
 Where a trace has no per-kind step (optim.py measures those, on each kind's own tensors and beside
-the device's work), the simulator charges these layout rates (`tinypipe.estimate.hostmem.optimizer_s_per_param`;
-`optimizer_time_factor(layout)` / adam_params_per_s without them); `factors()` gives the measured
+the device's work), the simulator charges these layouts' rates (`tinypipe.estimate.hostmem.optimizer_s_per_param`;
+`optimizer_time_factor(host_memory)` / adam_params_per_s without them); `factors()` gives the measured
 factors to compare with those constants.
 """
 
@@ -35,9 +35,9 @@ import torch
 from tinypipe.common.units import MIB
 from tinypipe.describe.hardware import Hardware, Host
 from tinypipe.estimate.hostmem import optimizer_time_factor
-from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
+from tinypipe.policy.modes import HostMemory
 
-from ..hostlayouts import make_host_state
+from ..host_states import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
 
 FORMAT = "tinypipe-host-rates-v1"
@@ -67,17 +67,17 @@ class HostRates:
     repeat: int
     when: str
 
-    def factors(self) -> dict[HostLayout, float]:
+    def factors(self) -> dict[HostMemory, float]:
         """Each layout's optimizer time per parameter over a plain fused AdamW's (hostmem's factors, measured)."""
-        return {"replicated": self.adam_params_per_s / self.replicated_params_per_s,
-                "compact": self.adam_params_per_s / self.compact_params_per_s}
+        return {HostMemory.REPLICATED: self.adam_params_per_s / self.replicated_params_per_s,
+                HostMemory.COMPACT: self.adam_params_per_s / self.compact_params_per_s}
 
     def to_json(self) -> dict[str, Any]:
         f = self.factors()
         return {"format": FORMAT, **asdict(self),
                 "optimizer_time_factor": {k: round(v, 3) for k, v in f.items()},
                 "optimizer_time_factor_in_tinypipe": {lay: round(optimizer_time_factor(lay), 3)
-                                                      for lay in HOST_LAYOUTS},
+                                                      for lay in tuple(HostMemory)},
                 "fields": "h2d/d2h_gbps: one copy of copy_bytes each way alone (pinned host memory on CUDA, host "
                           "memcpy on a CPU); bidir_gbps: both directions at once, total; copy_latency_s: a "
                           "small_copy_bytes copy's time less its bytes at h2d_gbps; *_params_per_s: fp32 parameters "
@@ -110,8 +110,9 @@ class HostRates:
                   f"{self.copy_bytes // MIB} MiB copies) with a {self.copy_latency_s * 1e6:.1f} us fixed cost; both "
                   f"directions at once {self.bidir_gbps:.1f} GB/s -> host DMA cap {dma:.1f} GB/s; fused AdamW "
                   f"{self.adam_params_per_s / 1e9:.3g} G params/s on {self.threads} threads (compact step "
-                  f"{self.factors()['compact']:.2f} x, replicated {self.factors()['replicated']:.2f} x its time; "
-                  f"the simulator takes these measured layout rates). Not measured, kept from the preset: GEMM "
+                  f"{self.factors()[HostMemory.COMPACT]:.2f} x, replicated "
+                  f"{self.factors()[HostMemory.REPLICATED]:.2f} x its time; "
+                  f"the simulator takes these measured layouts' rates). Not measured, kept from the preset: GEMM "
                   f"rates, memory sizes, GPU <-> GPU links. The preset: {base.source}")
         return Hardware(name=f"{base.name}-measured", provenance="measured", source=source, host=host,
                         gpus=base.gpus, switches=base.switches, links=tuple(links), gpu_p2p=base.gpu_p2p)
@@ -198,11 +199,11 @@ def _plain_adam_rate(weights: torch.Tensor, grad: torch.Tensor, repeat: int) -> 
     return weights.numel() / _median(step, repeat)
 
 
-def host_state_rate(layout: HostLayout, weights: torch.Tensor, grad: torch.Tensor, compute_dtype: str,
+def host_state_rate(host_memory: HostMemory, weights: torch.Tensor, grad: torch.Tensor, compute_dtype: str,
                     repeat: int) -> float:
-    """params/s of `HostState.step` (what an OPT_STEP runs) under `layout`: the median of `repeat`
+    """params/s of `HostState.step` (what an OPT_STEP runs) under `host_memory`: the median of `repeat`
     steps after one that allocates the moments, each after its GRAD_OUT's gradient delivery."""
-    state = make_host_state({0: {"w": weights.clone()}}, layout=layout, compute_dtype=DTYPES[compute_dtype],
+    state = make_host_state({0: {"w": weights.clone()}}, host_memory=host_memory, compute_dtype=DTYPES[compute_dtype],
                             optim=AdamWConfig())
 
     def step() -> float:
@@ -220,8 +221,8 @@ def _optimizer_rates(params: int, compute_dtype: str, repeat: int) -> tuple[floa
     weights = torch.randn(params, generator=gen) * 0.02
     grad = (torch.randn(params, generator=gen) * 1e-3).to(DTYPES[compute_dtype])
     return (_plain_adam_rate(weights, grad, repeat),
-            host_state_rate("replicated", weights, grad, compute_dtype, repeat),
-            host_state_rate("compact", weights, grad, compute_dtype, repeat))
+            host_state_rate(HostMemory.REPLICATED, weights, grad, compute_dtype, repeat),
+            host_state_rate(HostMemory.COMPACT, weights, grad, compute_dtype, repeat))
 
 
 def measure_rates(device: torch.device, *, threads: int, compute_dtype: str, repeat: int = 5,

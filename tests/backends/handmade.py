@@ -123,4 +123,4 @@ def build(pack_layers: list[list[int]], pack_gpu: list[int], *, microbatches: in
     return Schedule(actions=tuple(acts), num_gpus=num_gpus, num_layers=num_layers, iterations=iterations,
                     microbatches=microbatches, tokens_per_microbatch=1, recompute=recompute,
                     pack_layers=tuple(tuple(p) for p in pack_layers), pack_gpu=tuple(pack_gpu),
-                    host_memory=host_memory, compute_dtype=compute_dtype)
+                    host_memory=host_memory, optimizer="async" if staleness else "sync", compute_dtype=compute_dtype)

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tinypipe.backends.host_compact import join_planes_on  # noqa: E402
-from tinypipe.backends.hostlayouts import make_host_state  # noqa: E402
+from tinypipe.backends.host_states import make_host_state  # noqa: E402
 from tinypipe.backends.hoststate import AdamWConfig  # noqa: E402
 from tinypipe.backends.pinned import ALIGN_BYTES, plan  # noqa: E402
 from tinypipe.backends.planes import split  # noqa: E402
@@ -43,7 +43,7 @@ def test_layouts_step_exactly_like_torch_adamw(layout: str, pin: bool) -> None:
     ref = _clone(_params())
     opts = {i: layer_adamw(list(d.values()), lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay)
             for i, d in ref.items()}
-    hs = make_host_state(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG, pin=pin)
+    hs = make_host_state(_clone(_params()), host_memory=layout, compute_dtype=torch.float32, optim=CFG, pin=pin)
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         for i in hs.layers:
@@ -78,8 +78,8 @@ def test_planes_round_trip_and_high_plane_is_truncated_bf16() -> None:
 def test_bf16_upload_forms() -> None:
     """With bf16 compute, compact uploads the high plane (truncation), replicated a rounded copy."""
     p = _params()
-    comp = make_host_state(_clone(p), layout="compact", compute_dtype=torch.bfloat16, optim=CFG)
-    repl = make_host_state(_clone(p), layout="replicated", compute_dtype=torch.bfloat16, optim=CFG)
+    comp = make_host_state(_clone(p), host_memory="compact", compute_dtype=torch.bfloat16, optim=CFG)
+    repl = make_host_state(_clone(p), host_memory="replicated", compute_dtype=torch.bfloat16, optim=CFG)
     w = p[0]["w"]
     assert torch.equal(comp.load(0, 0, CPU)["w"].float(), (w.view(torch.int32) & ~0xFFFF).view(torch.float32))
     assert torch.equal(repl.load(0, 0, CPU)["w"], w.to(torch.bfloat16))
@@ -89,7 +89,7 @@ def test_bf16_upload_forms() -> None:
 def test_previous_version_kept_until_dropped(layout: str) -> None:
     """An asynchronous step (`keep_previous`) leaves the previous version uploadable; a LOAD of a
     version the host no longer holds is an error that names the versions it has."""
-    hs = make_host_state(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG)
+    hs = make_host_state(_clone(_params()), host_memory=layout, compute_dtype=torch.float32, optim=CFG)
     before = hs.master(0)
     hs.receive_grads(0, {n: torch.ones_like(t) for n, t in before.items()})
     hs.step(0, keep_previous=True)
@@ -108,7 +108,7 @@ def test_compact_ring_grows_beyond_its_slots_and_says_so() -> None:
     (a slab of its own), and it shows in the bytes held: its 16 fp32 values as gradients, the rest of
     its 4 KiB as padding."""
     params = {i: {"w": torch.randn(4, 4)} for i in range(DEFAULT_GRAD_RING_SLOTS + 1)}
-    hs = make_host_state(params, layout="compact", compute_dtype=torch.float32, optim=CFG)
+    hs = make_host_state(params, host_memory="compact", compute_dtype=torch.float32, optim=CFG)
     before = hs.held()
     for i in hs.layers:
         hs.receive_grads(i, {"w": torch.ones(4, 4)})
@@ -121,11 +121,11 @@ def test_compact_ring_grows_beyond_its_slots_and_says_so() -> None:
 
 def test_state_dict_round_trip_continues_exactly() -> None:
     """Saving and loading the state in a fresh HostState continues with identical steps."""
-    a = make_host_state(_clone(_params()), layout="compact", compute_dtype=torch.float32, optim=CFG)
+    a = make_host_state(_clone(_params()), host_memory="compact", compute_dtype=torch.float32, optim=CFG)
     for i in a.layers:
         a.receive_grads(i, {n: torch.full_like(t, 0.5) for n, t in a.master(i).items()})
         a.step(i, keep_previous=True)
-    b = make_host_state(_clone(_params(seed=7)), layout="compact", compute_dtype=torch.float32, optim=CFG)
+    b = make_host_state(_clone(_params(seed=7)), host_memory="compact", compute_dtype=torch.float32, optim=CFG)
     buf = io.BytesIO()  # through a file, as a checkpoint goes: state_dict hands out the live tensors
     torch.save(a.state_dict(), buf)
     buf.seek(0)
@@ -155,7 +155,7 @@ def test_bytes_held_match_hostmem_formulas(tiny_llama: Any, layout: str, layers:
     of peers, which the slab does not have)."""
     stack = tiny_llama
     state = {i: {n: t.clone() for n, t in d.items()} for i, d in stack.state().items() if i in layers}
-    hs = make_host_state(state, layout=layout, compute_dtype=torch.float32, optim=CFG)
+    hs = make_host_state(state, host_memory=layout, compute_dtype=torch.float32, optim=CFG)
     for i in layers:  # one step so the AdamW moments exist
         hs.receive_grads(i, {n: torch.zeros_like(t) for n, t in state[i].items()})
         hs.step(i)
@@ -186,7 +186,7 @@ def test_pinned_blocks_are_one_slab_of_exact_size(tiny_llama: Any, layout: str, 
     block) as its pinned rounding, and adds what is not pinned: no power-of-two rounding anywhere."""
     stack = tiny_llama
     state = {i: {n: t.clone() for n, t in d.items()} for i, d in stack.state().items()}
-    hs = make_host_state(state, layout=layout, compute_dtype=torch.bfloat16, optim=CFG, pin=pin)
+    hs = make_host_state(state, host_memory=layout, compute_dtype=torch.bfloat16, optim=CFG, pin=pin)
     for i in hs.layers:  # one step so the AdamW moments exist
         hs.receive_grads(i, {n: torch.zeros_like(t) for n, t in state[i].items()})
         hs.step(i)
@@ -217,8 +217,8 @@ def test_cuda_pinned_host_state_trains_like_the_cpu_one(layout: str) -> None:
     """With CUDA, the slab is registered: its views read as pinned, non_blocking LOADs and GRAD_OUTs
     through them carry the values, and the steps match a HostState that never saw a GPU."""
     gpu = torch.device("cuda")
-    pinned = make_host_state(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG, pin=True)
-    plain = make_host_state(_clone(_params()), layout=layout, compute_dtype=torch.float32, optim=CFG)
+    pinned = make_host_state(_clone(_params()), host_memory=layout, compute_dtype=torch.float32, optim=CFG, pin=True)
+    plain = make_host_state(_clone(_params()), host_memory=layout, compute_dtype=torch.float32, optim=CFG)
     views = [pinned._slab, pinned._ring] if layout == "compact" else [*pinned._upload_flat.values()]
     assert all(v.is_pinned() for v in views)
     g = torch.Generator().manual_seed(3)
@@ -247,7 +247,7 @@ def test_upload_of_the_previous_version_while_a_step_writes(tiny_llama: Any, lay
 
     stack = tiny_llama
     state = {i: {n: t.clone() for n, t in d.items()} for i, d in stack.state().items()}
-    hs = make_host_state(state, layout=layout, compute_dtype=torch.bfloat16, optim=CFG, snapshots=True)
+    hs = make_host_state(state, host_memory=layout, compute_dtype=torch.bfloat16, optim=CFG, snapshots=True)
     layer = hs.layers[1]
     before = hs.load(layer, 0, torch.device("cpu"))
     hs.receive_grads(layer, {n: torch.ones_like(t) for n, t in state[layer].items()})
@@ -298,8 +298,9 @@ def test_a_tied_layers_second_share_is_staged_then_added_by_its_step(layout: str
     bytes), is added by the step, and the result equals one step with the summed gradient."""
     params = _params()
     layer = min(params)
-    tied = make_host_state(_clone(params), layout=layout, compute_dtype=torch.float32, optim=CFG, shared_grad=layer)
-    plain = make_host_state(_clone(params), layout=layout, compute_dtype=torch.float32, optim=CFG)
+    tied = make_host_state(_clone(params), host_memory=layout, compute_dtype=torch.float32, optim=CFG,
+                           shared_grad=layer)
+    plain = make_host_state(_clone(params), host_memory=layout, compute_dtype=torch.float32, optim=CFG)
     first = {n: torch.full_like(t, 0.5) for n, t in params[layer].items()}
     second = {n: torch.full_like(t, 0.25) for n, t in params[layer].items()}
     before = tied.held().grad_bytes

@@ -17,7 +17,7 @@ from handmade import build  # noqa: E402
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.executor import run_actions  # noqa: E402
-from tinypipe.backends.hostlayouts import make_host_state  # noqa: E402
+from tinypipe.backends.host_states import make_host_state  # noqa: E402
 from tinypipe.backends.hoststate import AdamWConfig  # noqa: E402
 from tinypipe.backends.interpreter import ExecutionError, Interpreter, UnknownKindError  # noqa: E402
 from tinypipe.backends.launch import run_threads  # noqa: E402
@@ -47,8 +47,10 @@ def compiled(model: str, policy: Policy, gpus: int, *, iterations: int = K) -> S
 
 
 def job(model: str, schedule: Schedule, steps: int, *, staleness: int = 0) -> Job:
+    """A test job; `staleness` states what the schedule's optimizer mode gives (the backend reads the schedule)."""
+    assert schedule.optimizer.staleness == staleness
     return Job(model=model, schedule=schedule, steps=steps, seq_len=SEQ, microbatch_size=MBS, optim=OPTIM,
-               staleness=staleness, progress=False, save_model=False, keep_masters=True)
+               progress=False, save_model=False, keep_masters=True)
 
 
 def reference(model: str, steps: int, *, staleness: int = 0) -> object:
@@ -76,7 +78,7 @@ def assert_same_training(results: list, ref: object) -> None:
 
 def _small_interpreter() -> tuple[Interpreter, Schedule]:
     sched = build([[0], [1]], [0, 0], microbatches=1, iterations=1)
-    host = make_host_state({0: {"w": torch.zeros(2)}, 1: {"w": torch.zeros(2)}}, layout="compact",
+    host = make_host_state({0: {"w": torch.zeros(2)}, 1: {"w": torch.zeros(2)}}, host_memory="compact",
                      compute_dtype=torch.float32, optim=OPTIM)
     return Interpreter(rank=0, schedule=sched, layers=[None, None], host=host, comm=None,
                        device=torch.device("cpu"), hidden_size=4), sched
@@ -217,7 +219,7 @@ def test_tied_head_away_from_the_embedding_is_refused() -> None:
     """A rank given the tied head without the embedding (a schedule not compiled for the tied
     model) fails at once, naming both GPUs."""
     sched = build([[0, 1, 2], [3, 4]], [0, 1], microbatches=1, iterations=1)
-    host = make_host_state({3: {"w": torch.zeros(2)}, 4: {"w": torch.zeros(2)}}, layout="replicated",
+    host = make_host_state({3: {"w": torch.zeros(2)}, 4: {"w": torch.zeros(2)}}, host_memory="replicated",
                      compute_dtype=torch.float32, optim=OPTIM)
     with pytest.raises(ExecutionError, match="must be on one GPU.*GPUs 1 and 0"):
         Interpreter(rank=1, schedule=sched, layers=[None] * 5, host=host, comm=None, device=torch.device("cpu"),

@@ -15,7 +15,7 @@ from tinypipe.backends.profile.measure_layers import LayerBench  # noqa: E402
 from tinypipe.backends.profile.measure_loop import LOOP_BUDGET_S, MIN_WINDOWS, time_loop, windows_for  # noqa: E402
 from tinypipe.backends.profile.optim import MIN_STEPS, OPT_BUDGET_S, steps_for, time_steps  # noqa: E402
 
-from tinypipe.policy.modes import HOST_LAYOUTS  # noqa: E402
+from tinypipe.policy.modes import HostMemory  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,7 +93,7 @@ class Watched:
         return n
 
 
-@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("layout", tuple(HostMemory))
 def test_in_run_steps_wait_for_the_loop(bench: LayerBench, layout: str) -> None:
     """The in-run steps (sync, then async) start only once the loop has started (the last one had not
     finished before it), as many as the alone ones, each > 0; the parameters are the kind's own."""
@@ -121,7 +121,7 @@ def test_steps_by_phase_run_beside_each_phases_loop(bench: LayerBench) -> None:
     loops = {only: w.loop for only, w in phases.items()}
     opt, steps, _ = measure_optimizer(bench, mixed.loop, threads=1, max_steps=1, phases=loops)
     block = opt["block"]
-    for layout in HOST_LAYOUTS:
+    for layout in tuple(HostMemory):
         k = steps["block"][layout]
         assert block.phases_s(layout, block.params) == (k.alone_s[0], k.phases_s["beside_fwd_s"][0],
                                                         k.phases_s["beside_bwd_s"][0])
@@ -171,7 +171,7 @@ def test_rounds_time_every_kind_again_and_take_the_medians_over_the_quiet_ones(
     assert ("taken again" in note) == (kept < taken) and ("profile again" in note) == (kept == taken > 2)
 
 
-@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+@pytest.mark.parametrize("layout", tuple(HostMemory))
 def test_a_tied_embedding_steps_with_both_shares(tied_config: str, layout: str) -> None:
     """A tied model's embedding is stepped as in a run, with its own gradient and the head's share of the
     matrix (`HostState.step` refuses a tied layer with one share); the head owns only its norm."""

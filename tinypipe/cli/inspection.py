@@ -12,7 +12,7 @@ from tinypipe.estimate import gpumem
 from tinypipe.estimate.hostmem import host_bytes
 from tinypipe.estimate.plan import Plan, base_plan
 from tinypipe.partition.packing import per_gpu, uniform
-from tinypipe.policy.modes import HOST_LAYOUTS
+from tinypipe.policy.modes import HostMemory, ResidentMode, SwapMode
 from tinypipe.policy.policy import Policy
 
 
@@ -54,7 +54,7 @@ def pack_footprint(model: ModelSpec, hw: Hardware, trace: ProfileTrace, k: int, 
     """GPU bytes, by the GPU-memory formula, to train `model` on one GPU in packs of k layers swapped
     whole, `prefetch_packs` ahead: a pack, the next ones uploading, its gradients, every microbatch's
     kept activations, and a backward's transients."""
-    plan = _plan(model, hw, trace, swap="pack", prefetch_depth=prefetch_packs, microbatches=microbatches,
+    plan = _plan(model, hw, trace, swap=SwapMode.PACK, prefetch_depth=prefetch_packs, microbatches=microbatches,
                  recompute=recompute)
     sizes = uniform(len(model.layers), max(1, min(k, len(model.layers))))
     return gpumem.gpu_peak_bytes(plan, sizes, (0,) * len(sizes), 1)[0]
@@ -67,7 +67,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
     hardware's GPUs."""
     if not hardware:
         raise InputError("inspect model: name at least one hardware preset to size the model against")
-    host = {lay: host_bytes(model, lay) for lay in HOST_LAYOUTS}
+    host = {lay: host_bytes(model, lay) for lay in tuple(HostMemory)}
     trace = analytic_trace(model, hardware[0].gpus[0], microbatch_size=microbatch_size, seq_len=seq_len)
     packs = [{"layers": k, "gpu_bytes": pack_footprint(model, hardware[0], trace, k)} for k in (1, 2, 4, 8, 16)
              if k <= model.num_blocks]
@@ -78,7 +78,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
         fit.append({
             "hardware": hw.name, "gpus": len(hw.gpus), "gpu_bytes": gpu_mem, "host_bytes": hw.host.memory_bytes,
             "gpu_fits": min_gpu <= gpu_mem,
-            **{f"host_fits_{lay}": host[lay].total_bytes <= hw.host.memory_bytes for lay in HOST_LAYOUTS},
+            **{f"host_fits_{lay}": host[lay].total_bytes <= hw.host.memory_bytes for lay in tuple(HostMemory)},
             "resident_fits": max(_resident_bytes(model, hw, trace)) <= gpu_mem,
         })
     return {
@@ -97,7 +97,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
 def _resident_bytes(model: ModelSpec, hw: Hardware, trace: ProfileTrace) -> tuple[int, ...]:
     """GPU bytes per GPU of `hw`, by the GPU-memory formula, to keep every layer resident (the `resident`
     policy: one pack per GPU, here balanced by weight bytes)."""
-    plan = _plan(model, hw, trace, swap="pack", prefetch_depth=0, resident="all")
+    plan = _plan(model, hw, trace, swap=SwapMode.PACK, prefetch_depth=0, resident=ResidentMode.ALL)
     sizes = per_gpu(plan.weight_bytes, len(hw.gpus))
     return gpumem.gpu_peak_bytes(plan, sizes, tuple(range(len(sizes))), len(hw.gpus),
                                  pinned=frozenset(range(len(model.layers))))

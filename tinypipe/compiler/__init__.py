@@ -10,7 +10,7 @@ from tinypipe.compiler.compile import (
     WINDOW_ITERATIONS,
     Op,
     compile_schedule,
-    compute_plan,
+    compute_ops,
     gradient_pass,
     lower,
     make_plan,
@@ -21,5 +21,5 @@ from tinypipe.compiler.compile import (
     transfer_pass,
 )
 
-__all__ = ["PASSES", "WINDOW_ITERATIONS", "Op", "compile_schedule", "compute_plan", "gradient_pass", "lower",
+__all__ = ["PASSES", "WINDOW_ITERATIONS", "Op", "compile_schedule", "compute_ops", "gradient_pass", "lower",
            "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass"]

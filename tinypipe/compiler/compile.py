@@ -1,6 +1,6 @@
 """Compile a Policy for a model on hardware into a Schedule, as small list-to-list passes.
 
-compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass -> memory_pass ->
+compute_ops -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass -> memory_pass ->
 lower. Every pass keeps one invariant: the list is a topological order of the dependencies, and
 the list filtered by resource is that resource's execution order (docs/schedule-contract.md). A
 pass inserts new ops next to the op they serve (a LOAD just before its first use, an EVICT just
@@ -12,7 +12,7 @@ from __future__ import annotations
 from tinypipe.common.errors import InputError
 from tinypipe.compiler.ops import Op, lower
 from tinypipe.compiler.optimizer import optimizer_pass
-from tinypipe.compiler.passes import compute_plan, gradient_pass, memory_pass, swap_pass, transfer_pass
+from tinypipe.compiler.passes import compute_ops, gradient_pass, memory_pass, swap_pass, transfer_pass
 from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace
@@ -28,12 +28,12 @@ WINDOW_ITERATIONS = 4
 
 PASSES = (swap_pass, transfer_pass, gradient_pass, optimizer_pass, memory_pass)
 
-__all__ = ["PASSES", "WINDOW_ITERATIONS", "Op", "compile_schedule", "compute_plan", "gradient_pass", "lower",
+__all__ = ["PASSES", "WINDOW_ITERATIONS", "Op", "compile_schedule", "compute_ops", "gradient_pass", "lower",
            "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass"]
 
 def run_passes(plan: Plan) -> tuple[Action, ...]:
-    """compute_plan, then every pass in PASSES, then lower."""
-    ops = compute_plan(plan)
+    """compute_ops, then every pass in PASSES, then lower."""
+    ops = compute_ops(plan)
     for p in PASSES:
         ops = p(plan, ops)
     return lower(ops)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tinypipe.compiler.ops import GRAD_OUT, LOAD, ON_HOST, OPT_STEP, Op, _splice
 from tinypipe.estimate.plan import Plan
+from tinypipe.policy.modes import HostMemory
 
 
 def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
@@ -41,7 +42,7 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             last_load[op.layer, op.it] = op
     head = plan.num_layers - 1
     tied = plan.tied and head > 0
-    lag = 1 if plan.optimizer == "sync" else 2
+    lag = 1 if not plan.optimizer.is_async else 2
     last_grad_out: dict[tuple[int, int], Op] = {}  # (GPU, iteration) -> its last GRAD_OUT
     for go in grad_out.values():
         last_grad_out[go.gpu, go.it] = go
@@ -51,12 +52,12 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     for (lay, it), go in grad_out.items():
         o = opt[lay, it] = Op(OPT_STEP, ON_HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
         anchor = go
-        if plan.optimizer == "sync" and lay == head and head > 0 and not tied:
+        if not plan.optimizer.is_async and lay == head and head > 0 and not tied:
             deferred.append((last_grad_out[go.gpu, it], o))
             continue
         if tied and lay == 0:
             o.deps.append(grad_out[head, it])
-        if plan.optimizer == "async" and tied and lay == 0 and it + 1 < plan.iterations:
+        if plan.optimizer.is_async and tied and lay == 0 and it + 1 < plan.iterations:
             # tied: the embedding's own backward reads no weights, so its step need only follow the
             # embedding's first upload and the head's last one (which carries the shared matrix)
             for ld in (first_load[lay, it + 1], last_load[head, it + 1]):
@@ -77,7 +78,7 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     for anchor, o in deferred:
         after.setdefault(anchor, []).append(o)
     out = _splice(ops, {}, after)
-    if plan.host_memory == "compact":
+    if plan.host_memory == HostMemory.COMPACT:
         _ring_deps(out, plan.ring_slots, {o: grad_out[o.layer, o.it].gpu for o in opt.values()})
     return out
 

@@ -1,6 +1,6 @@
 """The compiler's passes, each a list-to-list function tested alone (docs/schedule-contract.md).
 
-compute_plan -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass (optimizer.py) -> memory_pass.
+compute_ops -> swap_pass -> transfer_pass -> gradient_pass -> optimizer_pass (optimizer.py) -> memory_pass.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from tinypipe.estimate.gpumem import window_span
 from tinypipe.estimate.plan import Plan
 from tinypipe.ir.kinds import Carries, Kind
 from tinypipe.ir.schedule import Mem
+from tinypipe.policy.modes import HostMemory
 
 # ---- 1. compute plan ----------------------------------------------------------------------------
 
-def compute_plan(plan: Plan) -> list[Op]:
+def compute_ops(plan: Plan) -> list[Op]:
     """Per iteration: FWD over packs in order, BWD over packs in reverse; microbatch-major in a pack.
 
     Deps: FWD L m on FWD L-1 m (its input); BWD L m on FWD L m (its saved input) and BWD L+1 m
@@ -120,7 +121,7 @@ def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             segs[g].append(seg)
     before: dict[Op, list[Op]] = {}
     after: dict[Op, list[Op]] = {}
-    layer_mode = plan.swap == "layer"
+    layer_mode = not plan.swap.whole_packs
     depth = plan.prefetch_depth
     for g in range(n_gpus):
         prev: dict[int, Op] = {}
@@ -184,7 +185,7 @@ def transfer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     """
     before: dict[Op, list[Op]] = {}
     after: dict[Op, list[Op]] = {}
-    offload = plan.activation_home == "host"
+    offload = plan.activation_home.on_host
     offloads: dict[tuple[int, int, int], Op] = {}
     last_bwd: dict[tuple[int, int], Op] = {}
     for op in ops:
@@ -268,7 +269,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             hit = cache[key] = (Mem(devs[g], name, nbytes),) if nbytes > 0 else ()
         return hit
 
-    compact = plan.host_memory == "compact"
+    compact = plan.host_memory == HostMemory.COMPACT
     seen: set[tuple[int, int]] = set()
     # A layer that keeps its forward's graph (no recompute) keeps its weights with it: its saved tensors
     # reference them. An EVICT between its FWDs and its BWDs frees nothing, and the LOAD before the BWDs

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.jsonio import Fields
-from tinypipe.policy.modes import HOST_LAYOUTS
+from tinypipe.policy.modes import HostMemory
 
 
 class StepPhases(NamedTuple):
@@ -37,7 +37,7 @@ class Phase(IntEnum):
 class OptimizerProfile:
     """One host optimizer step (OPT_STEP) of a layer of one kind, measured by `tinypipe profile`
     (backends/profile/optim.py): `HostState.step` on the rank's optimizer thread at `threads` torch
-    threads, median seconds per host layout, with nothing else running (`alone_s`) and while the
+    threads, median seconds per host memory layout, with nothing else running (`alone_s`) and while the
     main thread keeps the device busy as in a run (`in_run_s`, what the simulator charges), and the
     asynchronous optimizer's step in a run's conditions (`async_in_run_s`: the step that first keeps
     the version the next iteration's uploads still read).
@@ -52,7 +52,7 @@ class OptimizerProfile:
 
     params: int  # parameters of the measured layer (its own: a tied LM head's norm only)
     threads: int
-    alone_s: Mapping[str, float] = field(default_factory=dict)  # host layout -> s
+    alone_s: Mapping[str, float] = field(default_factory=dict)  # host memory layout -> s
     in_run_s: Mapping[str, float] = field(default_factory=dict)
     async_in_run_s: Mapping[str, float] = field(default_factory=dict)  # empty in traces before it
     async_alone_s: Mapping[str, float] = field(default_factory=dict)  # the phases' (empty before them)
@@ -61,21 +61,21 @@ class OptimizerProfile:
     async_beside_fwd_s: Mapping[str, float] = field(default_factory=dict)
     async_beside_bwd_s: Mapping[str, float] = field(default_factory=dict)
 
-    def step_s(self, layout: str, params: int, *, asynchronous: bool = False) -> float | None:
-        """The in-run step of a layer of `params` parameters under `layout` (`asynchronous`: the async
+    def step_s(self, host_memory: str, params: int, *, asynchronous: bool = False) -> float | None:
+        """The in-run step of a layer of `params` parameters under `host_memory` (`asynchronous`: the async
         optimizer's, where measured, else the sync one), scaled from the measured layer's in proportion
-        (the same layer: exactly the measurement); None if `layout` was not measured."""
-        t = self.async_in_run_s.get(layout) if asynchronous else None
-        t = self.in_run_s.get(layout) if t is None else t
+        (the same layer: exactly the measurement); None if `host_memory` was not measured."""
+        t = self.async_in_run_s.get(host_memory) if asynchronous else None
+        t = self.in_run_s.get(host_memory) if t is None else t
         return None if t is None else t * params / self.params
 
-    def phases_s(self, layout: str, params: int, *, asynchronous: bool = False) -> StepPhases | None:
-        """The step of a layer of `params` parameters under `layout` by phase (alone, beside FWDs, beside
+    def phases_s(self, host_memory: str, params: int, *, asynchronous: bool = False) -> StepPhases | None:
+        """The step of a layer of `params` parameters under `host_memory` by phase (alone, beside FWDs, beside
         BWDs; `asynchronous`: the async optimizer's), scaled as `step_s`; None unless all three were
         measured for that layout and mode."""
         got = ((self.async_alone_s, self.async_beside_fwd_s, self.async_beside_bwd_s) if asynchronous
                else (self.alone_s, self.beside_fwd_s, self.beside_bwd_s))
-        times = [d.get(layout) for d in got]
+        times = [d.get(host_memory) for d in got]
         if any(t is None for t in times):
             return None
         return StepPhases(*(t * params / self.params for t in times if t is not None))
@@ -92,11 +92,11 @@ class OptimizerProfile:
     def from_json(cls, f: Fields) -> OptimizerProfile:
         def seconds(key: str) -> dict[str, float]:
             times = f.obj_(key, {})
-            for layout in times.obj:
-                if layout not in HOST_LAYOUTS:
-                    raise InputError(f"{times.where}: unknown host layout {layout!r}; expected "
-                                     f"{', '.join(HOST_LAYOUTS)}")
-            return {layout: times.float(layout, positive=True) for layout in times.obj}
+            for host_memory in times.obj:
+                if host_memory not in tuple(HostMemory):
+                    raise InputError(f"{times.where}: unknown host memory layout {host_memory!r}; expected "
+                                     f"{', '.join(tuple(HostMemory))}")
+            return {host_memory: times.float(host_memory, positive=True) for host_memory in times.obj}
 
         return cls(params=f.int("params", minimum=1), threads=f.int("threads", minimum=1),
                    alone_s=seconds("alone_s"), in_run_s=seconds("in_run_s"),

@@ -13,6 +13,7 @@ from itertools import accumulate
 
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.plan import Plan
+from tinypipe.policy.modes import ResidentMode
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _uses(w: Plan, packs: list[int]) -> list[tuple[int, str]]:
         return []
     fwd = [(s, "F") for s in packs]
     bwd = [(s, "B") for s in reversed(packs)]
-    if w.resident == "auto":
+    if w.resident == ResidentMode.AUTO:
         return fwd[:-1] + [(packs[-1], "FB")] + bwd[1:]
     return fwd + bwd
 
@@ -98,13 +99,13 @@ def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
             nbytes = swapped[s] + ((wb[s] - swapped[s]) if "F" in phase else 0.0)
             up_bytes += nbytes
             up = (nbytes + (recv_f[s] if "F" in phase else 0) + (recv_b[s] if "B" in phase else 0)) / rate
-            if w.swap == "pack" and w.prefetch_depth == 0:
+            if w.swap.whole_packs and w.prefetch_depth == 0:
                 t += comp + up
-            elif w.swap == "layer" and w.prefetch_depth == 0:
+            elif not w.swap.whole_packs and w.prefetch_depth == 0:
                 t += max(comp, up) + up / max(1, sizes[s])
             else:
                 t += max(comp, up)
-        if uses and w.optimizer == "sync":
+        if uses and not w.optimizer.is_async:
             t += wb[uses[0][0]] / rate  # the first upload waits for the previous optimizer step
         busy.append(t + c.pack_overhead_s * len(uses))
     used = sum(1 for p in by_gpu if p)
@@ -123,10 +124,10 @@ def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
     # the simulated peak of g0 (the embedding's upload starts while the last block's gradient is
     # still leaving; tests/test_gpumem.py). Left as it was until that formula covers it.
     opt_total = sum(w.opt_s)
-    tail = sum(w.opt_s[: starts[1]]) if w.optimizer == "sync" and n_packs else 0.0
+    tail = sum(w.opt_s[: starts[1]]) if not w.optimizer.is_async and n_packs else 0.0
     # uploads, gradients out, and activations out and back when they live on the host
     offloaded = sum(b for i, b in enumerate(w.input_bytes) if w.recomputes(i))  # a kept graph keeps its input
-    moved = (up_bytes + sum(w.grad_out_bytes) + 2 * m * offloaded * (w.activation_home == "host")
+    moved = (up_bytes + sum(w.grad_out_bytes) + 2 * m * offloaded * (w.activation_home.on_host)
              + 2 * handed * w.p2p_through_host)
     dma_s = moved / (w.host_dma_gbps * 1e9)
     it = max(max(busy, default=0.0) + fill + tail, opt_total, dma_s)
@@ -140,7 +141,7 @@ def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
 
 def _pinned(w: Plan, kept: frozenset[int]) -> frozenset[int]:
     """Layers held on their GPU for the whole iteration (outside the prefetch window)."""
-    if w.resident == "all":
+    if w.resident == ResidentMode.ALL:
         return frozenset(range(w.num_layers))
     if isinstance(w.resident, tuple):
         return frozenset(w.resident) | kept
@@ -151,9 +152,9 @@ def gpu_peak_bytes(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
                    *, kept: frozenset[int] = frozenset()) -> tuple[int, ...]:
     """Peak bytes per GPU by the one GPU-memory formula (`tinypipe.estimate.gpumem`). `kept`: layers held from
     forward to backward besides each GPU's last pack, which `auto` always keeps (`resolve.residency`)."""
-    pinned = frozenset(range(w.num_layers)) if w.resident == "all" else (
+    pinned = frozenset(range(w.num_layers)) if w.resident == ResidentMode.ALL else (
         frozenset(w.resident) if isinstance(w.resident, tuple) else frozenset())
-    if w.resident == "auto":
+    if w.resident == ResidentMode.AUTO:
         starts = [0, *accumulate(sizes)]
         last = {g: s for s, g in enumerate(mapping)}
         kept = kept | {x for s in last.values() for x in range(starts[s], starts[s + 1])}

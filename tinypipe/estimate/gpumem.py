@@ -41,6 +41,7 @@ from itertools import accumulate
 from typing import Protocol
 
 from tinypipe.ir.schedule import recomputes
+from tinypipe.policy.modes import ActivationHome, SwapMode
 
 SUM, FIRST, LAST, UPTO = "sum", "first", "last", "upto"
 
@@ -61,20 +62,20 @@ class MemoryInputs(Protocol):
     @property
     def microbatches(self) -> int: ...
     @property
-    def swap(self) -> str: ...
+    def swap(self) -> SwapMode: ...
     @property
     def prefetch_depth(self) -> int: ...
     @property
-    def activation_home(self) -> str: ...
+    def activation_home(self) -> ActivationHome: ...
     @property
     def recompute(self) -> bool: ...
 
 
-def window_span(largest_use: int, prefetch_depth: int, swap: str) -> int:
+def window_span(largest_use: int, prefetch_depth: int, swap: SwapMode) -> int:
     """What a GPU's weights window holds at once: layer swapping, window layers (the largest use's plus
     the prefetch depth; the LOAD of window layer k waits for the EVICT of k - span); pack swapping, uses
     (a use's LOADs wait for the EVICTs of the use prefetch_depth + 1 back)."""
-    return largest_use + prefetch_depth if swap == "layer" else prefetch_depth + 1
+    return largest_use + prefetch_depth if not swap.whole_packs else prefetch_depth + 1
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
     w, x, ws = m.weight_bytes, m.input_bytes, m.layer_workspace_bytes
     redo = [recomputes(m.recompute, layer, n) for layer in range(n)]
     a = tuple(0 if redo[i] else m.saved_bytes[i] for i in range(n))
-    on_gpu = m.activation_home == "gpu"
+    on_gpu = not m.activation_home.on_host
     held = [i in pinned or i in kept for i in range(n)]
     rest = [(m.saved_bytes[i] if redo[i] else 0) + x[i] + (x[i + 1] if i + 1 < n else 0) for i in range(n)]
     return {
@@ -159,13 +160,13 @@ def _window_vectors(use: int, n_uses: int) -> tuple[str, str]:
 
 
 @lru_cache(maxsize=256)
-def moments(mapping: tuple[int, ...], num_gpus: int, microbatches: int, activation_home: str,
+def moments(mapping: tuple[int, ...], num_gpus: int, microbatches: int, activation_home: ActivationHome,
             kept_last: tuple[bool, ...] = ()) -> tuple[Moment, ...]:
     """Every moment of every GPU (module docstring). `kept_last`: per GPU, whether its last pack keeps
     layers from forward to backward (then its backward's window starts at its forward's)."""
     out: list[Moment] = []
     big_m = microbatches
-    host = activation_home == "host"
+    host = activation_home.on_host
     n_packs = len(mapping)
     for g, packs in enumerate(gpu_packs(mapping, num_gpus)):
         k = len(packs)
@@ -253,7 +254,7 @@ class Evaluator:
         # walked (the GPU's packs a.. are backward uses k..2k-1-a); from a backward use, at the end
         v = next((v for v in range(k, n_uses) if segs[v]), n_uses)
         stop = [v if v <= n_uses - 1 - u else n_uses for u in range(k)] + [n_uses] * k
-        if self.m.swap == "layer":
+        if not self.m.swap.whole_packs:
             first = list(accumulate((len(x) for x in segs), initial=0))  # first layer of each use
             pre = list(accumulate((b for x in segs for b in x), initial=0))
             return [pre[min(first[u] + span, first[stop[u]])] - pre[first[u]] for u in range(n_uses)]
@@ -286,7 +287,7 @@ class Program:
 
 
 @lru_cache(maxsize=256)
-def program(mapping: tuple[int, ...], num_gpus: int, microbatches: int, activation_home: str,
+def program(mapping: tuple[int, ...], num_gpus: int, microbatches: int, activation_home: ActivationHome,
             kept_last: tuple[bool, ...] = ()) -> Program:
     """`moments` with the same arguments, compiled (`Program`)."""
     keys: dict[tuple[str, str, int], int] = {}
@@ -317,7 +318,7 @@ def gpu_peak_bytes(m: MemoryInputs, sizes: tuple[int, ...], mapping: tuple[int, 
                                   kept_last if any(kept_last) else ())))
 
 
-def window_terms(mo: Moment, mapping: tuple[int, ...], num_gpus: int, prefetch_depth: int, swap: str,
+def window_terms(mo: Moment, mapping: tuple[int, ...], num_gpus: int, prefetch_depth: int, swap: SwapMode,
                  kept_last: tuple[bool, ...] = ()) -> tuple[Term, ...]:
     """The window of a moment as linear terms, for the MILP, which knows no layer sets: only the last
     packs kept whole (`kept_last`, as `auto` keeps them; their backward opens no window layers).
@@ -330,7 +331,7 @@ def window_terms(mo: Moment, mapping: tuple[int, ...], num_gpus: int, prefetch_d
           if fwd or s != packs[-1] or not (kept_last and kept_last[mo.gpu])]
     ahead = [(u, s) for u, s in us if u >= mo.anchor]
     out: tuple[Term, ...] = ()
-    if swap == "layer":
+    if not swap.whole_packs:
         (u, s), nxt = ahead[0], ahead[1:2]
         out = (Term(SUM, s, _window_vectors(u, 2 * len(packs))[0]),)
         if nxt and nxt[0][1] != s and prefetch_depth:

@@ -1,4 +1,4 @@
-"""Host memory per parameter under each layout (DESIGN §1.2), as formulas in one place.
+"""Host memory per parameter under each host memory layout (DESIGN §1.2), as formulas in one place.
 
 `replicated` (what peers do): an fp32 master (4 B), a pinned compute-dtype copy for upload (2 B),
 a full-size fp32 gradient buffer (4 B), AdamW moments m and v (4 + 4 B), and the pinned caching
@@ -21,7 +21,7 @@ from tinypipe.describe.hardware import Host
 from tinypipe.describe.model import DTYPE_BYTES, LayerSpec, ModelSpec
 from tinypipe.describe.optimprofile import OptimizerProfile, StepPhases
 from tinypipe.describe.trace import ProfileTrace
-from tinypipe.policy.modes import HostLayout, OptimizerMode
+from tinypipe.policy.modes import HostMemory, OptimizerMode
 
 # CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
 # by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7 (bench/compact_optim.py
@@ -43,9 +43,9 @@ def next_pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class HostBytes:
-    """Host bytes by purpose for one model under one layout."""
+    """Host bytes by purpose for one model under one host memory layout."""
 
-    layout: HostLayout
+    host_memory: HostMemory
     params: int
     master_bytes: int
     upload_copy_bytes: int
@@ -68,47 +68,48 @@ class HostBytes:
                 ("pinned rounding", self.pinned_rounding_bytes)]
 
 
-def host_bytes(model: ModelSpec, layout: HostLayout, *, compute_dtype: str = "bf16",
+def host_bytes(model: ModelSpec, host_memory: HostMemory, *, compute_dtype: str = "bf16",
                grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, layers: tuple[int, ...] | None = None,
-               optimizer: OptimizerMode = "sync") -> HostBytes:
+               optimizer: OptimizerMode = OptimizerMode.SYNC) -> HostBytes:
     """Host bytes to train `model` (or only `layers` of it) with an fp32 master and AdamW.
 
     compact + async optimizer: one more upload-form copy per parameter (the previous version's
     snapshot region, counted as the upload copy); replicated's upload copy already serves."""
+    host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     chosen = [model.layers[i] for i in layers] if layers is not None else list(model.layers)
     n = sum(x.params for x in chosen)
     cd = DTYPE_BYTES[compute_dtype]
-    if layout == "replicated":
+    if host_memory == HostMemory.REPLICATED:
         upload = [x.params * cd for x in chosen]
         grads = [x.params * 4 for x in chosen]
         rounding = sum(next_pow2(b) - b for b in upload + grads if b)
-        return HostBytes(layout, n, 4 * n, sum(upload), sum(grads), 8 * n, rounding)
-    if layout == "compact":
+        return HostBytes(host_memory, n, 4 * n, sum(upload), sum(grads), 8 * n, rounding)
+    if host_memory == HostMemory.COMPACT:
         biggest = max((x.params for x in chosen), default=0)
         ring = grad_ring_slots * biggest * cd if chosen else 0  # slots hold gradients as the GPU made them
-        snapshots = n * cd if optimizer == "async" else 0
-        return HostBytes(layout, n, 4 * n, snapshots, ring, 8 * n, 0)
-    raise ValueError(f"unknown host memory layout {layout!r}")
+        snapshots = n * cd if optimizer.is_async else 0
+        return HostBytes(host_memory, n, 4 * n, snapshots, ring, 8 * n, 0)
+    raise ValueError(f"unknown host memory layout {host_memory!r}")
 
 
-def optimizer_time_factor(layout: HostLayout) -> float:
-    """How much longer the CPU optimizer takes per parameter under `layout` than a plain fused AdamW."""
-    return COMPACT_OPTIM_FACTOR if layout == "compact" else REPLICATED_OPTIM_FACTOR
+def optimizer_time_factor(host_memory: HostMemory) -> float:
+    """How much longer the CPU optimizer takes per parameter under `host_memory` than a plain fused AdamW."""
+    return COMPACT_OPTIM_FACTOR if host_memory == HostMemory.COMPACT else REPLICATED_OPTIM_FACTOR
 
 
-def optimizer_s_per_param(host: Host, layout: HostLayout) -> float:
-    """Seconds of host optimizer per parameter under `layout`: the measured rate of that layout's step
+def optimizer_s_per_param(host: Host, host_memory: HostMemory) -> float:
+    """Seconds of host optimizer per parameter under `host_memory`: the measured rate of that layout's step
     when the hardware has one (`tinypipe profile`), else the fused AdamW rate slowed by the layout's
     factor. What `optimizer_step_s` falls back to."""
-    measured = host.compact_params_per_s if layout == "compact" else host.replicated_params_per_s
+    measured = host.compact_params_per_s if host_memory == HostMemory.COMPACT else host.replicated_params_per_s
     if measured is not None:
         return 1.0 / measured
-    return optimizer_time_factor(layout) / host.adam_params_per_s
+    return optimizer_time_factor(host_memory) / host.adam_params_per_s
 
 
-def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None, *,
-                     optimizer: OptimizerMode = "sync") -> float:
-    """Seconds of one host optimizer step (OPT_STEP) of `layer` under `layout` and `optimizer` mode. The
+def optimizer_step_s(layer: LayerSpec, host_memory: HostMemory, host: Host, trace: ProfileTrace | None = None, *,
+                     optimizer: OptimizerMode = OptimizerMode.SYNC) -> float:
+    """Seconds of one host optimizer step (OPT_STEP) of `layer` under `host_memory` and `optimizer` mode. The
     one place the simulator, the cost model, the search bound and the floor take it from.
 
     When `trace` has the step of the layer's kind measured in a run's conditions (`tinypipe profile`:
@@ -121,18 +122,20 @@ def optimizer_step_s(layer: LayerSpec, layout: HostLayout, host: Host, trace: Pr
     read (compact: a copy of the high plane; replicated: the upload copy refreshed first); a trace that
     measured that step (`OptimizerProfile.async_in_run_s`) gives its time, else the sync one: on the H200
     the kept copy made a Qwen3-1.7B block's step 1.43x slower (2026-12-01)."""
+    host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     measured = _measured(layer, trace)
-    t = measured.step_s(layout, layer.params, asynchronous=optimizer == "async") if measured else None
-    return t if t is not None else layer.params * optimizer_s_per_param(host, layout)
+    t = measured.step_s(host_memory, layer.params, asynchronous=optimizer.is_async) if measured else None
+    return t if t is not None else layer.params * optimizer_s_per_param(host, host_memory)
 
 
-def optimizer_step_phases_s(layer: LayerSpec, layout: HostLayout, trace: ProfileTrace | None = None, *,
-                            optimizer: OptimizerMode = "sync") -> StepPhases | None:
+def optimizer_step_phases_s(layer: LayerSpec, host_memory: HostMemory, trace: ProfileTrace | None = None, *,
+                            optimizer: OptimizerMode = OptimizerMode.SYNC) -> StepPhases | None:
     """Seconds of one OPT_STEP of `layer` by what its rank's main thread does meanwhile (the compute stream
-    waits / it issues FWDs / BWDs), when `trace` measured them for the layer's kind, layout and mode
+    waits / it issues FWDs / BWDs), when `trace` measured them for the layer's kind, host_memory and mode
     (`OptimizerProfile.phases_s`), else None: the simulator then charges `optimizer_step_s` whatever runs."""
+    host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     measured = _measured(layer, trace)
-    return measured.phases_s(layout, layer.params, asynchronous=optimizer == "async") if measured else None
+    return measured.phases_s(host_memory, layer.params, asynchronous=optimizer.is_async) if measured else None
 
 
 def _measured(layer: LayerSpec, trace: ProfileTrace | None) -> OptimizerProfile | None:
@@ -141,14 +144,15 @@ def _measured(layer: LayerSpec, trace: ProfileTrace | None) -> OptimizerProfile 
     return kind.optimizer if kind is not None else None
 
 
-def optimizer_steps_s(model: ModelSpec, layout: HostLayout, host: Host, trace: ProfileTrace | None = None, *,
-                      optimizer: OptimizerMode = "sync", least: bool = False) -> tuple[float, ...]:
+def optimizer_steps_s(model: ModelSpec, host_memory: HostMemory, host: Host, trace: ProfileTrace | None = None, *,
+                      optimizer: OptimizerMode = OptimizerMode.SYNC, least: bool = False) -> tuple[float, ...]:
     """`optimizer_step_s` of every layer of `model`, by layer index: what the simulator, the floor, the cost
     model's plan and the search bound read. `least` (the floor's and the search bound's lower bounds): the
     least of that and the step's times by phase (`optimizer_step_phases_s`), which the simulator may charge."""
+    host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     out = []
     for layer in model.layers:
-        t = optimizer_step_s(layer, layout, host, trace, optimizer=optimizer)
-        phases = optimizer_step_phases_s(layer, layout, trace, optimizer=optimizer) if least else None
+        t = optimizer_step_s(layer, host_memory, host, trace, optimizer=optimizer)
+        phases = optimizer_step_phases_s(layer, host_memory, trace, optimizer=optimizer) if least else None
         out.append(min(t, *phases) if phases is not None else t)
     return tuple(out)

@@ -15,7 +15,7 @@ from tinypipe.describe.trace import ProfileTrace
 from tinypipe.estimate.calibration import CostModel
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_steps_s
 from tinypipe.ir.schedule import recomputes
-from tinypipe.policy.modes import ActivationHome, HostLayout, OptimizerMode, ResidentMode, SwapMode, mode_fields
+from tinypipe.policy.modes import ActivationHome, HostMemory, OptimizerMode, ResidentMode, SwapMode, coerce_modes
 from tinypipe.policy.policy import Policy
 
 
@@ -51,12 +51,12 @@ class Plan:
     host_static_bytes: int
     host_dynamic_bytes: int  # gradient ring slots and offloaded activations at their peak
     # the policy's modes
-    swap: SwapMode = "layer"
+    swap: SwapMode = SwapMode.LAYER
     prefetch_depth: int = 1
-    resident: ResidentMode | tuple[int, ...] = "none"  # as the policy says; `kept` / `pinned` once resolved
-    activation_home: ActivationHome = "gpu"
-    optimizer: OptimizerMode = "sync"
-    host_memory: HostLayout = "compact"
+    resident: ResidentMode | tuple[int, ...] = ResidentMode.NONE  # as the policy says; `kept` / `pinned` once resolved
+    activation_home: ActivationHome = ActivationHome.GPU
+    optimizer: OptimizerMode = OptimizerMode.SYNC
+    host_memory: HostMemory = HostMemory.COMPACT
     recompute: bool = True
     tied: bool = False  # the last layer (head) uses the first layer's (embedding's) matrix
     ring_slots: int = DEFAULT_GRAD_RING_SLOTS
@@ -86,9 +86,9 @@ class Plan:
             object.__setattr__(self, "accumulate_workspace_bytes", self.layer_workspace_bytes)
         if not self.grad_out_bytes:
             object.__setattr__(self, "grad_out_bytes", self.weight_bytes)
-        for name, choices in _MODE_FIELDS.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"plan: {name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        coerce_modes(self, "plan")
+        if isinstance(self.resident, str):
+            object.__setattr__(self, "resident", ResidentMode.parse(self.resident, "plan: resident"))
         for name in ("fwd_s", "bwd_s", "input_bytes", "saved_bytes", "layer_workspace_bytes", "host_grad_bytes",
                      "master_bytes", "opt_s", "accumulate_workspace_bytes", "grad_out_bytes"):
             if len(getattr(self, name)) != n:
@@ -139,8 +139,6 @@ class Plan:
         return replace(base.with_packs(sizes, gpus), **kw)
 
 
-_MODE_FIELDS = mode_fields(Plan)  # swap, activation_home, optimizer, host_memory
-
 
 def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
               iterations: int = 1, cost: CostModel | None = None) -> Plan:
@@ -170,22 +168,22 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     g = len(hardware.gpus)
     pairs = [hardware.route(f"gpu{a}", f"gpu{b}") for a in range(g) for b in range(g) if a != b]
     hb = host_bytes(model, policy.host_memory, compute_dtype=dt, optimizer=policy.optimizer)
-    ring = hb.grad_bytes if policy.host_memory == "compact" else 0
+    ring = hb.grad_bytes if policy.host_memory == HostMemory.COMPACT else 0
     grad_fp32 = [layer.gpu_params * 4 for layer in model.layers]
-    if policy.host_memory == "compact":
+    if policy.host_memory == HostMemory.COMPACT:
         # Sync: a ring of slots per GPU; async: up to one iteration of gradients waits on the host.
-        dyn = sum(grad_fp32) if policy.optimizer == "async" else (
+        dyn = sum(grad_fp32) if policy.optimizer.is_async else (
             g * DEFAULT_GRAD_RING_SLOTS * max(grad_fp32, default=0))
     else:
         dyn = 0
-    if policy.activation_home == "host":
+    if policy.activation_home.on_host:
         dyn += policy.microbatches * sum(b for i, b in enumerate(inp) if recomputes(policy.recompute, i, len(inp)))
     return Plan(
         microbatches=policy.microbatches, iterations=iterations, fwd_s=tuple(fwd), bwd_s=tuple(bwd),
         weight_bytes=tuple(layer.param_bytes(dt) for layer in model.layers), input_bytes=tuple(inp),
         saved_bytes=tuple(saved), layer_workspace_bytes=tuple(ws), accumulate_workspace_bytes=tuple(ws_acc),
         host_grad_bytes=tuple(x.gpu_params * DTYPE_BYTES[dt] for x in model.layers),
-        grad_out_bytes=tuple(grad_fp32) if policy.host_memory == "replicated" else (),
+        grad_out_bytes=tuple(grad_fp32) if policy.host_memory == HostMemory.REPLICATED else (),
         master_bytes=tuple(x.params * 4 for x in model.layers),
         opt_s=optimizer_steps_s(model, policy.host_memory, hardware.host, trace, optimizer=policy.optimizer),
         num_gpus=g, h2d_gbps=hardware.host_to_gpu_gbps(),

@@ -43,7 +43,7 @@ from tinypipe.ir.kinds import HOST_OPTIM as HOST_OPTIM
 from tinypipe.ir.kinds import KIND_STREAM as KIND_STREAM
 from tinypipe.ir.kinds import LEGACY_KINDS
 from tinypipe.ir.kinds import Kind as Kind
-from tinypipe.policy.modes import HOST_LAYOUTS, OPTIMIZER_MODES, HostLayout, OptimizerMode, parse_mode
+from tinypipe.policy.modes import HostMemory, OptimizerMode, coerce_modes
 
 
 def recomputes(recompute: bool, layer: int, num_layers: int) -> bool:
@@ -205,14 +205,15 @@ class Schedule:
     recompute: bool
     pack_layers: tuple[tuple[int, ...], ...]  # layers of each pack, in order
     pack_gpu: tuple[int, ...]  # GPU of each pack
-    host_memory: HostLayout = "replicated"  # host layout: sets the CPU optimizer's cost (hostmem)
-    optimizer: OptimizerMode = "sync"  # async: each OPT_STEP keeps the previous version first (hostmem)
+    host_memory: HostMemory = HostMemory.REPLICATED  # sets the CPU optimizer's cost and host bytes (hostmem)
+    optimizer: OptimizerMode = OptimizerMode.SYNC  # what the backend's version checks follow (`staleness`)
     compute_dtype: str = "bf16"
     static_bytes: tuple[tuple[str, int], ...] = ()  # (device, bytes)
     meta: tuple[tuple[str, str], ...] = ()  # free-form provenance: model, hardware, policy name
     _by_resource: dict[str, tuple[int, ...]] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        coerce_modes(self, "schedule")
         for i, a in enumerate(self.actions):
             if a.id != i:
                 raise ValueError(f"action at position {i} has id {a.id}; ids must equal positions")
@@ -294,9 +295,8 @@ class Schedule:
                 iterations=int(hdr["iterations"]), microbatches=int(hdr["microbatches"]),
                 tokens_per_microbatch=int(hdr["tokens_per_microbatch"]), recompute=hdr["recompute"] == "1",
                 pack_layers=packs, pack_gpu=tuple(int(x) for x in hdr["pack_gpu"].split(",") if x),
-                host_memory=parse_mode(hdr["host_memory"], HOST_LAYOUTS, f"{where}: host_memory"),
-                # schedules written before the field were all run as sync or replayed as such
-                optimizer=parse_mode(hdr.get("optimizer", "sync"), OPTIMIZER_MODES, f"{where}: optimizer"),
+                host_memory=HostMemory.parse(hdr["host_memory"], f"{where}: host_memory"),
+                optimizer=OptimizerMode.parse(hdr["optimizer"], f"{where}: optimizer"),
                 compute_dtype=hdr["compute_dtype"],
                 static_bytes=static, meta=tuple(meta),
             )

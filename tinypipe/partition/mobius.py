@@ -21,6 +21,7 @@ from tinypipe.common.units import GIB
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.cost import gpu_peak_bytes
 from tinypipe.estimate.plan import Plan
+from tinypipe.policy.modes import ResidentMode
 
 from .mapping import round_robin
 from .packing import Mapper, Partitioner, balanced
@@ -243,9 +244,9 @@ def memory_rows(w: Plan, mapping: tuple[int, ...]) -> list[tuple[dict[int, float
     <= the GPU's capacity less the reserve. FIRST of pack s >= 1 reads v_l (c[l-1,s-1] - c[l,s-1]),
     1 only where pack s starts; LAST of pack s < last, v_l (c[l,s] - c[l+1,s])."""
     n, s_n, g_n = w.num_layers, len(mapping), w.num_gpus
-    pinned = frozenset(range(n)) if w.resident == "all" else (
+    pinned = frozenset(range(n)) if w.resident == ResidentMode.ALL else (
         frozenset(w.resident) if isinstance(w.resident, tuple) else frozenset())
-    kept_last = (True,) * g_n if w.resident == "auto" else ()
+    kept_last = (True,) * g_n if w.resident == ResidentMode.AUTO else ()
     vec = {k: [b / GIB for b in v] for k, v in gpumem.vectors(w, pinned=pinned).items()}
     packs = gpumem.gpu_packs(mapping, g_n)
 

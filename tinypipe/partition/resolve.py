@@ -8,6 +8,7 @@ from tinypipe.estimate.cost import gpu_peak_bytes
 from tinypipe.estimate.plan import Plan
 from tinypipe.partition import mobius, packing
 from tinypipe.partition.mapping import cross, round_robin
+from tinypipe.policy.modes import ResidentMode
 from tinypipe.policy.policy import Policy
 
 
@@ -101,7 +102,7 @@ def residency(policy: Policy, w: Plan, sizes: tuple[int, ...],
     GPU's earlier packs, latest first, while the cost model's peak still fits the GPU.
     """
     n = w.num_layers
-    if policy.resident == "all":
+    if policy.resident == ResidentMode.ALL:
         return frozenset(), frozenset(range(n))
     if isinstance(policy.resident, tuple):
         bad = [x for x in policy.resident if x >= n]
@@ -109,7 +110,7 @@ def residency(policy: Policy, w: Plan, sizes: tuple[int, ...],
             raise InputError(f"policy {policy.name!r}: resident: layer {bad[0]} does not exist; "
                              f"the model has layers 0..{n - 1}")
         return frozenset(), frozenset(policy.resident)
-    if policy.resident == "none":
+    if policy.resident == ResidentMode.NONE:
         return frozenset(), frozenset()
     starts = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
     packs_of: dict[int, list[int]] = {}

@@ -1,40 +1,130 @@
-"""The policy's modes, each a `Literal` type defined once: mypy catches a misspelled mode, and policy
-JSON is parsed against the same types (`parse_mode`), so an unknown value is an error, never a fallback.
+"""The policy's modes as typed values: each a `Mode` (a str-valued enum) with the behaviour code asks of it.
+
+A mode is spelled by its value in JSON, on the command line and in a schedule's text form (`compact`,
+`async`, ...); `Mode.parse` turns such a string into the member or raises a one-line InputError naming
+where it came from, so an unknown value is an error, never a fallback. Code asks a member what it
+means (`OptimizerMode.staleness`, `SwapMode.whole_packs`, ...) instead of comparing strings.
+The packer and mapper names are solver names, not modes: they stay `Literal` types.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from dataclasses import fields
+from enum import Enum
+from typing import Any, Literal, TypeVar, get_args, get_type_hints
 
 from tinypipe.common.errors import InputError
 
 PackerName = Literal["uniform", "balanced", "mobius", "holistic", "per-gpu"]
 MapperName = Literal["round-robin", "cross"]
-SwapMode = Literal["pack", "layer"]  # whole packs load and evict, or layer by layer within a pack
-ResidentMode = Literal["none", "all", "auto"]
-HostLayout = Literal["replicated", "compact"]  # tinypipe.estimate.hostmem has the bytes of each
-OptimizerMode = Literal["sync", "async"]  # async: the CPU optimizer's step lags one iteration (staleness 1)
-ActivationHome = Literal["gpu", "host"]  # where layer inputs wait between forward and backward
-
 PACKERS: tuple[PackerName, ...] = get_args(PackerName)
 MAPPERS: tuple[MapperName, ...] = get_args(MapperName)
-SWAP_MODES: tuple[SwapMode, ...] = get_args(SwapMode)
-RESIDENT_MODES: tuple[ResidentMode, ...] = get_args(ResidentMode)
-HOST_LAYOUTS: tuple[HostLayout, ...] = get_args(HostLayout)
-OPTIMIZER_MODES: tuple[OptimizerMode, ...] = get_args(OptimizerMode)
-ACT_HOMES: tuple[ActivationHome, ...] = get_args(ActivationHome)
 
-M = TypeVar("M", bound=str)
+M = TypeVar("M", bound="Mode")
 
 
-def parse_mode(value: object, choices: tuple[M, ...], where: str) -> M:
-    """`value` as one of `choices` (typed), or a one-line InputError naming `where` and the choices."""
-    for c in choices:
-        if value == c:
-            return c
-    raise InputError(f"{where}: must be one of {', '.join(choices)}; got {value!r}")
+class Mode(str, Enum):
+    """A mode: a member compares equal to its value and prints as it."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def choices(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def parse(cls: type[M], value: object, where: str) -> M:
+        """`value` (a member or its string) as a member, or a one-line InputError naming `where`."""
+        for m in cls:
+            if value == m.value:
+                return m
+        raise InputError(f"{where}: must be one of {', '.join(cls.choices())}; got {value!r}")
 
 
-def mode_fields(cls: Any) -> dict[str, tuple[str, ...]]:
-    """The fields of dataclass `cls` typed as exactly one mode, with their allowed values."""
-    return {n: get_args(t) for n, t in get_type_hints(cls).items() if get_origin(t) is Literal}
+class SwapMode(Mode):
+    """How a pack's weights move: whole packs load and evict, or layer by layer within a pack."""
+
+    PACK = "pack"
+    LAYER = "layer"
+
+    @property
+    def whole_packs(self) -> bool:
+        return self is SwapMode.PACK
+
+
+class ResidentMode(Mode):
+    """Which layers stay on their GPU: none, all, or those used again soon when memory allows."""
+
+    NONE = "none"
+    ALL = "all"
+    AUTO = "auto"
+
+
+class HostMemory(Mode):
+    """How the host holds each parameter's state (`tinypipe.estimate.hostmem` has the bytes of each).
+
+    replicated: an fp32 master, a separate low-precision copy to upload and a full-size gradient buffer.
+    compact: one fp32 master stored as two 16-bit planes (the high plane is the upload), gradients
+    through a small ring of slots.
+    """
+
+    REPLICATED = "replicated"
+    COMPACT = "compact"
+
+    @property
+    def grad_ring(self) -> bool:
+        """Gradients arrive through a ring of slots, not a full-size buffer per parameter."""
+        return self is HostMemory.COMPACT
+
+
+class OptimizerMode(Mode):
+    """When the host optimizer's step lands: before the next iteration uses the layer (sync), or one
+    iteration later (async: staleness 1, the step overlaps the next iteration)."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+    @property
+    def staleness(self) -> int:
+        """Iterations by which the weights a forward reads lag the last gradient."""
+        return 1 if self is OptimizerMode.ASYNC else 0
+
+    @property
+    def is_async(self) -> bool:
+        return self is OptimizerMode.ASYNC
+
+
+class ActivationHome(Mode):
+    """Where layer inputs wait between forward and backward."""
+
+    GPU = "gpu"
+    HOST = "host"
+
+    @property
+    def on_host(self) -> bool:
+        return self is ActivationHome.HOST
+
+
+_FIELDS: dict[type, dict[str, type[Mode]]] = {}
+
+
+def mode_fields(cls: type) -> dict[str, type[Mode]]:
+    """The fields of dataclass `cls` typed as exactly one mode, with that mode's type (cached per class)."""
+    if cls not in _FIELDS:
+        hints = get_type_hints(cls)
+        _FIELDS[cls] = {f.name: hints[f.name] for f in fields(cls)
+                        if isinstance(hints[f.name], type) and issubclass(hints[f.name], Mode)}
+    return _FIELDS[cls]
+
+
+def coerce_modes(obj: Any, where: str) -> None:
+    """Turn the mode fields of frozen dataclass `obj` given as strings into members (in place), or a
+    one-line InputError naming `where` and the field."""
+    for name, mode in mode_fields(type(obj)).items():
+        value = getattr(obj, name)
+        if not isinstance(value, mode):
+            object.__setattr__(obj, name, mode.parse(value, f"{where}: {name}"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import types
 from dataclasses import asdict, dataclass, fields, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -13,14 +14,14 @@ from tinypipe.common.jsonio import Fields, load_json
 from tinypipe.policy.modes import (
     MAPPERS,
     PACKERS,
-    RESIDENT_MODES,
     ActivationHome,
-    HostLayout,
+    HostMemory,
     MapperName,
     OptimizerMode,
     PackerName,
     ResidentMode,
     SwapMode,
+    coerce_modes,
     mode_fields,
 )
 
@@ -45,15 +46,15 @@ class Policy:
     pack_size: int = 0  # for packing="uniform": layers per pack (0: choose)
     num_packs: int = 0  # for packing="balanced": number of packs (0: choose)
     mapping: MapperName | tuple[int, ...] = "round-robin"
-    swap: SwapMode = "layer"
+    swap: SwapMode = SwapMode.LAYER
     prefetch_depth: int = 1
-    resident: ResidentMode | tuple[int, ...] = "none"
-    host_memory: HostLayout = "compact"
+    resident: ResidentMode | tuple[int, ...] = ResidentMode.NONE
+    host_memory: HostMemory = HostMemory.COMPACT
     microbatches: int = 4
     microbatch_size: int = 1  # sequences per microbatch
     recompute: bool = True
-    optimizer: OptimizerMode = "sync"
-    activation_home: ActivationHome = "gpu"
+    optimizer: OptimizerMode = OptimizerMode.SYNC
+    activation_home: ActivationHome = ActivationHome.GPU
 
     def __post_init__(self) -> None:
         def bad(field_: str, why: str) -> InputError:
@@ -78,17 +79,15 @@ class Policy:
                                        for g in self.mapping):
                 raise bad("mapping", "explicit mapping must be a non-empty list of GPU indices >= 0")
         if isinstance(self.resident, str):
-            if self.resident not in RESIDENT_MODES:
-                raise bad("resident", f"must be one of {', '.join(RESIDENT_MODES)} or a list of layers; "
+            if self.resident not in ResidentMode.choices():
+                raise bad("resident", f"must be one of {', '.join(ResidentMode.choices())} or a list of layers; "
                           f"got {self.resident!r}")
+            object.__setattr__(self, "resident", ResidentMode(self.resident))
         else:
             object.__setattr__(self, "resident", tuple(self.resident))
             if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in self.resident):
                 raise bad("resident", "layer indices must be integers >= 0")
-        for name, choices in _MODE_FIELDS.items():
-            v = getattr(self, name)
-            if v not in choices:
-                raise bad(name, f"must be one of {', '.join(choices)}; got {v!r}")
+        coerce_modes(self, f"policy {self.name!r}")
         for name, lo in (("prefetch_depth", 0), ("microbatches", 1), ("microbatch_size", 1),
                          ("pack_size", 0), ("num_packs", 0)):
             v = getattr(self, name)
@@ -96,7 +95,7 @@ class Policy:
                 raise bad(name, f"must be an integer >= {lo}; got {v!r}")
         if not isinstance(self.recompute, bool):
             raise bad("recompute", "must be true or false")
-        if not self.recompute and self.activation_home == "host":
+        if not self.recompute and self.activation_home.on_host:
             raise bad("activation_home", "host needs recompute (only layer inputs are offloaded)")
 
     def replace(self, **changes: Any) -> Policy:
@@ -105,9 +104,11 @@ class Policy:
     # ---- JSON ----------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("packing", "mapping", "resident"):
-            if isinstance(d[k], tuple):
-                d[k] = list(d[k])
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+            elif isinstance(v, Enum):
+                d[k] = v.value
         return d
 
     def dumps(self) -> str:
@@ -126,7 +127,7 @@ class Policy:
                 continue
             v = f.raw(name)
             if name in _MODE_FIELDS:
-                v = f.str(name, choices=_MODE_FIELDS[name])
+                v = _MODE_FIELDS[name].parse(f.str(name), f"{where}: {name}")
             elif _with_list(tp) and isinstance(v, list):
                 if any(isinstance(x, bool) or not isinstance(x, int) for x in v):
                     raise InputError(f"{where}: {name}: expected a list of integers")
@@ -155,15 +156,15 @@ _MODE_FIELDS = mode_fields(Policy)  # swap, host_memory, optimizer, activation_h
 
 PRESETS: dict[str, Policy] = {
     # GPipe-style: one pack per GPU, every layer stays resident; OOMs on big models by design.
-    "resident": Policy(name="resident", packing="per-gpu", mapping="round-robin", swap="pack",
-                       prefetch_depth=0, resident="all", host_memory="replicated", recompute=True),
+    "resident": Policy(name="resident", packing="per-gpu", mapping="round-robin", swap=SwapMode.PACK,
+                       prefetch_depth=0, resident=ResidentMode.ALL, host_memory=HostMemory.REPLICATED, recompute=True),
     # Mobius (ASPLOS'23): whole packs swapped, one pack prefetched, MILP partition, cross mapping,
     # replicated host copies.
-    "mobius": Policy(name="mobius", packing="mobius", mapping="cross", swap="pack", prefetch_depth=1,
-                     resident="none", host_memory="replicated", recompute=True),
+    "mobius": Policy(name="mobius", packing="mobius", mapping="cross", swap=SwapMode.PACK, prefetch_depth=1,
+                     resident=ResidentMode.NONE, host_memory=HostMemory.REPLICATED, recompute=True),
     # tinypipe: holistic packing, layer-wise swapping, compact host memory, turnaround layers resident.
-    "tinypipe": Policy(name="tinypipe", packing="holistic", mapping="cross", swap="layer", prefetch_depth=2,
-                       resident="auto", host_memory="compact", recompute=True),
+    "tinypipe": Policy(name="tinypipe", packing="holistic", mapping="cross", swap=SwapMode.LAYER, prefetch_depth=2,
+                       resident=ResidentMode.AUTO, host_memory=HostMemory.COMPACT, recompute=True),
 }
 
 

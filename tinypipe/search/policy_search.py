@@ -10,7 +10,7 @@ simulator's. The search is a branch-and-bound beam search:
    evaluated in order of that bound; once a bound exceeds the best simulated time found so far
    the rest of that stage is pruned (a lower bound above a real time cannot win).
 3. Stage 2 refines the best `beam` fitting candidates over the secondary choices (mapping,
-   prefetch depth, resident layers, host layout, optimizer mode), again pruned by bound.
+   prefetch depth, resident layers, host memory layout, optimizer mode), again pruned by bound.
 
 Ranking: tokens/s (higher first), then peak GPU memory, then peak host memory, then the policy's
 JSON text, so the same inputs give the same answer on every run.
@@ -35,8 +35,9 @@ from tinypipe.ir.schedule import recomputes
 from tinypipe.policy import Policy
 from tinypipe.policy.modes import (
     ActivationHome,
-    HostLayout,
+    HostMemory,
     MapperName,
+    Mode,
     OptimizerMode,
     PackerName,
     ResidentMode,
@@ -101,15 +102,22 @@ class SearchSpace:
     microbatch_sizes: tuple[int, ...] = (1, 2, 4)
     pack_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     packers: tuple[PackerName, ...] = ("holistic", "mobius")
-    swaps: tuple[SwapMode, ...] = ("layer", "pack")
+    swaps: tuple[SwapMode, ...] = (SwapMode.LAYER, SwapMode.PACK)
     recompute: tuple[bool, ...] = (True, False)
-    activation_homes: tuple[ActivationHome, ...] = ("gpu", "host")
+    activation_homes: tuple[ActivationHome, ...] = (ActivationHome.GPU, ActivationHome.HOST)
     mappings: tuple[MapperName, ...] = ("cross", "round-robin")
     prefetch_depths: tuple[int, ...] = (1, 2, 3)
-    residents: tuple[ResidentMode, ...] = ("auto", "none")
-    host_layouts: tuple[HostLayout, ...] = ("compact", "replicated")
+    residents: tuple[ResidentMode, ...] = (ResidentMode.AUTO, ResidentMode.NONE)
+    host_memories: tuple[HostMemory, ...] = (HostMemory.COMPACT, HostMemory.REPLICATED)
     # Only sync by default: async (staleness 1) changes the training semantics, so a user opts in.
-    optimizers: tuple[OptimizerMode, ...] = ("sync",)
+    optimizers: tuple[OptimizerMode, ...] = (OptimizerMode.SYNC,)
+
+    def __post_init__(self) -> None:
+        modes: dict[str, type[Mode]] = {"swaps": SwapMode, "activation_homes": ActivationHome,
+                                        "residents": ResidentMode, "host_memories": HostMemory,
+                                        "optimizers": OptimizerMode}
+        for name, mode in modes.items():  # members, or their values
+            object.__setattr__(self, name, tuple(mode.parse(v, f"search space: {name}") for v in getattr(self, name)))
 
 
 @dataclass
@@ -164,12 +172,12 @@ def stage1(w: SearchTarget, space: SearchSpace) -> list[Policy]:
             for swap in space.swaps:
                 for rc in space.recompute:
                     for home in space.activation_homes:
-                        if home == "host" and not rc:
+                        if home.on_host and not rc:
                             continue
                         out.append(Policy(name="search", microbatch_size=mbs, microbatches=w.batch_sequences // mbs,
                                           swap=swap, recompute=rc, activation_home=home, mapping=space.mappings[0],
                                           prefetch_depth=1, resident=space.residents[0],
-                                          host_memory=space.host_layouts[0], optimizer=space.optimizers[-1], **pk))
+                                          host_memory=space.host_memories[0], optimizer=space.optimizers[-1], **pk))
     return out
 
 
@@ -181,7 +189,7 @@ def stage2(best: Sequence[Policy], space: SearchSpace) -> list[Policy]:
         for m in space.mappings:
             for d in space.prefetch_depths:
                 for r in space.residents:
-                    for lay in space.host_layouts:
+                    for lay in space.host_memories:
                         for opt in space.optimizers:
                             q = p.replace(mapping=m, prefetch_depth=d, resident=r, host_memory=lay, optimizer=opt)
                             k = q.dumps()
@@ -200,7 +208,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     (forward and backward) through the slower of the summed host links and the host DMA cap; the
     CPU optimizer's step of every layer (once per iteration even when asynchronous) spread perfectly
     over the ranks' optimizer threads (one per GPU), and no shorter than the longest step. It cannot fit
-    when the host layout exceeds host memory, or when a layer's backward alone holds more than a GPU
+    when the host memory layout exceeds host memory, or when a layer's backward alone holds more than a GPU
     (`gpumem.least_peak_bytes`, the GPU-memory formula's floor under any packing).
     """
     hw, model = w.hardware, w.model
@@ -214,13 +222,13 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     compute *= p.microbatches / len(hw.gpus)
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
-    uploads = 0.0 if p.resident == "all" else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
+    uploads = 0.0 if p.resident == ResidentMode.ALL else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
     steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True)
     optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
     why = ""
     hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
     if hb > w.host_limit:
-        why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} layout, limit {w.host_limit:,}"
+        why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} host_memory, limit {w.host_limit:,}"
     least = least_peak_bytes(base_plan(p, model, hw, trace))
     if least > w.gpu_limit:
         why = why or (f"GPU memory: a layer's backward holds at least {least:,} bytes (its weights, gradient, "
@@ -314,8 +322,8 @@ def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
     lines = []
     gpu_short = [e.gpu_short_bytes for e in ranked if e.gpu_short_bytes > 0]
     host_short = [e.host_short_bytes for e in ranked if e.host_short_bytes > 0]
-    compact = host_bytes(w.model, "compact").total_bytes
-    replicated = host_bytes(w.model, "replicated").total_bytes
+    compact = host_bytes(w.model, HostMemory.COMPACT).total_bytes
+    replicated = host_bytes(w.model, HostMemory.REPLICATED).total_bytes
     if compact > w.host_limit:
         lines.append(f"host memory falls short: the compact layout needs {gib(compact)} for parameters and "
                      f"optimizer state, the limit is {gib(w.host_limit)}; add at least {gib(compact - w.host_limit)} "

@@ -5,20 +5,20 @@ from __future__ import annotations
 import torch
 
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS
-from tinypipe.policy.modes import HOST_LAYOUTS, HostLayout
+from tinypipe.policy.modes import HostMemory
 
 from .host_compact import CompactHostState
 from .host_replicated import ReplicatedHostState
 from .hoststate import AdamWConfig, HostState
 
 
-def make_host_state(params: dict[int, dict[str, torch.Tensor]], *, layout: HostLayout, compute_dtype: torch.dtype,
+def make_host_state(params: dict[int, dict[str, torch.Tensor]], *, host_memory: HostMemory, compute_dtype: torch.dtype,
                     optim: AdamWConfig, pin: bool = False, grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS,
                     shared_grad: int | None = None, snapshots: bool = False) -> HostState:
-    """The host state of `params` under `layout`; `grad_ring_slots` and `snapshots` are compact's."""
-    if layout == "replicated":
+    """The host state of `params` under `host_memory`; `grad_ring_slots` and `snapshots` are compact's."""
+    if host_memory == HostMemory.REPLICATED:
         return ReplicatedHostState(params, compute_dtype=compute_dtype, optim=optim, pin=pin, shared_grad=shared_grad)
-    if layout == "compact":
+    if host_memory == HostMemory.COMPACT:
         return CompactHostState(params, compute_dtype=compute_dtype, optim=optim, pin=pin, shared_grad=shared_grad,
                                 grad_ring_slots=grad_ring_slots, snapshots=snapshots)
-    raise ValueError(f"unknown host memory layout {layout!r}; expected one of {HOST_LAYOUTS}")
+    raise ValueError(f"unknown host memory layout {host_memory!r}; expected one of {tuple(HostMemory)}")
