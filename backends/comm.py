@@ -16,9 +16,8 @@ import torch
 
 # Thread blocks (SMs) one NCCL send / receive may occupy. A receive is posted before its data is
 # ready and its kernel spins on the GPU until the peer's send arrives, holding its blocks. Measured
-# on 2 H200s (2026-12-01), the 8B forward block took 7.42 ms with NCCL's default and 7.22 ms with
-# this cap. The rest of the gap to the 6.6 ms of 2026-11-30 was the machine: a 1-GPU run without
-# NCCL took 7.2 ms there too, and another lent H200 7.8 ms in isolation (`tinypipe profile`).
+# on 2 H200s, the 8B forward block took 7.42 ms with NCCL's default and 7.22 ms with this cap; a
+# 1-GPU run without NCCL took 7.2 ms on that machine too (the profile's 6.6 ms was another machine).
 # Boundary activations are 64 MiB per microbatch: a millisecond or two over NVLink with a few blocks.
 P2P_MAX_CTAS = 4
 

@@ -1,8 +1,8 @@
 """The host's stolen CPU time: what a virtual machine's hypervisor gave to other guests.
 
-On the lent H200 machines (virtual, 16 vCPUs) `top` showed 5-8% steal for seconds at a time while a
-profile timed the host optimizer (2026-12-01, fifth session, call 2), and that profile's compact block
-step ran 72 ms where the profiles before and after it on the same machine ran 33-35 ms. A step is ~150
+On virtual H200 machines (16 vCPUs) `top` showed 5-8% steal for seconds at a time while a profile
+timed the host optimizer, and that profile's compact block step ran 72 ms where the profiles before
+and after it on the same machine ran 33-35 ms. A step is ~150
 torch ops, each split over the rank's threads and joined at a barrier: a vCPU paused under any one
 thread holds up the op, so a few percent of steal can double a step. Profiles and runs report the
 steal they saw (`Steal`), so a slow measurement says why.
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC_STAT = Path("/proc/stat")
-# A stolen share above this is reported (profile, run summary, bench/fidelity.py): call 5.2's slow profile
-# ran while `top` showed 5-8%, and call 5.3's run with slow first iterations lost 2.3% overall.
+# A stolen share above this is reported (profile, run summary, bench/fidelity.py): the slow profile above
+# ran while `top` showed 5-8%, and a run with slow first iterations lost 2.3% overall.
 NOTABLE_STEAL = 0.01
 
 

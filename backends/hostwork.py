@@ -26,8 +26,8 @@ import torch
 # The worker releases the GIL inside every torch op of a step (a Qwen3-1.7B block's step is ~150 of
 # them) and must take it back from the thread that issues the device's work; a thread that wants the
 # GIL waits up to the switch interval before the holder is made to drop it, and Python's default is
-# 5 ms. Measured on one H200 (2026-12-01, Qwen3-1.7B, async optimizer, 65,536 tokens per step, the same
-# machine and profile; bench/results/profile_h200_fid3/README.md): eager 2 x 2048 ran 13,596 tokens/s at 5 ms and
+# 5 ms. Measured on one H200 (Qwen3-1.7B, async optimizer, 65,536 tokens per step, the same machine and
+# profile; docs/performance.md): eager 2 x 2048 ran 13,596 tokens/s at 5 ms and
 # 16,545 at 0.2 ms (x1.22), compiled 4 x 2048 27,843 and 28,992 (x1.04).
 GIL_SWITCH_S = 2e-4
 
@@ -74,14 +74,14 @@ def gc_pauses(into: list[tuple[str, float, float]], min_s: float = 1e-3) -> Iter
 # Python's cyclic garbage collector holds the GIL for a whole collection, so every thread of the rank
 # waits for it. A full (generation 2) collection walks every tracked object: after `torch.compile`
 # has built its graphs and guards that takes ~0.5 s, and it came once per compiled run, inside the
-# timed iterations (H200, Qwen3-1.7B, 2026-12-01: the main thread stalled 481 ms issuing one FWD; at
+# timed iterations (H200, Qwen3-1.7B: the main thread stalled 481 ms issuing one FWD; at
 # a window boundary the optimizer thread's last three steps took 0.93 s instead of 0.24 s). So after
 # the first window (one iteration: the compile's) a rank with compiled blocks collects once and freezes
 # what survives (`gc.freeze`: never walked again); later full collections walk only what training made
 # since. An eager CUDA rank does the same: its full collections are shorter but came inside the timed
-# iterations too (2026-12-01, sixth session, call 3: one of 274 ms in iteration 9 of an eager Qwen3-1.7B
-# run at 2 x 2048). An eager CPU rank keeps Python's default: it stands in for a device in tests and
-# the default job, and is not timed against a prediction of one.
+# iterations too (one of 274 ms in iteration 9 of an eager Qwen3-1.7B run at 2 x 2048). An eager CPU
+# rank keeps Python's default: it stands in for a device in tests and the default job, and is not timed
+# against a prediction of one.
 # TINYPIPE_GC_FREEZE=0 keeps Python's default (an A/B knob, like the two of `host_settings`).
 def settle_heap_enabled(compiled: bool, backend: str) -> bool:
     """Whether a rank of a run with these settings settles the heap after its first window (`settled_heap`)."""

@@ -1,6 +1,6 @@
 """The per-rank interpreter: one rank's part of a Schedule, run through a dispatch table keyed by Kind.
 
-DESIGN §5. Each handler does what docs/schedule-contract.md says its kind means: LOAD / EVICT move
+See docs/architecture.md. Each handler does what docs/schedule-contract.md says its kind means: LOAD / EVICT move
 a layer's weights between the host state and the device; FWD runs a layer without keeping the
 graph and keeps its input (or, without recompute, keeps the graph); BWD recomputes from that input
 and back-propagates, accumulating the weight gradients on the device; GRAD_OUT hands them to the

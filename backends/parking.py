@@ -1,8 +1,8 @@
 """Pinned host buffers for activations parked in host memory (OFFLOAD_ACT / FETCH_ACT), reused.
 
-Issue 9: no per-tensor pinned allocation. `torch.empty(..., pin_memory=True)` for each parked input
-cost a page-locking allocation per activation in the first step (18 ms gaps between forward layers
-on an H200, 2026-11-30) and rounds each block to a power of two. Here buffers of one size are carved
+No per-tensor pinned allocation: `torch.empty(..., pin_memory=True)` for each parked input costs a
+page-locking allocation per activation in the first step (18 ms gaps between forward layers on an
+H200) and rounds each block to a power of two. Here buffers of one size are carved
 from `PinnedSlab`s, GROW_BYTES at a time, and reused. A buffer handed back after an upload from it
 is reused only once that upload has finished: on CUDA the next download into it waits for the
 upload's event on the device (the host never blocks); on the CPU copies are done when they return.

@@ -1,6 +1,6 @@
 """The compact host layout's fp32 master as two 16-bit planes, and AdamW over them in cache-sized chunks.
 
-DESIGN §1.2: the fp32 master of a parameter is stored as two 16-bit planes. The high plane holds the
+The fp32 master of a parameter is stored as two 16-bit planes (docs/architecture.md). The high plane holds the
 upper 16 bits of every fp32 value, which is the bf16 bit pattern of the value truncated toward zero,
 and is uploaded to the GPU as it is (`hi_as_bf16`, no copy); the low plane holds the lower 16 bits,
 so `join` restores the fp32 master exactly and `split` stores it back. Planes are `torch.int16` (or
@@ -8,14 +8,14 @@ so `join` restores the fp32 master exactly and `split` stores it back. Planes ar
 
 The optimizer must see the fp32 master. Joining a whole parameter, running AdamW on it and splitting
 it again (`unfused_compact_adamw_step`) makes three passes over DRAM where a plain AdamW makes one:
-the DESIGN measured 3.4x a plain fused AdamW. `compact_adamw_step` does the same work chunk by chunk
+3.4x a plain fused AdamW at 2 threads. `compact_adamw_step` does the same work chunk by chunk
 (join one chunk into a small fp32 scratch, update it with torch's fused CPU AdamW kernel, split it
 back), so the scratch, the chunk of the planes and the chunk of the moments stay in cache between
 the three steps and DRAM is crossed once, with the bytes of a plain fused AdamW (hi + lo = an fp32
 master). No compiled extension: only torch operators, each vectorized. The price is six extra
 in-cache passes (three to join, three to split), each about a cycle per element in torch, so the
 chunked step measures ~1.6-2x a plain fused AdamW at 16-32 threads and ~2.3x at 1-2 threads, against
-~2.4-3.8x unfused (bench/compact_optim.py); near 1x needs a compiled fused kernel.
+~2.4-3.8x unfused (docs/performance.md); near 1x needs a compiled fused kernel.
 
 Bit-exactness: the update equals `torch.optim.AdamW(fused=True)` (the reference's `layer_adamw`) on
 the joined fp32 tensor bit for bit, provided chunks start at multiples of 64 elements from the start
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 # One chunk: 4M elements, i.e. 16 MiB of fp32 scratch + 16 MiB of int32 temporary + 16 MiB of the two
-# planes (workspace: 32 MiB per optimizer thread). bench/results/compact_optim.json (64M params):
+# planes (workspace: 32 MiB per optimizer thread). Measured with 64M params:
 # the best chunk at 32 threads on a 32-core H200 host (2 MiB L2 a core, 300 MiB L3) and at 1-2
 # threads on a 2-core VM (480 MiB L3); within ~10% of the best at 2-16 threads elsewhere (1M or 256K
 # won there), ~15% behind 64K at 1 thread on the H200 host. Smaller chunks lose to the fixed cost of
@@ -46,7 +46,7 @@ CHUNK_ALIGN_ELEMS = 64
 # How a chunk is joined and split (`_MOVES`). "shift": contiguous passes (bf16 widening,
 # zero-extension, or; narrowing, shift, narrowing), 3 each way. "strided": 2 strided copies each way.
 # On the H200 host at 15 threads the chunked step took 2.1x a plain fused AdamW with "shift" and 3.1x
-# with "strided" (bench/results/compact_optim_h200.json, 2026-12-01), so "shift" is the default.
+# with "strided", so "shift" is the default.
 BIT_MOVES = "shift"
 _PLANE_DTYPES = (torch.int16, torch.uint16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # gradients as they land on the host
@@ -138,7 +138,7 @@ def unfused_compact_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad_fp32: to
     """The same update as `compact_adamw_step` as three whole passes: join all, AdamW all, split all.
 
     `master`: optional fp32 buffer of the parameter's size to join into (allocated if None). For
-    comparison (bench/compact_optim.py); bit-identical to the chunked step.
+    comparison; bit-identical to the chunked step.
     """
     n = _check_planes(hi, lo)
     if step < 1:

@@ -23,7 +23,7 @@ Step = Sequence[tuple[torch.Tensor, torch.Tensor]]  # one optimizer step: (input
 def layer_adamw(params: Iterable[nn.Parameter], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
                 eps: float = 1e-8, weight_decay: float = 0.0) -> torch.optim.AdamW:
     """The optimizer of one layer's parameters: torch's AdamW, fused when they are all on the CPU
-    in fp32 (DESIGN §5: the CPU optimizer is PyTorch's fused AdamW, per layer)."""
+    in fp32 (the backend's host optimizer is PyTorch's fused AdamW, per layer: docs/architecture.md)."""
     params = list(params)
     fused = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

@@ -191,7 +191,7 @@ def save_trace(plan: Any, results: list[Any], path: str | Path, tl: Any = None) 
 def trace_data(plan: Any, results: list[Any], origin_s: float | None = None) -> dict[str, Any]:
     """A run's Chrome trace otherData: `run` (`replay_record`); with `origin_s` (the trace's zero on
     `time.perf_counter`'s clock) `origin_unix_s`, that instant on the wall clock, to line the trace up with
-    what other tools sampled meanwhile (bench/steal_spells.py: the host's /proc/stat); and, with
+    what other tools sampled meanwhile (e.g. the host's /proc/stat); and, with
     --trace-memory, `action_peaks`: per device, [record id, the allocator's peak bytes up to the end of that
     action's issue] (RunLog.peaks)."""
     out: dict[str, Any] = {"run": replay_record(plan)}

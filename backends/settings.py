@@ -22,7 +22,7 @@ from tinypipe.common.errors import InputError
 from tinypipe.common.outputs import check_dir, check_file
 
 # The embedded job (plain `tinypipe run`): loss falls and held-out addition accuracy rises within
-# about a minute on 2 CPU cores. Measured 2026-11-30 on the 2-core dev box, single process: 1,000
+# about a minute on 2 CPU cores. Measured on a 2-core VM, single process: 1,000
 # steps of 512 tokens at lr 3e-3 reach ~34% accuracy (800: ~20%; lr 1e-2 diverges; 2,048-token
 # steps learn slower per token); the 2-worker pipeline runs ~8,400 tokens/s with 4 sequences
 # per microbatch and ~5,200 with the preset's 1, hence the microbatch size of the default job.

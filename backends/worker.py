@@ -393,7 +393,7 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
         # Failing, keep the groups' connections open: torch's spawn wrapper writes this rank's error
         # file after the exception leaves here, and the launcher names the rank whose file is oldest
         # (`launch._first_failure`). Destroyed here, the peers' "connection closed" errors could be
-        # written first (seen once under load, 2026-12-01). The process exits right after anyway.
+        # written first (seen under load). The process exits right after anyway.
         if finished:
             dist.destroy_process_group()
 

@@ -1,60 +1,43 @@
-"""The simulator: one SimPy process per schedule resource runs its actions in order (stream + event semantics).
+"""The simulator: one SimPy process per schedule lane runs its actions in order (stream + event semantics).
 
 An action starts when its predecessors have finished (`tinypipe.ir.order`: the previous action on its
-resource and all its dependencies): the lane's process has finished the previous one, and it waits
-for the dependencies (the deadlock report lists the predecessors still running). Each kind is timed
-by its cost class in `tinypipe.ir.kinds.KINDS`, as docs/schedule-contract.md says: compute (FWD / BWD)
-takes the trace's times (`KindProfile.compute_s`: BWD with recompute when the schedule recomputes;
-a recomputed layer whose kind has loop times, `tinypipe.describe.looptimes`, takes those), a free kind (EVICT) no
-time, the optimizer (OPT_STEP, on `host.optim`) `hostmem.optimizer_step_s` (the trace's step of the
-layer's kind measured in a run's conditions, else the host layout's rate), and copies (uploads,
-downloads and the SEND / RECV halves) are fluid flows over the hardware route (sim/network.py); a
-cost class it has no rule for is an error (the table: sim/durations.py).
-A SEND and its RECV (paired by `tinypipe.ir.order.pair_halves`) rendezvous: the copy starts when both
-halves are ready and both end when it ends; each half's record starts when its own stream reached it
-(as a CUDA event recorded before it would).
+lane and all its dependencies; the deadlock report lists those still running). Each kind is timed by
+its cost class in `tinypipe.ir.kinds.KINDS` (the rules: sim/durations.py; a class with no rule is an
+error), as docs/schedule-contract.md says:
+- compute (FWD / BWD): the trace's times (`KindProfile.compute_s`; a recomputed layer whose kind has
+  loop times, `tinypipe.describe.looptimes`, takes those);
+- EVICT: no time;
+- OPT_STEP (on `host.optim`): `hostmem.optimizer_step_s`, the trace's step of the layer's kind measured
+  in a run's conditions, else the host layout's rate;
+- copies (uploads, downloads, the SEND / RECV halves): fluid flows over the hardware route
+  (sim/network.py). A SEND and its RECV (`tinypipe.ir.order.pair_halves`) rendezvous: the copy starts
+  when both halves are ready and both end with it; each half's record starts when its own stream
+  reached it, as a CUDA event recorded before it would.
 Memory effects go through the ledgers (sim/memory.py).
 
-Loop times, beside the optimizer or alone: a FWD / BWD with loop times costs the
-`*_beside_optimizer_s` one (the larger of the device's time and the main thread's issue time,
-`LoopTimes.compute_s`) when an OPT_STEP is running on any host optimizer lane at the instant it
-starts, else the alone one; the choice is made at the start and holds for the whole action. With the
-loop's issue gaps (`KindProfile.issue_gap_s`, chosen the same way when the action is ready) it starts no
-earlier than that long after the previous FWD / BWD on its lane ended: the main thread issuing it. A
-start-time rule is enough: the actions take milliseconds and the steps tens of milliseconds, so few
-actions see a step begin or end part-way. Running steps are counted (one counter, raised while an
-OPT_STEP with a non-zero time runs); an OPT_STEP starting or ending at the very instant a FWD / BWD
-starts counts as SimPy orders the two processes' events at that instant. Any rank's step counts,
-whichever GPU the action is on, though the profile measured only a rank's own step beside its own
-loop (in a run another rank's optimizer thread is in another process: it shares the cores and the
-memory bandwidth, not the GIL); not measured, so not told apart.
+Loop times: a FWD / BWD with loop times costs its `*_beside_optimizer_s` time when an OPT_STEP is
+running on any host optimizer lane at the instant it starts, else its alone time (both the larger of
+the device's time and the main thread's issue time, `LoopTimes.compute_s`), and starts no earlier than
+the loop's issue gap (`KindProfile.issue_gap_s`) after the previous FWD / BWD on its lane. A start-time
+rule is enough: the actions take milliseconds and the steps tens of milliseconds.
 
-The optimizer beside the device's work, by phase: an OPT_STEP whose trace measured the step by what its
-rank's main thread does meanwhile (`hostmem.optimizer_step_phases_s`: alone, beside FWDs, beside BWDs)
-runs as a fluid: it has one step of work to do, at the rate 1 / (the phase's time), and the phase is
-that of its rank's compute lane -- FWD or BWD while the lane runs one (an action of no time, EVICT,
-keeps the phase), idle while the lane waits for a dependency or has nothing left. At each change of
-phase the running steps of that rank carry their remaining work on at the new rate. In the async
-Qwen3-1.7B run on an H200 (bench/async_gap.py) that is the difference between a block's step of ~82 ms
-beside the forward's issue and ~41 ms while the compute stream waited; the steps that run during the
-next iteration's forward are those the backward then waits for (its first microbatch's BWD of a layer
-waits for that layer's GRAD_OUT, which waits for a gradient slot that an OPT_STEP frees).
-Without those times an OPT_STEP takes `hostmem.optimizer_step_s` whatever runs.
+Steps by phase: an OPT_STEP whose trace measured the step by what its rank's main thread does meanwhile
+(`hostmem.optimizer_step_phases_s`: alone, beside FWDs, beside BWDs) runs as a fluid with one step of
+work at the rate 1 / (the phase's time), the phase being that of its rank's compute lane (FWD or BWD
+while the lane runs one, idle while it waits); at each change of phase the running steps carry their
+remaining work on at the new rate. Otherwise an OPT_STEP takes `hostmem.optimizer_step_s` whatever runs.
 
-Lanes: one process per lane of `tinypipe.ir.order.run_lanes`, which is one per resource except the host
-optimizer: as in the backend, every rank runs its own layers' OPT_STEPs on a lane of its own, so
-two ranks' steps overlap. What that does and does not model: each step takes the time measured for
-one rank (`tinypipe profile` at the rank's thread count, beside its own device work), so the ranks'
-division of the host's cores is in the measurement when the profile was taken at the run's per-rank
-thread count; the host memory bandwidth that two ranks' steps share while both run is not (each
-lane runs at its own measured speed whatever the others do; bench/host_optim_rates.py measures
-ranks stepping at once).
+Lanes: one per resource of `tinypipe.ir.order.run_lanes`, except the host optimizer, where every rank
+runs its own layers' OPT_STEPs on a lane of its own, as the backend does, so ranks' steps overlap.
+Each step takes the time measured for one rank at its thread count; the memory bandwidth two ranks'
+steps share while both run is not modelled.
 
 Replay (`tinypipe replay`) swaps in measured times: `durations` gives actions a fixed duration instead
-of their cost (a SEND / RECV half: its time after both halves are ready), `lanes` gives the
-lists to run instead of `run_lanes`' (e.g. under the CPU backend, one lane per rank's thread), and
-`issue` (per action: the issue loop's pass before it and its handler, in seconds) runs each rank's
-host issue loop (sim/issuer.py): an action of the rank starts no earlier than its issue began.
+of their cost (a SEND / RECV half: its time after both halves are ready), `lanes` the lists to run
+instead of `run_lanes`' (e.g. under the CPU backend, one lane per rank's thread), and `issue` (per
+action: the issue loop's pass before it and its handler, in seconds) runs each rank's host issue loop
+(sim/issuer.py): an action of the rank starts no earlier than its issue began. docs/architecture.md
+places the simulator in the house; docs/fidelity.md says how its predictions compare with runs.
 """
 
 from __future__ import annotations

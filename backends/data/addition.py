@@ -70,9 +70,9 @@ class AdditionSequences:
 
     With byte-level ids a problem's tokens are its text's bytes, so `__getitem__` takes a fast path
     that draws the same problems, keeps each problem's bytes and loss mask (`_packed`, a bounded
-    memo) and joins them, ~3x faster than tokenizing problem by problem (H200 host, Qwen3-1.7B,
-    2026-12-01: 0.2-0.4 s of pure Python per 4-step window between two windows of a compiled run,
-    while the GPU waited). `slow_item` is the general path, kept for any tokenizer and the tests.
+    memo) and joins them, ~3x faster than tokenizing problem by problem (on an H200 host the general
+    path took 0.2-0.4 s of pure Python per 4-step window of Qwen3-1.7B between two windows of a
+    compiled run, while the GPU waited). `slow_item` is the general path, kept for any tokenizer and the tests.
     """
 
     MEMO_MAX = 200_000  # problems whose bytes are kept (the default task has ~10k)

@@ -1,4 +1,4 @@
-"""`tinypipe profile`: measure what the simulator consumes on this machine's device (DESIGN §3).
+"""`tinypipe profile`: measure what the simulator consumes on this machine's device (docs/architecture.md).
 
 - `layers`: one layer of each kind (embed, block, head) run through the interpreter's own FWD / BWD
   handlers, timed and sized -> a `tinypipe.describe.trace.ProfileTrace` per microbatch size.

@@ -160,8 +160,8 @@ def _profile(args: argparse.Namespace) -> int:
         opt_threads = args.threads or rank_threads(device.type, 1, os.cpu_count() or 1)
         loops: dict[int, tuple[LoopTimes, str]] = {}
         largest = None  # the optimizer's device loop (the largest microbatch size), reused for its loop times
-        # The optimizer first: in the one H200 profile that timed the compiled block's loop before it
-        # (2026-12-01), every later step of that process ran 1.3-2.6x slower even with nothing else
+        # The optimizer first: in an H200 profile that timed the compiled block's loop before it,
+        # every later step of that process ran 1.3-2.6x slower even with nothing else
         # running (a 50 M compact step 80 ms alone, against 30 ms in the eager profile minutes earlier
         # and 26 ms in a compiled one without the loop); the cause is not known.
         if not args.no_optimizer:  # once, beside the largest microbatch's device work, for every trace

@@ -17,7 +17,7 @@ gradient placed as before. The main thread's issue work differs between them (an
 device for about the same issue), and so does what a host step beside them loses to it: optim.py times
 the step beside each, the simulator's phases (`tinypipe.describe.trace.StepPhases`). One upload per window of 16,
 so that the loop is the phase and seldom waits for a copy (the forward of the async H200 runs issued all
-its microbatches through resident layers: bench/async_gap.py).
+its microbatches through resident layers).
 
 Why the block, whichever layer's host work is timed: in a run every layer's optimizer step overlaps
 the blocks' compute (a block is most of the device's work), and a loop of the embedding or the LM

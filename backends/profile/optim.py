@@ -29,7 +29,7 @@ layer kind (embedding, block, head: their real tensors) and per host memory layo
   async step alone and beside each (`tinypipe.describe.trace.StepPhases`, which the simulator charges by what its
   rank's compute stream runs). Why: a step shares the host with the thread that issues the device's work,
   and that thread's share depends on what it issues. In the async Qwen3-1.7B run on an H200 (compiled, 4
-  x 2048; bench/async_gap.py) a block's step took ~82 ms while the forward was issued, ~65 ms beside the
+  x 2048; docs/fidelity.md) a block's step took ~82 ms while the forward was issued, ~65 ms beside the
   backward and ~41 ms while the compute stream waited for a gradient, against the one 43 ms that a loop
   of both gave; the steps during the forward were on the critical path.
 
@@ -188,11 +188,11 @@ def measure_optimizer(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_
     (kind -> host_memory -> KindSteps) and the host's stolen CPU share in each round taken (`cpustat.Steal`), at
     `threads` torch intra-op threads; with `phases` (`time_steps`) the steps by phase too. Every kind and
     host_memory is timed in each of `rounds` rounds, one after another, and the medians are over all rounds'
-    steps: the lent machines' host steps came 2x slow for tens of seconds at a time (cpustat), and one
+    steps: on virtual machines host steps can run 2x slow for tens of seconds at a time (cpustat), and one
     round's steps all fall inside such a spell. A round during which the hypervisor took more than
     NOTABLE_STEAL of the host's CPU is taken again, up to `rounds` more, and left out of the medians
-    (`quiet_rounds`), unless no round was quiet: on the lent H200s (2026-12-01, sixth session) a
-    block's host step tracked the steal of the moment (correlation +0.84 over one call's iterations), and a
+    (`quiet_rounds`), unless no round was quiet: on virtual H200 machines a block's host step tracked
+    the steal of the moment (correlation +0.84 over one machine's iterations), and a
     profile timed under 1-2.6% steal put the replicated block's in-run step at 23.7 ms against a quiet
     profile's 20.3."""
     before = torch.get_num_threads()

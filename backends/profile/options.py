@@ -34,14 +34,14 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                         "optimizer at the host's rate")
     p.add_argument("--optimizer-rounds", type=int, default=None, metavar="N",
                    help="time every kind's host optimizer step in N rounds, one after another, and take the medians "
-                        "over all of them (default 3 on cuda, 1 on cpu): on the lent H200 machines the host's steps "
-                        "ran 2x slow for tens of seconds at a time, with the hypervisor taking CPU time (the profile "
+                        "over all of them (default 3 on cuda, 1 on cpu): on virtual machines the host's steps can "
+                        "run 2x slow for tens of seconds at a time, with the hypervisor taking CPU time (the profile "
                         "prints the share it took in each round); a round in which it took more than 1%% is taken "
                         "again, up to N more, and left out of the medians")
     p.add_argument("--optimizer-phases", action="store_true",
                    help="also time the host optimizer step beside a loop of FWDs only and one of BWDs only, and the "
                         "async step alone (the simulator then runs the step at the rate of what the compute stream "
-                        "runs); off by default: on an H200 (2026-12-01) these did not reproduce a run's steps beside "
+                        "runs); off by default: on an H200 these did not reproduce a run's steps beside "
                         "the forward (40-47 ms against ~80 ms for a Qwen3-1.7B block) and made the compiled async "
                         "prediction worse (-27%% against -18%%)")
     p.add_argument("--no-loop", action="store_true",

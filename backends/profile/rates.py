@@ -6,7 +6,7 @@ after one warm-up:
 - h2d_gbps, d2h_gbps: one copy of `copy_bytes` each way alone;
 - bidir_gbps: both at once (two streams; on a CPU two threads), total bytes over the time both took;
 - copy_latency_s: the fixed cost of a copy, the time of a `small_copy_bytes` copy less its bytes at
-  the H2D rate (DESIGN §8 measured 3-6 us on the H200 host).
+  the H2D rate (3-6 us on the H200 host: traces/hardware/h200x2.json).
 
 Host optimizer, over one fp32 tensor of `optim_params` parameters at `threads` intra-op threads,
 through the run's own code (`HostState.step`, what an OPT_STEP runs), gradients delivered first:
@@ -41,7 +41,7 @@ from ..host_states import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
 
 FORMAT = "tinypipe-host-rates-v1"
-COPY_BYTES = 256 * MIB  # large enough to reach the link's rate (DESIGN §8: >= 16 MiB on the H200 host)
+COPY_BYTES = 256 * MIB  # large enough to reach the link's rate (>= 16 MiB on the H200 host)
 CPU_COPY_BYTES = 64 * MIB  # host memcpy: past the last-level cache, a fraction of a second on 2 cores
 SMALL_COPY_BYTES = 4 << 10
 OPTIM_PARAMS = 1 << 24  # 16M fp32 parameters: 256 MiB of state, past any cache, ~20 ms a step on 2 cores

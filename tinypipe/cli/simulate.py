@@ -167,7 +167,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                         for r, g in zip(rows([g[0] for g in top]), top)], align="rrrrrrl"))
     if len(top) > 1 and top[1][0].tokens_per_s > best * (1 - CLOSE):
         print(f"note: candidates within {100 * CLOSE:.0f}% of #1 are closer than the simulator's errors and one run's "
-              "spread on the H200s (README, \"Predicting a run\"): expect them to run alike")
+              "spread on the H200s (docs/fidelity.md): expect them to run alike")
     print("\nPareto front (tokens/s vs peak GPU vs peak host):")
     print(table.render(["#", "tokens/s", "peak GPU", "peak host", "policy"], rows(result.pareto()), align="rrrrl"))
     if args.out:
@@ -176,7 +176,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 # Predictions closer than this are not an order (bench/results/fidelity.jsonl: median |error| 2.2% over 29
-# H200 configurations; one policy's runs on one machine spread 1.6%: README, "Predicting a run").
+# H200 configurations; one policy's runs on one machine spread 1.6%: docs/fidelity.md).
 CLOSE = 0.02
 
 

@@ -27,7 +27,7 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     sync, untied head: the head's OPT_STEP goes after the other steps of its GPU's iteration. Its
     gradient lands first, but the next forward reads the head last, so stepping it first delays
     every other layer's update by the head's step (0.35 s for Llama-3.1-8B's 525 M-parameter head
-    on an H200 host, 2026-12-01): the optimizer runs behind the backward, and the embedding's
+    on an H200 host): the optimizer runs behind the backward, and the embedding's
     update, which the next forward waits for, finishes that much later.
     """
     pos = {op: i for i, op in enumerate(ops)}

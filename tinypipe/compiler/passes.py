@@ -180,7 +180,7 @@ def transfer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     reader); FETCH_ACT L m before BWD L m, after the offload and after BWD L m-1 (inputs come
     back one microbatch ahead). Only for layers that recompute: a layer that keeps its forward's graph
     (the head) keeps its input in it, so an offload would free nothing on the GPU and the fetch would
-    make a second copy (an H200, 2026-12-01, Qwen3-1.7B 4 x 2048, `run --trace-memory`: the peak at the
+    make a second copy (an H200, Qwen3-1.7B 4 x 2048, `run --trace-memory`: the peak at the
     head's second backward was the ledger's plus its 8 inputs, 0.25 GiB, when they were offloaded).
     """
     before: dict[Op, list[Op]] = {}
@@ -274,8 +274,8 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     # A layer that keeps its forward's graph (no recompute) keeps its weights with it: its saved tensors
     # reference them. An EVICT between its FWDs and its BWDs frees nothing, and the LOAD before the BWDs
     # makes a second copy (wr.L), freed with the graphs at the layer's last BWD of the step; the first
-    # copy (w.L) goes at the EVICT after the BWDs. Measured on an H200 (2026-12-01, Qwen3-1.7B, resident
-    # none, `run --trace-memory`): the tied head's 0.58 GiB twice from its re-LOAD to its BWDs.
+    # copy (w.L) goes at the EVICT after the BWDs. Measured on an H200 (Qwen3-1.7B, resident none,
+    # `run --trace-memory`): the tied head's 0.58 GiB twice from its re-LOAD to its BWDs.
     graphs: set[tuple[int, int]] = set()  # (layer, step): FWDs kept a graph, no BWD yet
     held: dict[tuple[int, int], int] = {}  # (layer, step) -> 1 when its EVICT kept the weights, 2 once re-LOADed
     bwds: dict[tuple[int, int], int] = defaultdict(int)

@@ -21,16 +21,16 @@ starts such an action no earlier than that gap after the lane's previous FWD / B
 (`KindProfile.issue_gap_s`). Why: in the eager async Qwen3-1.7B run on an H200 (2 x 2048) the compute
 stream waited 0.30 s of each 5.2 s iteration for the main thread, on average 0.36 ms before a block's BWD
 and 0.08 ms before its FWD with no optimizer step running, 0.69 and 0.26 ms beside one; the sync run
-0.14 s (bench/async_gap.py). The mean, not the median: the waits add up.
+0.14 s (docs/fidelity.md). The mean, not the median: the waits add up.
 
 Issue times (`*_issue_s`, optional: 0 in traces before them): the median time the main thread spends
 issuing a FWD / BWD (its handler; the executor's `RunLog.issue`). An eager layer's kernels are launched
 during its issue, so where issuing takes longer than the device's work, FWDs and BWDs issued back to back
 run at the issue's pace, and `compute_s` charges the larger of the two. Why: in the eager sync Qwen3-1.7B
-run on an H200 (2 x 2048, 16 microbatches; 2026-12-01, session 3's call 5, its trace's `g0.issue`
-thread) a block's FWD took 2.41 ms to issue and its record 2.45 ms on the device, against 1.37 ms for
-the first microbatch's FWD, which was issued while the device waited for the layer's upload; the main
-thread issued for 3.73 s of the 3.99 s iteration. The profile's loop measured the device's FWD at
+run on an H200 (2 x 2048, 16 microbatches; its trace's `g0.issue` thread) a block's FWD took 2.41 ms
+to issue and its record 2.45 ms on the device, against 1.37 ms for the first microbatch's FWD, which
+was issued while the device waited for the layer's upload; the main thread issued for 3.73 s of the
+3.99 s iteration. The profile's loop measured the device's FWD at
 1.45 ms and its issue at 2.17 ms (2.51 beside a stepping optimizer). Compiled blocks issue in less
 than their device time (1.0 / 2.7 ms against 1.6 / 4.9 ms), and so do eager ones at 4 x 2048.
 """

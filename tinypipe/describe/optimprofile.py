@@ -46,7 +46,7 @@ class OptimizerProfile:
     FWDs (`beside_fwd_s`) or only BWDs (`beside_bwd_s`), and the asynchronous step alone and beside
     each (`async_*`). A step shares the host with the thread that issues the device's work (the GIL,
     the cores), and how much that thread does depends on what it issues: in the async Qwen3-1.7B run
-    on an H200 (compiled, 4 x 2048; bench/async_gap.py) a block's step took 82 ms while the forward
+    on an H200 (compiled, 4 x 2048; docs/fidelity.md) a block's step took 82 ms while the forward
     was issued, 65 ms beside the backward and 41 ms while the compute stream waited (means of the
     steps by the phase they overlapped most), where the one in-run figure (a loop of both) was 43 ms."""
 

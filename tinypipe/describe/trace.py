@@ -57,7 +57,7 @@ from tinypipe.describe.optimprofile import OptimizerProfile
 
 # Fraction of the GPU's achieved large-GEMM rate (`GPU.matmul_flops`) that a layer's mix of
 # smaller GEMMs and causal flash attention reaches. Calibrated once against the measured H200
-# Llama-3.1-8B block (DESIGN.md section 8, 1x2048 tokens: forward 1.96 ms); see tests/test_trace.py.
+# Llama-3.1-8B block (traces/profiles/h200-llama-3.1-8b-mb1-seq2048.json: forward 1.96 ms); see tests/test_trace.py.
 MATMUL_FRACTION = 0.7
 # Fraction of the spec memory bandwidth that streaming elementwise kernels reach.
 MEM_FRACTION = 0.8

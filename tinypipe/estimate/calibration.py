@@ -18,7 +18,7 @@ class CostModel:
     traces/calibration/cost_model.json), which is what the packers use."""
 
     pack_overhead_s: float = 5e-4  # per pack use: stream syncs, launch gaps, bookkeeping (a guess)
-    copy_latency_s: float = 5e-6  # fixed cost per copy; DESIGN §8 measured 3-6 us on the H200 host
+    copy_latency_s: float = 5e-6  # fixed cost per copy: 3-6 us measured on the H200 host (traces/hardware/h200x2.json)
     h2d_efficiency: float = 1.0  # achieved / route bandwidth for weight uploads
     gpu_reserve_bytes: int = GIB  # CUDA context and allocator slack kept free on every GPU
     host_reserve_bytes: int = 4 * GIB  # OS and process overhead kept free in host DRAM

@@ -1,4 +1,4 @@
-"""Host memory per parameter under each host memory layout (DESIGN §1.2), as formulas in one place.
+"""Host memory per parameter under each host memory layout, as formulas in one place (docs/architecture.md).
 
 `replicated` (what peers do): an fp32 master (4 B), a pinned compute-dtype copy for upload (2 B),
 a full-size fp32 gradient buffer (4 B), AdamW moments m and v (4 + 4 B), and the pinned caching
@@ -24,12 +24,12 @@ from tinypipe.describe.trace import ProfileTrace
 from tinypipe.policy.modes import HostMemory, OptimizerMode
 
 # CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
-# by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7 (bench/compact_optim.py
-# -> bench/results/compact_optim.json, 2026-11-30):
+# by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7:
 # - compact: join the planes -> fused AdamW -> split, in 4M-element chunks so each chunk's fp32
 #   master stays in cache (backends/planes.py): 1.56x and 1.82x in two runs; the mean is used.
-#   (Unfused whole-tensor join/step/split: 2.35x there; DESIGN §1.2's 2-thread figures give 3.4x.)
+#   (Unfused whole-tensor join/step/split: 2.35x there, 3.4x at 2 threads.)
 # - replicated: the step plus the fp32 -> bf16 cast that refreshes the pinned upload copy: 1 + 0.31.
+# A profile's measured steps replace these where it has them (`optimizer_step_s`); docs/performance.md.
 COMPACT_OPTIM_FACTOR = (1.56 + 1.82) / 2
 REPLICATED_OPTIM_FACTOR = 1.0 + 0.31
 
@@ -116,12 +116,12 @@ def optimizer_step_s(layer: LayerSpec, host_memory: HostMemory, host: Host, trac
     `OptimizerProfile.in_run_s`, that layer's own tensors, beside the device's work, at a rank's thread
     count), that time, in proportion to the parameters if the layer differs from the measured one.
     Else (an analytic trace, or one profiled before these measurements) the layer's parameters at
-    the host's rate for the layout (`optimizer_s_per_param`), as before. On the H200 host the rate,
-    measured in bulk with nothing else running, was 1.13-1.6x too fast for a run's steps (README,
-    "Predicting a run"). An asynchronous step first keeps the version the next iteration's uploads still
+    the host's rate for the layout (`optimizer_s_per_param`). On the H200 host the rate,
+    measured in bulk with nothing else running, was 1.13-1.6x too fast for a run's steps
+    (docs/fidelity.md). An asynchronous step first keeps the version the next iteration's uploads still
     read (compact: a copy of the high plane; replicated: the upload copy refreshed first); a trace that
     measured that step (`OptimizerProfile.async_in_run_s`) gives its time, else the sync one: on the H200
-    the kept copy made a Qwen3-1.7B block's step 1.43x slower (2026-12-01)."""
+    the kept copy made a Qwen3-1.7B block's step 1.43x slower."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     measured = _measured(layer, trace)
     t = measured.step_s(host_memory, layer.params, asynchronous=optimizer.is_async) if measured else None

@@ -70,7 +70,7 @@ class Plan:
     accumulate_workspace_bytes: tuple[int, ...] = ()
     # what a GRAD_OUT moves; () = weight_bytes. The replicated layout lands the gradients in fp32 host
     # buffers, and torch converts a GPU -> host copy across dtypes on the GPU first: twice the bytes in
-    # bf16 (an H200, 2026-12-01, Qwen3-1.7B: a block's GRAD_OUT 4.65 ms replicated, 2.0 ms compact)
+    # bf16 (on an H200, a Qwen3-1.7B block's GRAD_OUT took 4.65 ms replicated, 2.0 ms compact)
     grad_out_bytes: tuple[int, ...] = ()
 
     num_layers: int = field(init=False)

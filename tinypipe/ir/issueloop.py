@@ -28,7 +28,7 @@ from tinypipe.ir.schedule import Action
 RUNAHEAD_COMPUTE = 2
 # The loop's pause when nothing can be issued. The host optimizer's compact step is hundreds of
 # torch calls per layer, each taking the GIL back; with a 50 us poll here the step measured ~95 ms
-# per 8B block in the steady state on an H200 host (2026-11-30), where the fused-AdamW rate x 1.69
+# per 8B block in the steady state on an H200 host, where the fused-AdamW rate x 1.69
 # predicts ~62 ms. A longer pause leaves the GIL free; 0.5 ms is far below a layer's GPU work.
 IDLE_SLEEP_S = 5e-4
 

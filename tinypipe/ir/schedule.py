@@ -50,7 +50,7 @@ def recomputes(recompute: bool, layer: int, num_layers: int) -> bool:
     """Whether BWD of `layer` re-runs its forward first: under `recompute`, every layer but the head
     (the last one). The chunked head keeps only its normed input and one fp32 per token (32,784 B a
     token for Llama-3.1-8B, against 168,064 for a block), so recomputing it would repeat its forward
-    (21.7 ms per 4 x 2048 tokens on an H200, 2026-11-30) to save ~200 MiB per microbatch."""
+    (21.7 ms per 4 x 2048 tokens on an H200) to save ~200 MiB per microbatch."""
     return recompute and layer != num_layers - 1
 
 
