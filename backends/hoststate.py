@@ -3,7 +3,7 @@
 This module holds what both layouts share (`HostState`); each layout is its own module
 (`host_replicated.py`, `host_compact.py`), and `host_states.make_host_state` picks one by name.
 
-Two layouts (DESIGN §1.2; the formulas they are checked against live in `tinypipe.estimate.hostmem`):
+Two layouts (docs/architecture.md; the formulas they are checked against live in `tinypipe.estimate.hostmem`):
 
 `replicated` (what peers do): per layer an fp32 master, a separate compute-dtype upload copy and a
 full-size fp32 gradient buffer (one block each per layer), AdamW moments. Unlike peers, whose
