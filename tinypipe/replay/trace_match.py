@@ -8,7 +8,7 @@ replay still differs from the measurement, the simulator's dependency or resourc
 something the executor does; where the prediction (the simulator with its own costs) differs from
 the replay, the costs are off. `replay_report.py` puts the three side by side.
 
-Decisions, each checked on the committed 2x H200 traces (bench/results/cuda_h200_*.trace.json):
+Decisions, each checked on real H200 runs' traces (docs/fidelity.md):
 - The window. A run executes the compiled K iterations in windows (backends/worker.py): a record's
   id is `action.id + shift * len(actions)`, `shift` the window's first step, and its iteration
   `action.iteration + shift`. Replay takes the first window that ran all K iterations (steps 0..K-1
@@ -34,7 +34,7 @@ Decisions, each checked on the committed 2x H200 traces (bench/results/cuda_h200
   than the host began to issue it, and the host issues one at a time, taking per action the loop's pass
   before it (the gap since the previous span, where the loop did not pause; else the device's mean
   pass) and its handler's time. In the eager sync Qwen3-1.7B run with 2 x 2048 per microbatch (H200,
-  trace 1gpu-preset-ab-qwen3-mb2-eager) issuing a block's FWD took longer than running it, so each
+  tests/data/h200-qwen3-1.7b-eager.trace.json.gz) issuing a block's FWD took longer than running it, so each
   layer's LOAD went only after the FWD before it and the next FWD waited ~1.9 ms for it: replayed
   without the loop the steady iteration came out 1.77% short, with it 0.02%. The loop's 0.5 ms pauses
   and the mean pass make the replay no longer a strict lower bound (+0.07% on that trace's first
