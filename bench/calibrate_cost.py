@@ -1,4 +1,4 @@
-"""Calibrate the analytic cost model against the simulator (issue 5: the holistic packer uses what the
+"""Calibrate the analytic cost model against the simulator (the holistic packer uses what the
 simulator teaches, without a search).
 
 Simulates a set of cases (models x hardware presets x policies x pack sizes), then grid-searches the

@@ -1,4 +1,4 @@
-"""CUDA benchmark (issue 9): `tinypipe run --backend cuda` on Llama-3.1-8B shapes (or `--model`), beside its floor
+"""CUDA benchmark: `tinypipe run --backend cuda` on Llama-3.1-8B shapes (or `--model`), beside its floor
 and the simulator's prediction, one JSON object per run appended to bench/results/cuda_h200.jsonl.
 
 Each case is the run a user would type (random init, bf16 compute, fp32 masters and AdamW state, seq

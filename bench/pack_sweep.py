@@ -1,4 +1,4 @@
-"""The pack-size sweep (issue 5): simulated tokens/s and peak GPU memory against pack size.
+"""The pack-size sweep (docs/performance.md): simulated tokens/s and peak GPU memory against pack size.
 
 For llama-3.1-8b on rtx4090x8-pcie4 (default), the `tinypipe` preset with uniform packs of k
 blocks for each k, then the preset as shipped (holistic packer) for comparison. Writes a table,

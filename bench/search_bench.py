@@ -1,4 +1,4 @@
-"""Search speed (issue 5): `tinypipe search` for llama-3.1-70b on rtx4090x8-pcie4 and llama-3.1-8b on
+"""Search speed (docs/performance.md): `tinypipe search` for llama-3.1-70b on rtx4090x8-pcie4 and llama-3.1-8b on
 rtx4090x1, each with its wall time, candidates evaluated per second and the winner.
 
     python bench/search_bench.py [--workers N]

@@ -1,5 +1,5 @@
 """tinypipe (searched) against mobius and resident, simulated, on every shipped hardware preset for
-three models (issue 5). Writes bench/results/sim_policies.json and prints the README table.
+three models. Writes bench/results/sim_policies.json and prints the table of docs/performance.md.
 
     python bench/sim_policies.py [--models a,b,c] [--workers N]
 """

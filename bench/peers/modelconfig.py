@@ -1,7 +1,7 @@
 """The model every system builds: a Hugging Face config.json with a shipped (or given) model's shapes and
 N decoder layers, written once per run of the runner.
 
-Llama-3.1-8B in full needs more host memory than the lent 1-GPU machine has (128 GiB) under the peers'
+Llama-3.1-8B in full needs more host memory than a 1-GPU H200 machine has (128 GiB) under the peers'
 offload layouts (RoundPipe ~22 B/param, FSDP2 and DeepSpeed >= 16 B/param: 130-175 GB), so the runner
 keeps its layer shapes (hidden 4096, 32 heads, 8 KV heads, intermediate 14336, vocabulary 128256) and
 takes fewer decoder layers: what each layer costs is the 8B's, only the count differs.

@@ -1,11 +1,11 @@
-"""tinypipe beside its peers on the same GPU (issue 13): every configuration in its own process, one
+"""tinypipe beside its peers on the same GPU: every configuration in its own process, one
 after another, under a time limit each and a deadline for all; one JSON and a Markdown table.
 
     python bench/peers/run.py [--runs tinypipe roundpipe ...] [--caps 24,none] [--gpus 1,2]
                               [--model llama-3.1-8b --layers 12] [--steps 3 --warmup 1]
                               [--timeout-s 150 --deadline-s 540] [--out bench/results/peers_h200.json]
 
-On the lent GPU machine: `bash bench/device/peers.sh` (README.md in this folder says more). A peer that
+On the GPU machine: `bash bench/device/peers.sh` (README.md in this folder says more). A peer that
 fails or runs out of time is a result, not the end of the run; bad options end in one line `error: ...`
 and exit code 2 before anything starts.
 """
