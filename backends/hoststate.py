@@ -89,7 +89,7 @@ class HeldBytes:
         return self.total_bytes / max(1, self.params)
 
     def to_json(self) -> dict[str, Any]:
-        return {"layout": self.host_memory, "params": self.params, "master_bytes": self.master_bytes,
+        return {"host_memory": self.host_memory.value, "params": self.params, "master_bytes": self.master_bytes,
                 "upload_copy_bytes": self.upload_copy_bytes, "grad_bytes": self.grad_bytes,
                 "optim_state_bytes": self.optim_state_bytes, "scratch_bytes": self.scratch_bytes,
                 "stale_bytes": self.stale_bytes, "pinned_rounding_bytes": self.pinned_rounding_bytes,
@@ -337,13 +337,14 @@ class HostState:
         memory): write them out before the next step changes them. Checkpoints are taken between
         windows, when no optimizer step runs.
         """
-        return {"layout": self.host_memory, "steps": dict(self._steps),
+        return {"host_memory": self.host_memory.value, "steps": dict(self._steps),
                 "optim": {i: self._opt[i].state_dict() for i in self.layers}, **self._layout_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (a loaded checkpoint): the optimizer takes its moment tensors, not copies."""
-        if state["layout"] != self.host_memory or set(state["steps"]) != set(self.layers):
-            raise ValueError(f"checkpoint holds host memory {state['layout']} for layers {sorted(state['steps'])}; "
+        if state["host_memory"] != self.host_memory or set(state["steps"]) != set(self.layers):
+            raise ValueError(f"checkpoint holds host memory {state['host_memory']} for layers "
+                             f"{sorted(state['steps'])}; "
                              f"this run has {self.host_memory} for {list(self.layers)}")
         self._steps = dict(state["steps"])
         with torch.no_grad():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,15 @@ def test_core_imports_run_down() -> None:
             if target is not None and target > own:
                 up.append(f"{name} -> {mod}")
     assert homeless == [] and up == []
+
+
+def test_the_architecture_picture_is_the_code() -> None:
+    """docs/architecture.md's picture lists the core's layers in CORE_LAYERS' order, and names every module
+    of the core, the simulator and the backend."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = {int(m[1]): m[2] for m in re.finditer(r"^ {4}(\d) {2}(.*)$", text, flags=re.M)}
+    assert sorted(rows) == list(range(1, len(CORE_LAYERS) + 1))
+    for i, names in enumerate(CORE_LAYERS, start=1):
+        assert all(re.search(rf"\b{n}\b", rows[i]) for n in names), (i, names, rows[i])
+    missing = sorted(p.stem for p in _package_files() if p.stem not in ("__init__", "__main__") and p.stem not in text)
+    assert missing == []

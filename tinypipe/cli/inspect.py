@@ -44,7 +44,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                            align="rr"))
         print("\nHost memory (fp32 master + AdamW):")
         rows = [[lay, round(h["bytes_per_param"], 2), table.gib(h["total_bytes"])] for lay, h in rep["host"].items()]
-        print(table.render(["layout", "bytes/param", "total"], rows, align="lrr"))
+        print(table.render(["host memory", "bytes/param", "total"], rows, align="lrr"))
         print(f"\nCan it be trained at all? (needs >= {table.gib(rep['min_gpu_bytes'])} per GPU: the largest "
               "layer's backward, with its weights, gradient, activations and workspace)")
         rows = [[f["hardware"], f["gpus"], table.gib(f["gpu_bytes"]), table.gib(f["host_bytes"]), f["gpu_fits"],
