@@ -1,8 +1,7 @@
-"""The kind table: one row per kind, read by every part; old SEND / RECV text still reads back."""
+"""The kind table: one row per kind, read by every part; a transfer half always names its direction."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from tinypipe.cli.plot import KIND_COLORS
 from tinypipe.common.errors import InputError
 from tinypipe.ir.kinds import GPU_STREAMS, KIND_STREAM, KINDS, Carries, Cost, Direction, Kind, recorded_as
-from tinypipe.ir.schedule import Schedule, parse_action
+from tinypipe.ir.schedule import parse_action
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -54,31 +53,14 @@ def test_transfer_direction_is_in_the_kind() -> None:
     assert {k for k in Kind if k.info.cost is Cost.COMPUTE} == {Kind.FWD, Kind.BWD}
 
 
-def _old_text(text: str) -> str:
-    """A schedule's text as written before the direction was in the kind: SEND_F / SEND_B -> SEND, ..."""
-    return re.sub(r" (SEND|RECV)_[FB] ", r" \1 ", text)
+def test_a_half_without_its_direction_is_an_input_error() -> None:
+    """A transfer half names its direction in its kind (SEND_F / SEND_B, RECV_F / RECV_B): a bare SEND or
+    RECV is a one-line error naming where, never read as either direction."""
+    with pytest.raises(InputError, match=r"line 3: bad action id or kind"):
+        parse_action("4 g0.send SEND L2 m0 i0 B=128 >g1 -g0:dx.L2.m0=128", "line 3")
 
 
-@pytest.mark.parametrize("case", ["tinypipe", "tinypipe-act-host", "mobius"])
-def test_old_schedule_text_reads_back(case: str) -> None:
-    """A golden schedule written with SEND / RECV loads as the same schedule: the buffer a half moves
-    (`x.*` or `dx.*`) tells its direction."""
-    text = (GOLDEN / f"{case}.txt").read_text()
-    old = _old_text(text)
-    assert old != text and " SEND_" not in old
-    assert Schedule.loads(old) == Schedule.loads(text)
-
-
-def test_old_half_without_a_buffer_is_an_input_error() -> None:
-    """Without an x.* / dx.* effect, an old SEND's direction is unknown: say so, and what to write."""
-    assert parse_action("4 g0.send SEND L2 m0 i0 B=128 >g1 -g0:dx.L2.m0=128").kind is Kind.SEND_B
-    assert parse_action("5 g1.recv RECV L2 m0 i0 B=128 >g0 +g1:x.L2.m0=128").kind is Kind.RECV_F
-    with pytest.raises(InputError, match=r"line 3: SEND moves no x.\* or dx.\* buffer.*write SEND_F or SEND_B"):
-        parse_action("4 g0.send SEND L2 m0 i0 B=128 >g1", "line 3")
-
-
-def test_old_trace_names_match_either_direction() -> None:
-    """A record of an old run names a half SEND or RECV; it matches the schedule's half of either direction."""
-    assert recorded_as("SEND", Kind.SEND_B) and recorded_as("SEND", Kind.SEND_F) and recorded_as("RECV", Kind.RECV_B)
+def test_a_record_matches_only_its_own_kind() -> None:
+    """A trace record names its kind exactly as the schedule does."""
     assert recorded_as("SEND_F", Kind.SEND_F) and not recorded_as("SEND_F", Kind.SEND_B)
-    assert not recorded_as("SEND", Kind.RECV_F) and not recorded_as("FWD", Kind.BWD)
+    assert not recorded_as("SEND", Kind.SEND_F) and not recorded_as("FWD", Kind.BWD)

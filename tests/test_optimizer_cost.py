@@ -51,11 +51,10 @@ def test_step_time_is_the_measured_one_else_the_host_rate() -> None:
 
 
 def test_traces_without_steps_load_and_predict_at_the_host_rate(capsys: pytest.CaptureFixture[str]) -> None:
-    """The shipped H200 profiles were taken before per-kind optimizer steps (no `format`, no steps): they
-    load with no steps, and giving one as --profile predicts exactly what the shipped default does, the
-    steps at the host's rate."""
+    """The shipped H200 profiles carry no per-kind optimizer steps: they load with none, and giving one as
+    --profile predicts exactly what the shipped default does, the steps at the host's rate."""
     for f in sorted(SHIPPED.glob("h200-*.json")):
-        assert "format" not in json.loads(f.read_text())
+        assert json.loads(f.read_text())["format"] == FORMAT
         assert all(p.optimizer is None for p in load_trace(str(f)).kinds.values())
     argv = ["simulate", "--model", "llama-3.1-8b", "--hardware", "h200x1", "--policy", "tinypipe",
             "--microbatch-size", "4", "--gpu-mem", "24GiB", "--seq-len", "2048", "--batch-tokens", "65536", "--json"]

@@ -143,7 +143,7 @@ def test_traces_of_another_schedule_are_refused(tmp_path: Path, capsys: pytest.C
     err = one_line_error(capsys, ["replay", doctored(tmp_path, {}, drop=(77, 4 * 224 + 77))])
     assert "no window of the run executed all 224 actions" in err and "first missing: action 77" in err
     err = one_line_error(capsys, ["replay", doctored(tmp_path, {}, other={"policy": None})])
-    assert "does not record its policy (only its name, 'tinypipe'); give --policy FILE" in err
+    assert "does not record its policy; give --policy FILE" in err
     err = one_line_error(capsys, ["replay", str(ROOT / "README.md")])
     assert "malformed JSON" in err
 

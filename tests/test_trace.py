@@ -204,7 +204,7 @@ def test_load_profiles_reads_files_and_directories(tmp_path: Path) -> None:
     (lambda d: (d / "missing").write_text("{oops"), r"missing: malformed JSON at line 1"),
     (lambda d: (d / "missing").write_text("[1, 2]"), r"missing: expected a JSON object, got"),
     (lambda d: ((d / "missing").mkdir(), (d / "missing" / "t.json").write_text('{"kinds": {}}')),
-     r"t\.json: gpu_model: missing required field"),
+     r"t\.json: format: missing required field"),
 ])
 def test_load_profiles_bad_input(tmp_path: Path, setup: Any, message: str) -> None:
     """A missing path, a directory without traces, malformed JSON or a bad trace is an InputError naming it."""

@@ -22,13 +22,12 @@ The compute and memory terms add rather than overlap: the memory term stands for
 activations and residual adds, which run as separate bandwidth-bound kernels between the GEMMs.
 
 A measured trace may also carry, per kind, the host optimizer step of one layer of that kind
-(`tinypipe.describe.optimprofile.OptimizerProfile`, `tinypipe profile`; format FORMAT). Traces written before it
-(no `format`) load as they are, without it, and the simulator then costs an OPT_STEP at the host's rate
-(`tinypipe.estimate.hostmem.optimizer_step_s` decides). The block's kind may also carry `loop`
-(`tinypipe.describe.looptimes.LoopTimes`: its recomputing FWD / BWD timed inside the executor's loop), optional
-in the same format; `KindProfile.compute_s` is the one rule for what a FWD or BWD costs. So is
-`accumulate_workspace_bytes`, a later BWD's transient (`KindProfile.accumulate_workspace` decides
-where it is missing).
+(`tinypipe.describe.optimprofile.OptimizerProfile`, `tinypipe profile`); a trace without it leaves the
+simulator to cost an OPT_STEP at the host's rate (`tinypipe.estimate.hostmem.optimizer_step_s` decides).
+The block's kind may also carry `loop` (`tinypipe.describe.looptimes.LoopTimes`: its recomputing FWD /
+BWD timed inside the executor's loop), also optional; `KindProfile.compute_s` is the one rule for
+what a FWD or BWD costs. So is `accumulate_workspace_bytes`, a later BWD's transient
+(`KindProfile.accumulate_workspace` decides where it is missing).
 """
 
 from __future__ import annotations
@@ -220,10 +219,9 @@ class ProfileTrace:
     @classmethod
     def from_json(cls, obj: Any, where: str = "trace") -> ProfileTrace:
         f = Fields(obj, where)
-        fmt = f.str("format", FORMAT)
+        fmt = f.str("format")
         if fmt != FORMAT:
-            raise InputError(f"{f.where}: format {fmt!r} is not one this tinypipe reads ({FORMAT}, or none: the "
-                             "traces before it)")
+            raise InputError(f"{f.where}: format {fmt!r} is not one this tinypipe reads ({FORMAT})")
         kinds_f = f.obj_("kinds")
         for key in kinds_f.obj:
             if key not in KIND_NAMES:

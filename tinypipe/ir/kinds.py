@@ -9,9 +9,7 @@ handler. docs/schedule-contract.md says what each kind does to memory.
 
 As in PyTorch pipelining (`SEND_F`, `RECV_B`, ...), the direction of a GPU -> GPU transfer is part of
 its kind: `SEND_F` / `RECV_F` move a boundary activation `x.L{l}` forward, `SEND_B` / `RECV_B` its
-gradient `dx.L{l}` backward. Schedules and traces written before that say `SEND` / `RECV`
-(`LEGACY_KINDS`); `schedule.parse_action` reads old schedules by the buffer a half moves, and
-`replay.match_window` reads old traces against the schedule's own action.
+gradient `dx.L{l}` backward.
 """
 
 from __future__ import annotations
@@ -115,10 +113,8 @@ KIND_STREAM: dict[Kind, str] = {k: i.stream for k, i in KINDS.items()}
 for _kind, _info in KINDS.items():
     _kind.info = _info
 COMPUTE_KINDS = frozenset(k.value for k, i in KINDS.items() if i.is_compute)  # printed names: FWD, BWD
-# Names written before a transfer's direction was part of its kind: (forward kind, backward kind).
-LEGACY_KINDS: dict[str, tuple[Kind, Kind]] = {"SEND": (Kind.SEND_F, Kind.SEND_B), "RECV": (Kind.RECV_F, Kind.RECV_B)}
 
 
 def recorded_as(name: str, kind: Kind) -> bool:
-    """Whether a record that names its kind `name` (a trace's, a timeline's) may be an action of `kind`."""
-    return name == kind.value or kind in LEGACY_KINDS.get(name, ())
+    """Whether a record that names its kind `name` (a trace's, a timeline's) is an action of `kind`."""
+    return bool(name == kind.value)

@@ -19,9 +19,7 @@ What each kind does:
   first when `Schedule.recomputes(L)`: under `recompute`, every layer but the head).
 - SEND_F / RECV_F, SEND_B / RECV_B: the two halves of one GPU -> GPU copy of a boundary activation
   (forward) or of its gradient (backward); `peer` is the other GPU. A pair moves as one copy, started
-  when both halves are ready; pairs between two GPUs match in list order. Text written before the
-  direction was part of the kind says SEND / RECV: `parse_action` tells the direction from the buffer
-  the half moves (`dx.*`: backward, `x.*`: forward).
+  when both halves are ready; pairs between two GPUs match in list order.
 - OFFLOAD_ACT / FETCH_ACT: a saved activation GPU -> host after FWD, host -> GPU before BWD.
 - GRAD_OUT L: layer L's accumulated gradients GPU -> host (fp32 or compute dtype, see nbytes).
 - OPT_STEP L: the CPU optimizer step for layer L.
@@ -41,7 +39,6 @@ from tinypipe.common.errors import InputError
 from tinypipe.ir.kinds import GPU_STREAMS as GPU_STREAMS
 from tinypipe.ir.kinds import HOST_OPTIM as HOST_OPTIM
 from tinypipe.ir.kinds import KIND_STREAM as KIND_STREAM
-from tinypipe.ir.kinds import LEGACY_KINDS
 from tinypipe.ir.kinds import Kind as Kind
 from tinypipe.policy.modes import HostMemory, OptimizerMode, coerce_modes
 
@@ -144,10 +141,9 @@ def parse_action(line: str, where: str = "schedule") -> Action:
     toks = line.split()
     if len(toks) < 3:
         raise InputError(f"{where}: expected `ID RESOURCE KIND ...`, got {line!r}")
-    legacy = LEGACY_KINDS.get(toks[2])
     try:
         aid = int(toks[0])
-        kind = legacy[0] if legacy is not None else Kind(toks[2])
+        kind = Kind(toks[2])
     except ValueError:
         raise InputError(f"{where}: bad action id or kind in {line!r}") from None
     kw: dict[str, Any] = {"id": aid, "kind": kind, "resource": toks[1]}
@@ -178,12 +174,6 @@ def parse_action(line: str, where: str = "schedule") -> Action:
         raise InputError(f"{where}: cannot parse token {exc} in {line!r}") from None
     if "layer" not in kw:
         raise InputError(f"{where}: action without a layer (L<n>) in {line!r}")
-    if legacy is not None:  # SEND / RECV before the direction was in the kind: the buffer moved tells it
-        moved = {m.buffer.split(".", 1)[0] for m in (*allocs, *frees)}
-        if moved not in ({"x"}, {"dx"}):
-            raise InputError(f"{where}: {toks[2]} moves no x.* or dx.* buffer, so its direction is unknown; "
-                             f"write {legacy[0].value} or {legacy[1].value} in {line!r}")
-        kw["kind"] = legacy["dx" in moved]
     return Action(deps=deps, allocs=tuple(allocs), frees=tuple(frees), **kw)
 
 

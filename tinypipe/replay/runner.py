@@ -1,9 +1,9 @@
 """`tinypipe replay RUN_TRACE`: settle what the run was, recompile it, simulate it twice, report.
 
 The settings come from the trace's `otherData.run` (written by `tinypipe run --trace`); options on
-the command line replace them, and traces written before that record existed need them (`--policy`,
-`--seq-len`, `--batch-tokens`, `--gpu-mem`; model and hardware are named in every trace). The
-simulator is passed in (`simulate`): the core does not import `tinypipe.sim`.
+the command line replace them (a simulated timeline names its model and hardware in its meta and
+needs `--policy` and `--seq-len`). The simulator is passed in (`simulate`): the core does not import
+`tinypipe.sim`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, help=f"iterations the run compiled (default: the trace's, else "
                    f"min({WINDOW_ITERATIONS}, steps) as `tinypipe run` does)")
     p.add_argument("--schedule", help="the schedule's text form the run executed (`tinypipe inspect schedule "
-                   "--out`), for a run compiled by an older tinypipe (default: recompiled from the settings)")
+                   "--out`) (default: recompiled from the settings)")
     p.add_argument("--warmup", type=int, default=1, help="iterations left out of the steady state (default 1)")
     p.add_argument("--window", type=int, default=0, help="which of the run's whole windows to replay: 0 the first "
                    "(default), 1 the next, -1 the last")
@@ -90,16 +90,16 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
     elif isinstance(run.get("model_config"), dict):
         model = from_hf_config(run["model_config"], name=str(run.get("model_name", "model")),
                                where=f"{where}: otherData.run.model_config")
-    elif meta.get("model"):
-        model = load_model(str(meta["model"]))
+    elif isinstance(run.get("model") or meta.get("model"), str):  # a run's record, or a timeline's meta
+        model = load_model(run.get("model") or meta["model"])
     else:
         raise missing("--model", "its model")
     if args.hardware:
         hardware = load_hardware(args.hardware)
     elif isinstance(run.get("hardware"), dict):
         hardware = Hardware.from_json(run["hardware"], where=f"{where}: otherData.run.hardware")
-    elif meta.get("hardware"):
-        hardware = load_hardware(str(meta["hardware"]))
+    elif isinstance(meta.get("hardware"), str):  # a timeline's meta names its preset
+        hardware = load_hardware(meta["hardware"])
     else:
         raise missing("--hardware", "its hardware")
     if len(hardware.gpus) != trace.gpus:
@@ -110,8 +110,7 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
     elif isinstance(run.get("policy"), dict):
         policy = Policy.from_json(run["policy"], where=f"{where}: otherData.run.policy")
     else:
-        raise missing("--policy FILE", f"its policy (only its name, {meta.get('policy')!r})" if meta.get("policy")
-                      else "its policy")
+        raise missing("--policy FILE", "its policy")
     seq_len = args.seq_len or run.get("seq_len")
     if not isinstance(seq_len, int):
         raise missing("--seq-len", "its sequence length")

@@ -1,8 +1,8 @@
 """Replay a real run's trace in the simulator: the same schedule, every action taking its measured time.
 
 `tinypipe replay RUN_TRACE` reads the Chrome trace (or the Timeline JSON) of a `tinypipe run`,
-recompiles the schedule that run executed (its settings come from the trace's `otherData.run`, or
-from the command line for older traces), checks every record against the schedule's action of the
+recompiles the schedule that run executed (its settings come from the trace's `otherData.run`; the
+command line may replace them), checks every record against the schedule's action of the
 same id, then simulates the schedule with each action's duration taken from the trace. Where the
 replay still differs from the measurement, the simulator's dependency or resource model lacks
 something the executor does; where the prediction (the simulator with its own costs) differs from
@@ -26,9 +26,6 @@ Decisions, each checked on real H200 runs' traces (docs/fidelity.md):
   the 2-GPU async trace). Replay gives each rank's OPT_STEPs a lane of their own, in schedule
   order (`tinypipe.ir.order.run_lanes`, which the simulator now uses for every schedule); on one lane
   the 2-GPU replays came out 63% (sync) and 43% (async) long.
-- Old traces. Runs before SEND_F / SEND_B / RECV_F / RECV_B record a transfer as SEND or RECV
-  (`kinds.LEGACY_KINDS`); such a record matches the schedule's half of either direction, and the
-  replayed window names it by the schedule's kind.
 - The host's issue loop. A CUDA run's trace with the main thread's issue spans (`gN.issue`, cat ISSUE)
   replays its rank's loop too (`tinypipe.ir.issueloop`, sim/issuer.py): a device action starts no earlier
   than the host began to issue it, and the host issues one at a time, taking per action the loop's pass
@@ -93,7 +90,7 @@ class RunTrace:
 
     @property
     def run(self) -> dict[str, Any]:
-        """The run settings recorded for replay (empty for traces written before they were)."""
+        """The run settings recorded for replay (`tinypipe run --trace`; empty for a simulated timeline)."""
         r = self.meta.get(RUN_KEY)
         return r if isinstance(r, dict) else {}
 
