@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from peers.modelconfig import model_config, params_of, write_config
 
+from peers.modelconfig import model_config, params_of, write_config
 from tinypipe.common.errors import InputError
 from tinypipe.describe.hfconfig import load_model
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from peers.run import main
 
 TINY = ["--device", "cpu", "--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--batch-tokens", "128",

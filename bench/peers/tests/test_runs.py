@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from peers.commands import INSTALL_LOG, INSTALL_RC, Paths, launch_for, site_problem
 from peers.runs import DEFAULT_RUNS, RUNS, Config, configurations, parse_caps, parse_gpus
 from peers.workload import Workload
