@@ -14,13 +14,13 @@ prediction printed beside the measurement is made with it and an analytic trace.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tinypipe.sim import SimResult, simulate
@@ -36,7 +36,8 @@ from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
 
 from .hoststate import AdamWConfig
-from .settings import DEFAULTS, rank_threads
+from .options import RunOptions
+from .settings import DEFAULT_MICROBATCH_SIZE, DEFAULT_POLICY, rank_threads
 from .worker import Job
 
 MAX_CPU_WORKERS_PER_CORE = 4  # more CPU workers than this per core is a mistake, not a test
@@ -60,7 +61,7 @@ class RunPlan:
     compiled_policy: Policy | None = None  # what `schedule` was compiled from (packs pinned on --resume)
 
 
-def _rate(fn: Any, work: float, repeat: int = 3) -> float:
+def _rate(fn: Callable[[], object], work: float, repeat: int = 3) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):
@@ -136,31 +137,35 @@ def _check_model(name: str) -> ModelSpec:
     return source.spec
 
 
-def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> RunPlan:
+def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[str], None] | None = None
+                  ) -> RunPlan:
     """Check the `tinypipe run` options and compile the schedule; InputError on any mistake.
-    `phase(text)` hears what starts next (the CLI shows it as progress)."""
+    A Namespace (the parsed command line) is settled first (`settings.settle`). `phase(text)` hears
+    what starts next (the CLI shows it as progress)."""
     from .data.addition import ADDITION
     from .data.examples import read_examples
     from .settings import record, settle
 
-    args = settle(args)  # defaults or the resumed run's record; numbers and output paths checked
+    args = settle(options)  # defaults or the resumed run's record; numbers and output paths checked
     if args.backend == "cpu" and args.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
         raise InputError(f"--gpus {args.gpus}: too many CPU workers for {os.cpu_count()} cores "
                          f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
     say = phase or (lambda text: None)
-    profiles = load_profiles(getattr(args, "profile", None) or ())  # measured traces (`tinypipe profile`)
+    profiles = load_profiles(args.profile)  # measured traces (`tinypipe profile`)
     say(f"checking the model {args.model}")
     spec = _check_model(args.model)
     if args.seq_len > spec.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
-    addition = args.data is None or (args.data == ADDITION and not Path(ADDITION).exists())
-    if not addition:
-        read_examples(args.data)
+    data = None if args.data is None or (args.data == ADDITION and not Path(ADDITION).exists()) else args.data
+    addition = data is None
+    if data is not None:
+        read_examples(data)
     policy = _policy(args)
     if args.record and args.policy is None and isinstance(args.record.get("policy"), dict):
         policy = Policy.from_json(args.record["policy"], where=f"{args.out}: the checkpoint's policy")
     packs = args.record.get("pack_sizes") if args.record else None
-    pinned = policy if packs is None else policy.replace(packing=tuple(packs), mapping=tuple(args.record["pack_gpu"]))
+    pinned = policy if packs is None or args.record is None else policy.replace(
+        packing=tuple(packs), mapping=tuple(args.record["pack_gpu"]))
     tokens_per_mb = policy.microbatch_size * args.seq_len
     if args.batch_tokens % tokens_per_mb:
         raise InputError(f"--batch-tokens {args.batch_tokens}: not a multiple of the microbatch "
@@ -169,7 +174,7 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
     # a resumed run keeps its packs on its ranks (the packer's choice may depend on rates measured now)
     pinned = pinned.replace(microbatches=policy.microbatches)
     threads = max(1, (os.cpu_count() or 1) // args.gpus)
-    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if getattr(args, "gpu_mem", None) else None
+    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
     if gpu_mem is not None and args.backend != "cuda":
         raise InputError("--gpu-mem: only with --backend cuda (CPU workers have no device memory to cap)")
     if args.backend == "cuda":
@@ -225,14 +230,14 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
         assert found is not None  # settle read it
         checkpoint.read_meta(found, identity)
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
-              microbatch_size=policy.microbatch_size, data=None if addition else args.data, seed=args.seed,
-              optim=AdamWConfig(lr=args.lr, betas=tuple(args.betas), eps=args.eps,
+              microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
+              optim=AdamWConfig(lr=args.lr, betas=args.betas, eps=args.eps,
                                 weight_decay=args.weight_decay),
               backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
               threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),
-              compile_blocks=compile_blocks, trace_memory=bool(getattr(args, "trace_memory", False)))
+              compile_blocks=compile_blocks, trace_memory=args.trace_memory)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
                    note=note, compiled_policy=compiled)
@@ -261,12 +266,12 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
     return None
 
 
-def _policy(args: Any) -> Policy:
+def _policy(args: RunOptions) -> Policy:
     """--policy (default: the embedded job's preset and microbatch size), --microbatch-size over it."""
-    policy = load_policy(args.policy or str(DEFAULTS["policy"]))
+    policy = load_policy(args.policy or DEFAULT_POLICY)
     size = args.microbatch_size
     if size is None and not args.policy:
-        size = DEFAULTS["microbatch_size"]
+        size = DEFAULT_MICROBATCH_SIZE
     if size is not None:
         if size < 1:
             raise InputError(f"--microbatch-size: must be >= 1, got {size}")

@@ -21,14 +21,18 @@ from typing import Any
 from tinypipe.common.errors import InputError
 from tinypipe.common.outputs import check_dir, check_file
 
+from .options import RunOptions
+
 # The embedded job (plain `tinypipe run`): loss falls and held-out addition accuracy rises within
 # about a minute on 2 CPU cores. Measured on a 2-core VM, single process: 1,000
 # steps of 512 tokens at lr 3e-3 reach ~34% accuracy (800: ~20%; lr 1e-2 diverges; 2,048-token
 # steps learn slower per token); the 2-worker pipeline runs ~8,400 tokens/s with 4 sequences
 # per microbatch and ~5,200 with the preset's 1, hence the microbatch size of the default job.
 DEFAULT_BETAS = (0.9, 0.98)
+DEFAULT_POLICY, DEFAULT_MICROBATCH_SIZE = "tinypipe", 4  # the embedded job's, where --policy is not given
 DEFAULTS = {
-    "model": "tiny-llama", "policy": "tinypipe", "microbatch_size": 4, "gpus": 2, "steps": 800, "seq_len": 64,
+    "model": "tiny-llama", "policy": DEFAULT_POLICY, "microbatch_size": DEFAULT_MICROBATCH_SIZE, "gpus": 2,
+    "steps": 800, "seq_len": 64,
     "batch_tokens": 512, "lr": 3e-3, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
     "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0,
 }
@@ -55,9 +59,10 @@ def _show(v: Any) -> str:
     return " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
 
-def settle(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with every recorded option filled in and checked (idempotent); InputError on a mistake."""
-    if getattr(args, "settled", False):
+def settle(args: argparse.Namespace | RunOptions) -> RunOptions:
+    """`args` (the parsed command line) with every recorded option filled in and checked, as a
+    `RunOptions`; InputError on a mistake. Settled options are returned as they are."""
+    if isinstance(args, RunOptions):
         return args
     out = argparse.Namespace(**vars(args))
     out.record = None  # the checkpoint's meta.json when resuming
@@ -86,20 +91,19 @@ def settle(args: argparse.Namespace) -> argparse.Namespace:
         for dest in RECORDED:
             if getattr(args, dest, None) is None:
                 setattr(out, dest, _default(dest, DEFAULTS))
-    out.betas = tuple(out.betas)  # a record holds a JSON list
-    _check_numbers(out)
-    if out.hardware is not None and out.backend != "cuda":
-        raise InputError(f"--hardware {out.hardware}: only for --backend cuda (the cpu backend measures this "
-                         "host's CPU as its hardware)")
     if not out.out:
         out.out = str(Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
-    check_dir(Path(out.out), "--out")
-    if not args.resume:
-        _refuse_earlier_run(Path(out.out))
-    if out.trace:
-        check_file(Path(out.trace), "--trace")
-    out.settled = True
-    return out
+    opts = RunOptions.from_namespace(out)  # a record holds JSON lists: from_namespace makes them tuples
+    _check_numbers(opts)
+    if opts.hardware is not None and opts.backend != "cuda":
+        raise InputError(f"--hardware {opts.hardware}: only for --backend cuda (the cpu backend measures this "
+                         "host's CPU as its hardware)")
+    check_dir(Path(opts.out), "--out")
+    if not opts.resume:
+        _refuse_earlier_run(Path(opts.out))
+    if opts.trace:
+        check_file(Path(opts.trace), "--trace")
+    return opts
 
 
 def _default(dest: str, defaults: dict[str, Any]) -> Any:
@@ -120,7 +124,7 @@ def _read_record(out: Path) -> dict[str, Any]:
     return read_record(found)
 
 
-def _check_numbers(a: argparse.Namespace) -> None:
+def _check_numbers(a: RunOptions) -> None:
     for dest in ("gpus", "steps", "seq_len", "batch_tokens"):
         if getattr(a, dest) < 1:
             raise InputError(f"{_flag(dest)}: must be >= 1, got {getattr(a, dest)}")
@@ -144,7 +148,7 @@ def _check_numbers(a: argparse.Namespace) -> None:
         raise InputError(f"--seed: must be in 0..{SEED_LIMIT - 1}, got {a.seed}")
 
 
-def record(args: argparse.Namespace) -> dict[str, Any]:
+def record(args: RunOptions) -> dict[str, Any]:
     """What a checkpoint records of the run's options (JSON-ready), for `settle` on --resume."""
     return {dest: _norm(getattr(args, dest)) for dest in RECORDED}
 

@@ -74,7 +74,9 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     import torch
     from tinypipe.backends.launch import launch
     from tinypipe.backends.prepare import make_run_plan
-    from tinypipe.backends.run import add_run_arguments, issue_shares, save_trace, timeline
+    from tinypipe.backends.report import issue_shares
+    from tinypipe.backends.run_args import add_run_arguments
+    from tinypipe.backends.runtrace import save_trace, timeline
 
     from tinypipe.estimate.floor import schedule_floor
 
@@ -124,7 +126,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
         "predicted_peak_gpu_bytes": sim.peak_gpu_bytes,
         "predicted_peak_host_bytes": sim.peak_host_bytes,
         "floor": floor.to_json(), "floor_tokens_per_s": floor_tps, "achieved_over_floor": tps / floor_tps,
-        # per rank, the share of a steady step its main thread spent issuing (backends.run.issue_shares)
+        # per rank, the share of a steady step its main thread spent issuing (backends.report.issue_shares)
         "main_thread_issue_share": list(issue_shares(tl, results, tl.steady_iteration_s()).values()),
         "busy_s_per_iteration": busy, "wall_s": wall,
         "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}",

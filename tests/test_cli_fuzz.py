@@ -185,7 +185,7 @@ def test_every_command_line_ends_in_exit_0_or_one_error_line(args: list[str], pl
         if HAVE_TORCH:
             stack.enter_context(mock.patch("tinypipe.backends.launch.start_processes", side_effect=WouldTrain))
             stack.enter_context(mock.patch("tinypipe.backends.launch._run_here", side_effect=WouldTrain))
-            stack.enter_context(mock.patch("tinypipe.backends.run._accuracy", return_value=0.0))
+            stack.enter_context(mock.patch("tinypipe.backends.run.addition_accuracy", return_value=0.0))
             stack.enter_context(mock.patch("tinypipe.backends.prepare.cpu_hardware", side_effect=_fixed_cpu))
             stack.enter_context(mock.patch("tinypipe.backends.profile.command.LayerBench", side_effect=WouldTrain))
         stack.enter_context(contextlib.redirect_stderr(err))

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tinypipe.backends.launch import launch
     from tinypipe.backends.prepare import make_run_plan
-    from tinypipe.backends.run import add_run_arguments, timeline
+    from tinypipe.backends.run_args import add_run_arguments
+    from tinypipe.backends.runtrace import timeline
 
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)

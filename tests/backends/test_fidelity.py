@@ -43,7 +43,8 @@ torch = pytest.importorskip("torch")
 
 from tinypipe.backends.launch import launch  # noqa: E402
 from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run import add_run_arguments, timeline  # noqa: E402
+from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
+from tinypipe.backends.runtrace import timeline  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 
 from tinypipe.cli import main as cli_main  # noqa: E402

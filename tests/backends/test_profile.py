@@ -24,7 +24,7 @@ from tinypipe.backends.profile import rates as rates_module  # noqa: E402
 from tinypipe.backends.profile.command import trace_file  # noqa: E402
 from tinypipe.backends.profile.measure_layers import STEP, LayerBench  # noqa: E402
 from tinypipe.backends.profile.rates import measure_rates  # noqa: E402
-from tinypipe.backends.run import add_run_arguments  # noqa: E402
+from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
 from tinypipe.backends.settings import rank_threads  # noqa: E402
 from tinypipe.sim import simulate  # noqa: E402
 from tinypipe.sim.evaluate import SimEvaluator  # noqa: E402

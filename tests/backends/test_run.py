@@ -22,7 +22,8 @@ from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.launch import WorkerError, launch  # noqa: E402
 from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402
-from tinypipe.backends.run import add_run_arguments, profile_hint, sparkline  # noqa: E402
+from tinypipe.backends.report import profile_hint, sparkline  # noqa: E402
+from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
 
 from tinypipe.cli import build_parser  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
@@ -291,7 +292,7 @@ def test_issue_lines_give_each_ranks_share_of_a_steady_step() -> None:
     """Literal: per rank, its main thread's issue spans in the iterations after the first over those
     iterations' time; at 80% or more the line says the GPU likely waits (and suggests --compile when the
     blocks are eager); a run of one iteration has no steady step and no line."""
-    from tinypipe.backends.run import _issue_lines, issue_shares
+    from tinypipe.backends.report import _issue_lines, issue_shares
 
     from tinypipe.ir.timeline import Record, Timeline
 
@@ -311,7 +312,7 @@ def test_issue_lines_give_each_ranks_share_of_a_steady_step() -> None:
 def test_a_run_that_lost_host_cpu_to_the_hypervisor_says_so() -> None:
     """Literal: above 1% of the host's CPU time stolen on any rank, one line with the largest share;
     at or below it, or unknown, none."""
-    from tinypipe.backends.run import _steal_lines
+    from tinypipe.backends.report import _steal_lines
 
     def ranks(*shares: float | None) -> list[argparse.Namespace]:
         return [argparse.Namespace(host_steal_share=x) for x in shares]

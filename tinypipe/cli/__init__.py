@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="train through the compiled schedule (PyTorch)")
     try:
-        from tinypipe.backends.run import add_run_arguments
+        from tinypipe.backends.run_args import add_run_arguments
     except ImportError as exc:  # torch missing: the subcommand explains itself when used
         run.add_argument("rest", nargs=argparse.REMAINDER)
         run.set_defaults(_run_missing=str(exc))

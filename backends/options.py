@@ -1,0 +1,55 @@
+"""`tinypipe run`'s options after `settings.settle`: one frozen, typed record that the planner reads."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """Every `tinypipe run` option, settled: defaults filled in (or, with --resume, the checkpoint's
+    record of the run), numbers and output paths checked (`settings.settle` builds it, once).
+
+    `None` keeps its meaning from the command line where the planner decides: `policy` and
+    `microbatch_size` (the embedded job's or the policy's), `dtype` (by backend), `compile` (by
+    backend), `gpu_mem` (the whole GPU), `hardware` (the local GPU's preset), `data` (the embedded
+    addition task).
+    """
+
+    model: str
+    data: str | None
+    policy: str | None
+    microbatch_size: int | None
+    gpus: int
+    steps: int
+    seq_len: int
+    batch_tokens: int
+    dtype: str | None
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    seed: int
+    backend: str
+    checkpoint_every: int
+    checkpoint_minutes: float
+    out: str
+    resume: bool = False
+    gpu_mem: str | None = None
+    hardware: str | None = None
+    compile: bool | None = None
+    trace: str | None = None
+    trace_memory: bool = False
+    profile: tuple[str, ...] = ()
+    record: dict[str, Any] | None = None  # the checkpoint's meta.json when resuming
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> RunOptions:
+        """The fields of `ns` (settled) by name; argparse's lists become tuples."""
+        given = vars(ns)
+        values: dict[str, Any] = {f.name: given[f.name] for f in fields(cls) if f.name in given}
+        values["betas"] = (float(values["betas"][0]), float(values["betas"][1]))
+        values["profile"] = tuple(values.get("profile") or ())
+        return cls(**values)

@@ -1,0 +1,73 @@
+"""`tinypipe run`'s command-line options: registration only (`settings.settle` fills and checks them)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
+    raise ImportError("torch is not installed")
+
+from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Register `tinypipe run`'s options on `p` (the CLI's subparser).
+
+    Options a checkpoint records default to None here (see `settings.settle`): a new run takes
+    `DEFAULTS`, `--resume` takes the checkpoint's record of the run.
+    """
+    d = DEFAULTS
+    p.add_argument("--backend", choices=("cpu", "cuda"), default=None,
+                   help="cpu: worker processes stand in for GPUs (gloo); cuda: one process per GPU (NCCL) "
+                        f"(default {d['backend']})")
+    p.add_argument("--gpus", type=int, default=None, help=f"devices = worker processes (default {d['gpus']})")
+    p.add_argument("--model", default=None, help="shipped model name, config.json, or a local model "
+                   f"directory with safetensors (default {d['model']})")
+    p.add_argument("--data", default=None, help="JSONL (text, or prompt/completion) or plain-text file "
+                   "(default: the embedded synthetic addition task)")
+    p.add_argument("--policy", default=None, help=f"preset name or policy JSON (default {d['policy']}, with "
+                   f"{d['microbatch_size']} sequences per microbatch)")
+    p.add_argument("--microbatch-size", type=int, default=None, metavar="N",
+                   help="sequences per microbatch (default: the policy's)")
+    p.add_argument("--gpu-mem", default=None, metavar="BYTES",
+                   help="CUDA: GPU memory each rank may use, e.g. 24GiB: the schedule is planned for it, the "
+                        "caching allocator is capped at it, and a policy that does not fit is refused before "
+                        "training (default: the whole GPU)")
+    p.add_argument("--hardware", default=None, help="CUDA only: hardware preset or JSON the schedule is "
+                   "compiled for (default: the preset of the local GPU model)")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']}; with --resume, "
+                   "the resumed run's)")
+    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {d['seq_len']})")
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help="tokens per optimizer step, all microbatches together; microbatches = batch-tokens / "
+                        f"(policy microbatch_size x seq-len) (default {d['batch_tokens']})")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="compute dtype (default: fp32 on cpu, bf16 on cuda); masters are always fp32")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {d['lr']})")
+    p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
+                   help=f"AdamW betas, each in [0, 1) (default {' '.join(map(str, DEFAULT_BETAS))})")
+    p.add_argument("--eps", type=float, default=None, help=f"AdamW epsilon (default {d['eps']})")
+    p.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay (default {d['weight_decay']})")
+    p.add_argument("--seed", type=int, default=None, help=f"initialisation and data seed (default {d['seed']})")
+    p.add_argument("--out", default=None, help="output directory: the fine-tuned model and checkpoints "
+                   "(default runs/run-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out, with its "
+                   "settings (options given again must match them; --steps may extend the run)")
+    p.add_argument("--checkpoint-minutes", type=float, default=None, metavar="M",
+                   help=f"checkpoint after every M minutes of training and at the end (default "
+                        f"{d['checkpoint_minutes']:g}; 0: only by --checkpoint-every and on Ctrl-C); the last two "
+                        "are kept")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="also checkpoint every N steps (default 0: off)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decoder blocks: one graph per block structure, fused elementwise work; "
+                        "the first step pays the compilation (default: on for cuda, off for cpu)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of all ranks")
+    p.add_argument("--trace-memory", action="store_true",
+                   help="CUDA: sample the caching allocator at each action, its bytes in use (the trace's memory "
+                        "counter) and its peak while the action is issued (otherData.action_peaks); two statistics "
+                        "reads per action, ~0.2 ms each on the thread that issues the GPU's work")
+    p.add_argument("--profile", action="append", default=None, metavar="DIR_OR_FILE",
+                   help="measured traces (`tinypipe profile --out DIR`) for the schedule and the prediction: a "
+                        "directory or a trace JSON, repeatable; a matching one is used before the shipped ones")
