@@ -30,13 +30,15 @@ def shard_name(i: int, n: int) -> str:
 
 
 def save_pretrained(stack_state: dict[int, dict[str, torch.Tensor]], config: Any, out_dir: str | Path, *,
-                    rank: int, world: int, source_dir: str | Path | None = None) -> None:
+                    rank: int, world: int, source_dir: str | Path | None = None,
+                    dtype: torch.dtype | None = None) -> None:
     """Write the layers in `stack_state` so that `AutoModelForCausalLM.from_pretrained(out_dir)` loads them.
 
     Every rank calls this with the layers it holds ({layer index: {name in layer: tensor}}); each
     layer goes to its own shard (`shard_name`), written atomically, so no rank waits for another.
     Rank 0 also writes the index (which is known from the config alone), config.json (dtype set
-    to the saved tensors') and the tokenizer files of `source_dir`.
+    to the saved tensors') and the tokenizer files of `source_dir`. `dtype`: cast the tensors to it
+    (None: as they are).
     """
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world of {world}")
@@ -44,7 +46,9 @@ def save_pretrained(stack_state: dict[int, dict[str, torch.Tensor]], config: Any
     out.mkdir(parents=True, exist_ok=True)
     metas, names, _ = split_meta(config)
     n = len(names)
-    dtypes = {t.dtype for tensors in stack_state.values() for t in tensors.values()}
+    if dtype is not None:
+        stack_state = {i: {p: t.to(dtype) for p, t in tensors.items()} for i, tensors in stack_state.items()}
+    dtypes = {t.dtype for tensors in stack_state.values() for t in tensors.values()} or {dtype or torch.float32}
     for i, tensors in stack_state.items():
         renamed = {names[i][p]: t.detach().to("cpu").contiguous() for p, t in tensors.items()}
         tmp = out / f".{shard_name(i, n)}.tmp{os.getpid()}"

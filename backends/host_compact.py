@@ -69,7 +69,7 @@ class CompactHostState(HostState):
                 hi, lo = self._planes(i, p)
                 planes.split(params[i][p.name].detach().reshape(-1), hi, lo)
             self._work[i] = {p.name: self._key.expand(p.shape) for p in self._index[i]}
-            self._opt[i] = self.optim.make(list(self._work[i].values()))
+            self._opt[i] = self.optim.make(list(self._work[i].values()), list(self._work[i]))
 
     def _planes(self, layer: int, p: _Param | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         a = self._offset[layer] + (p.offset if p else 0)
@@ -150,10 +150,11 @@ class CompactHostState(HostState):
     def _adamw(self, layer: int, slot: torch.Tensor) -> None:
         grads = self._views(layer, slot)
         opt, work = self._opt[layer], self._work[layer]
-        group = opt.param_groups[0]
-        beta1, beta2 = group["betas"]
+        group_of = {id(t): g for g in opt.param_groups for t in g["params"]}  # decaying or not (AdamWConfig.make)
         for p in self._index[layer]:
             w = work[p.name]
+            group = group_of[id(w)]
+            beta1, beta2 = group["betas"]
             st = opt.state[w]  # kept in the optimizer so that its state_dict checkpoints the moments
             if not st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)

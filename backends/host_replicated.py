@@ -35,7 +35,7 @@ class ReplicatedHostState(HostState):
             grads = self._views(i, self._grad_flat[i])
             for n, t in self._master[i].items():
                 t.grad = grads[n]
-            self._opt[i] = self.optim.make(list(self._master[i].values()))
+            self._opt[i] = self.optim.make(list(self._master[i].values()), list(self._master[i]))
             self._refresh_upload(i)
 
     def _refresh_upload(self, layer: int) -> None:

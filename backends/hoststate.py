@@ -42,6 +42,7 @@ import torch
 
 from tinypipe.policy.modes import HostMemory
 
+from .optim_rules import LRSchedule, decays
 from .pinned import PinnedSlab, Request
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,18 +51,29 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 @dataclass(frozen=True)
 class AdamWConfig:
     """The optimizer's settings. The optimizer itself is `reference.layer_adamw` (torch's AdamW,
-    fused on CPU fp32), the same one the single-process reference trains with."""
+    fused on CPU fp32), the same one the single-process reference trains with.
+
+    `schedule`: the learning rate per optimizer step (`optim_rules.LRSchedule`; None: `lr` always).
+    `decay_exempt`: weight decay only where `optim_rules.decays` says (not norms, biases, embeddings).
+    """
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    schedule: LRSchedule | None = None
+    decay_exempt: bool = False
 
-    def make(self, params: list[torch.Tensor]) -> torch.optim.AdamW:
+    def make(self, params: list[torch.Tensor], names: Sequence[str] | None = None) -> torch.optim.AdamW:
         from .reference import layer_adamw
 
+        decay = None if not self.decay_exempt or names is None else [decays(n, p.dim()) for n, p in zip(names, params)]
         return layer_adamw(params, lr=self.lr, betas=self.betas, eps=self.eps,  # type: ignore[arg-type]
-                           weight_decay=self.weight_decay)
+                           weight_decay=self.weight_decay, decay=decay)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based)."""
+        return self.lr if self.schedule is None else self.schedule.lr(step)
 
 
 @dataclass(frozen=True)
@@ -173,6 +185,10 @@ class HostState:
         self._reads: dict[int, list[Any]] = {}
         self._slabs: list[PinnedSlab] = []  # the pinned slab, then any the layout adds later
         self._opt: dict[int, torch.optim.AdamW] = {}
+        # per training step: (layers stepped, sum of their squared gradient entries), for the step's global
+        # gradient norm (backends/metrics.py); `take_grad_sq` hands over the steps all layers have done
+        self._grad_sq: dict[int, tuple[int, float]] = {}
+        self._grad_sq_lock = threading.Lock()
 
     def _views(self, layer: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {p.name: flat[p.offset:p.offset + p.numel].view(p.shape) for p in self._index[layer]}
@@ -288,12 +304,16 @@ class HostState:
         raise NotImplementedError
 
     # ---- OPT_STEP --------------------------------------------------------------------------------
-    def step(self, layer: int, *, keep_previous: bool = False) -> None:
+    def step(self, layer: int, *, keep_previous: bool = False, at_step: int | None = None) -> None:
         """One AdamW step of `layer` with the gradients its GRAD_OUT delivered.
 
         `keep_previous`: a LOAD may still ask for the version before this step (asynchronous
         optimizer, and that LOAD has not run yet); keep it uploadable until `drop_stale`.
+        `at_step`: the training step this update belongs to, for the learning-rate schedule.
         """
+        if at_step is not None:
+            for group in self._opt[layer].param_groups:
+                group["lr"] = self.optim.lr_at(at_step)
         if layer == self.shared_grad:
             if self._shares.get(layer, 0) != 2:
                 raise ValueError(f"layer {layer}: OPT_STEP with {self._shares.get(layer, 0)} of its 2 gradient "
@@ -302,6 +322,11 @@ class HostState:
         grads = self._take_grads(layer)
         if layer == self.shared_grad:
             self._add_second_share(layer, grads)  # its copy ended before the step was called
+        if at_step is not None:
+            sq = float(torch.linalg.vector_norm(grads[: self._numel[layer]], dtype=torch.float32)) ** 2
+            with self._grad_sq_lock:
+                n, total = self._grad_sq.get(at_step, (0, 0.0))
+                self._grad_sq[at_step] = (n + 1, total + sq)
         ready = threading.Event()
         with self._locks[layer]:
             self._writing[layer] = ready
@@ -312,6 +337,15 @@ class HostState:
             with self._locks[layer]:
                 del self._writing[layer]
             ready.set()
+
+    def take_grad_sq(self) -> dict[int, float]:
+        """Per training step whose every layer here has been stepped since the last call: the sum of the
+        squares of those layers' gradients (this rank's share of the step's global gradient norm)."""
+        with self._grad_sq_lock:
+            done = {k: t for k, (n, t) in self._grad_sq.items() if n == len(self.layers)}
+            for k in done:
+                del self._grad_sq[k]
+        return done
 
     def _take_grads(self, layer: int) -> torch.Tensor:
         """`layer`'s gradients for its step (an error if its GRAD_OUT has not delivered them)."""

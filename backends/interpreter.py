@@ -261,7 +261,7 @@ class Interpreter:
         # when one of those uploads is still to come (outside this window, or not yet run)
         nxt = self.pending_loads.get((a.layer, step + 1))
         keep = self.staleness > 0 and (nxt is None or nxt > 0)
-        self.host.step(a.layer, keep_previous=keep)
+        self.host.step(a.layer, keep_previous=keep, at_step=step)
         return None
 
     def _key(self, a: Action, step: int) -> tuple[int, int, int]:

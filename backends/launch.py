@@ -31,7 +31,8 @@ from tinypipe.common.errors import TinypipeError
 
 from .comm import LocalComm
 from .groups import LocalGroup
-from .worker import Job, RankResult, process_main, train_rank
+from .rankprocess import process_main
+from .worker import Job, RankResult, train_rank
 
 
 class WorkerError(TinypipeError):

@@ -13,21 +13,28 @@ class RunOptions:
     record of the run), numbers and output paths checked (`settings.settle` builds it, once).
 
     `None` keeps its meaning from the command line where the planner decides: `policy` and
-    `microbatch_size` (the embedded job's or the policy's), `dtype` (by backend), `compile` (by
-    backend), `gpu_mem` (the whole GPU), `hardware` (the local GPU's preset), `data` (the embedded
-    addition task).
+    `microbatch_size` (the embedded job's or the policy's), `lr` (by the model's size), `dtype` and
+    `compile` (by backend), `gpu_mem` (the whole GPU), `hardware` (the local GPU's preset), `data`
+    (the embedded addition task).
     """
 
     model: str
     data: str | None
+    byte_tokens: bool
+    packing: bool
+    epochs: float | None
     policy: str | None
     microbatch_size: int | None
     gpus: int
-    steps: int
+    steps: int  # with --epochs in a new run, 0 until the planner counts the data's sequences
     seq_len: int
     batch_tokens: int
     dtype: str | None
-    lr: float
+    lr: float | None
+    lr_schedule: str
+    warmup_steps: int | None
+    warmup_ratio: float | None
+    decay_all: bool
     betas: tuple[float, float]
     eps: float
     weight_decay: float
@@ -36,6 +43,8 @@ class RunOptions:
     checkpoint_every: int
     checkpoint_minutes: float
     out: str
+    save_every: int
+    save_dtype: str | None
     resume: bool = False
     gpu_mem: str | None = None
     hardware: str | None = None

@@ -15,7 +15,9 @@ prediction printed beside the measurement is made with it and an analytic trace.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -35,7 +37,9 @@ from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unma
 from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
 
+from .hf import ModelSource
 from .hoststate import AdamWConfig
+from .optim_rules import LRSchedule, default_lr, warmup_steps
 from .options import RunOptions
 from .settings import DEFAULT_MICROBATCH_SIZE, DEFAULT_POLICY, rank_threads
 from .worker import Job
@@ -125,8 +129,10 @@ def cuda_hardware(gpus: int, name: str | None) -> Hardware:
     return hw
 
 
-def _check_model(name: str) -> ModelSpec:
-    from .hf import load_source
+def _check_model(name: str) -> ModelSource:
+    """The model's source, its weights checked (index, shards, every tensor the model needs)."""
+    from .hf import hf_name_maps, load_source
+    from .inputs import check_weights
 
     source = load_source(name)
     d = source.directory
@@ -134,7 +140,9 @@ def _check_model(name: str) -> ModelSpec:
         raise InputError(f"{d}: no model weights (model.safetensors or model.safetensors.index.json); "
                          "give a model directory with safetensors, or a config.json / shipped name to train "
                          "from a seeded random initialisation")
-    return source.spec
+    if d is not None and source.has_weights:
+        check_weights(d, [hf for names in hf_name_maps(source.config) for hf in names.values()])
+    return source
 
 
 def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[str], None] | None = None
@@ -143,7 +151,8 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     A Namespace (the parsed command line) is settled first (`settings.settle`). `phase(text)` hears
     what starts next (the CLI shows it as progress)."""
     from .data.addition import ADDITION
-    from .data.examples import read_examples
+    from .data.examples import pack, read_examples
+    from .data.tokenizers import load_tokenizer
     from .settings import record, settle
 
     args = settle(options)  # defaults or the resumed run's record; numbers and output paths checked
@@ -153,13 +162,16 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     say = phase or (lambda text: None)
     profiles = load_profiles(args.profile)  # measured traces (`tinypipe profile`)
     say(f"checking the model {args.model}")
-    spec = _check_model(args.model)
+    source = _check_model(args.model)
+    spec = source.spec
     if args.seq_len > spec.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
     data = None if args.data is None or (args.data == ADDITION and not Path(ADDITION).exists()) else args.data
     addition = data is None
+    tokenizer = load_tokenizer(source.directory, vocab_size=spec.vocab_size, byte_tokens=addition or args.byte_tokens)
     if data is not None:
-        read_examples(data)
+        say(f"reading and tokenizing {data}")
+        sequences = len(pack(read_examples(data), tokenizer, args.seq_len, packing=args.packing)[0])
     policy = _policy(args)
     if args.record and args.policy is None and isinstance(args.record.get("policy"), dict):
         policy = Policy.from_json(args.record["policy"], where=f"{args.out}: the checkpoint's policy")
@@ -171,6 +183,9 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         raise InputError(f"--batch-tokens {args.batch_tokens}: not a multiple of the microbatch "
                          f"({policy.microbatch_size} sequences x {args.seq_len} tokens = {tokens_per_mb})")
     policy = policy.replace(microbatches=args.batch_tokens // tokens_per_mb)
+    if args.epochs is not None and not args.resume and data is not None:  # the steps of E passes over the data
+        args = dataclasses.replace(args, steps=max(1, math.ceil(args.epochs * sequences * args.seq_len
+                                                                / args.batch_tokens)))
     # a resumed run keeps its packs on its ranks (the packer's choice may depend on rates measured now)
     pinned = pinned.replace(microbatches=policy.microbatches)
     threads = max(1, (os.cpu_count() or 1) // args.gpus)
@@ -217,10 +232,12 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         spread_note = (f"note: the {policy.name} policy leaves a GPU without a pack here, so its {len(spec.layers)} "
                        f"layers run in {policy.num_packs} balanced packs dealt round-robin")
         note = spread_note if note is None else f"{note}\n{spread_note}"
+    lr = default_lr(spec.params) if args.lr is None else args.lr
+    warm = warmup_steps(args.steps, steps=args.warmup_steps, ratio=args.warmup_ratio)
     out = args.out
     identity = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": args.seq_len,
                 "batch_tokens": args.batch_tokens, "gpus": args.gpus, "policy": policy.to_json(),
-                "lr": args.lr, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
+                "lr": lr, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
                 "dtype": dtype, "pack_sizes": [len(p) for p in schedule.pack_layers],
                 "pack_gpu": list(schedule.pack_gpu)}
     if args.resume:  # the same checks the workers make, before any of them starts
@@ -231,8 +248,11 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         checkpoint.read_meta(found, identity)
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
-              optim=AdamWConfig(lr=args.lr, betas=args.betas, eps=args.eps,
-                                weight_decay=args.weight_decay),
+              byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every,
+              save_dtype=args.save_dtype or model_dtype(args.model),
+              optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
+                                schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),
+                                decay_exempt=not args.decay_all),
               backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
@@ -264,6 +284,19 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
         if prediction.fits and sorted(set(schedule.pack_gpu)) == list(range(gpus)):
             return cand, (schedule, prediction)
     return None
+
+
+SAVE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def model_dtype(model: str) -> str:
+    """The dtype a model's config gives its weights (`torch_dtype`, or `dtype` in transformers 5), as
+    --save-dtype names it; fp32 when the config gives none or one tinypipe does not save in."""
+    from tinypipe.describe.hfconfig import load_config
+
+    raw = load_config(model)
+    given = raw.get("torch_dtype") or raw.get("dtype")
+    return SAVE_DTYPES.get(str(given), "fp32")
 
 
 def _policy(args: RunOptions) -> Policy:

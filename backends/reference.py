@@ -10,23 +10,31 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from .hf import build_model
 from .layers import IGNORE_INDEX, LayerStack
+from .optim_rules import LRSchedule, decays
 
 Step = Sequence[tuple[torch.Tensor, torch.Tensor]]  # one optimizer step: (input_ids, labels) per microbatch
 
 
 def layer_adamw(params: Iterable[nn.Parameter], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                eps: float = 1e-8, weight_decay: float = 0.0) -> torch.optim.AdamW:
+                eps: float = 1e-8, weight_decay: float = 0.0, decay: Sequence[bool] | None = None) -> torch.optim.AdamW:
     """The optimizer of one layer's parameters: torch's AdamW, fused when they are all on the CPU
-    in fp32 (the backend's host optimizer is PyTorch's fused AdamW, per layer: docs/architecture.md)."""
+    in fp32 (the backend's host optimizer is PyTorch's fused AdamW, per layer: docs/architecture.md). `decay`:
+    per parameter, whether weight decay applies (None: to all); the others form a group without it."""
     params = list(params)
     fused = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+    groups: list[dict[str, Any]] = [{"params": params}]
+    if decay is not None and weight_decay and not all(decay):
+        groups = [g for g in ({"params": [p for p, d in zip(params, decay) if d]},
+                              {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0})
+                  if g["params"]]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              fused=fused or None)
 
 
@@ -42,7 +50,8 @@ class ReferenceResult:
 def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: int, lr: float,
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                     weight_decay: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    async_staleness: int = 0) -> ReferenceResult:
+                    async_staleness: int = 0, schedule: LRSchedule | None = None,
+                    decay_exempt: bool = False) -> ReferenceResult:
     """Train `model` (a LayerStack holding every layer, or a name built with `seed`) for `steps`.
 
     Step t takes the next item of `batches` (a list of (input_ids, labels) microbatches), runs each
@@ -59,6 +68,9 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
     the initial weights); after the last step its pending gradient is applied too, so the final
     weights hold all `steps` updates, each applied to the weights one update newer than those it
     was computed on.
+
+    `schedule`: step t's gradient is applied at `schedule.lr(t)` (None: `lr` throughout);
+    `decay_exempt`: weight decay only where `optim_rules.decays` says.
     """
     if async_staleness not in (0, 1):
         raise ValueError(f"async_staleness must be 0 or 1, got {async_staleness}")
@@ -66,24 +78,33 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
     masters = [_layer(stack, i) for i in range(len(stack.layers))]
     own = [[n for n, _ in stack.own_parameters(i)] for i in range(len(masters))]
     optimizers = [layer_adamw([m.get_parameter(n) for n in names], lr=lr, betas=betas, eps=eps,
-                              weight_decay=weight_decay) for m, names in zip(masters, own)]
+                              weight_decay=weight_decay,
+                              decay=[decays(n, m.get_parameter(n).dim()) for n in names] if decay_exempt else None)
+                  for m, names in zip(masters, own)]
     # one deepcopy of the list keeps a tied matrix shared between the working copies too
     workers = masters if dtype == torch.float32 else [w.to(dtype) for w in copy.deepcopy(masters)]
     losses: list[float] = []
     pending: list[list[torch.Tensor]] | None = None
     data = iter(batches)
-    for _ in range(steps):
+
+    def apply(grads: list[list[torch.Tensor]], t: int) -> None:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr if schedule is None else schedule.lr(t)
+        _apply(masters, optimizers, grads, workers)
+
+    for t in range(steps):
         step = next(data)
         loss, grads = _forward_backward(workers, own, step, tied=stack.tied)
         losses.append(loss)
         if async_staleness == 0:
-            _apply(masters, optimizers, grads, workers)
+            apply(grads, t)
         else:
             if pending is not None:
-                _apply(masters, optimizers, pending, workers)
+                apply(pending, t - 1)
             pending = grads
     if pending is not None:
-        _apply(masters, optimizers, pending, workers)
+        apply(pending, steps - 1)
     state = {i: {n: m.get_parameter(n).detach().clone() for n in names} for i, (m, names) in
              enumerate(zip(masters, own))}
     return ReferenceResult(losses=losses, state=state)
@@ -144,8 +165,9 @@ def _apply(masters: list[nn.Module], optimizers: list[torch.optim.AdamW], grads:
            workers: list[nn.Module]) -> None:
     """One AdamW update per layer with `grads`, then refresh the low-precision working copies."""
     for master, opt, acc, worker in zip(masters, optimizers, grads, workers):
-        params = opt.param_groups[0]["params"]
-        for p, g in zip(params, acc):
+        params = [p for group in opt.param_groups for p in group["params"]]
+        order = {id(p): k for k, p in enumerate(master.parameters())}  # `own` order: the optimizer's groups split it
+        for p, g in zip(sorted(params, key=lambda t: order[id(t)]), acc):
             p.grad = g.to(p.dtype)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -29,7 +29,16 @@ def header(plan: RunPlan) -> str:
     return (f"tinypipe run: {plan.spec.name} ({plan.spec.params:,} params), policy {p.name} "
             f"({p.swap} swap, {p.host_memory} host memory, {p.optimizer} optimizer), {plan.world} "
             f"{plan.job.backend} worker(s), {len(s.pack_layers)} packs on GPUs {list(s.pack_gpu)}, "
-            f"{plan.job.steps} steps x {plan.batch_tokens} tokens ({s.microbatches} microbatches)")
+            f"{plan.job.steps} steps x {plan.batch_tokens} tokens ({s.microbatches} microbatches), {_lr(plan)}")
+
+
+def _lr(plan: RunPlan) -> str:
+    o = plan.job.optim
+    sched = o.schedule
+    if sched is None:
+        return f"lr {o.lr:g}"
+    warm = f", {sched.warmup_steps} warmup steps" if sched.warmup_steps else ""
+    return f"lr {o.lr:g} {sched.kind}{warm}"
 
 
 def sparkline(values: list[float], width: int = 48) -> str:
@@ -162,6 +171,10 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
     for r in results:
         losses.update(r.losses)
     curve = [losses[k] for k in sorted(losses)]
+    if not any(r.steps_run for r in results):  # --resume at the step reached: the model saved, nothing trained
+        done = f"loss      {curve[-1]:.4f} at step {max(losses) + 1}" if curve else "loss      -"
+        return "\n".join([done, f"saved     {plan.job.out} at step {plan.job.steps}, nothing left to train "
+                                f"(AutoModelForCausalLM.from_pretrained loads it)"])
     tl = timeline(plan, list(results))
     iteration_s = tl.steady_iteration_s()
     tokens = plan.batch_tokens
@@ -194,8 +207,10 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
     if trace_path:
         lines.append(f"trace     {trace_path} (open in Perfetto)")
     if any(r.interrupted for r in results):
-        lines.append(f"stopped   after step {steps_run + min(r.start_step for r in results)}; checkpoint in "
-                     f"{plan.job.out}; continue with --resume --out {plan.job.out}")
+        at = steps_run + min(r.start_step for r in results)
+        lines.append(f"stopped   after step {at}; checkpoint in {plan.job.out}"
+                     + (f", the model in {plan.job.out}/step-{at}" if plan.job.save_model else "")
+                     + f"; continue with --resume --out {plan.job.out}")
     elif plan.job.out:
         lines.append(f"saved     {plan.job.out} (AutoModelForCausalLM.from_pretrained loads it)")
     return "\n".join(lines)

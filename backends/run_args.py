@@ -8,6 +8,7 @@ import importlib.util
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
     raise ImportError("torch is not installed")
 
+from .optim_rules import SCHEDULES  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
 
 
@@ -24,8 +25,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=None, help=f"devices = worker processes (default {d['gpus']})")
     p.add_argument("--model", default=None, help="shipped model name, config.json, or a local model "
                    f"directory with safetensors (default {d['model']})")
-    p.add_argument("--data", default=None, help="JSONL (text, or prompt/completion) or plain-text file "
-                   "(default: the embedded synthetic addition task)")
+    p.add_argument("--data", default=None,
+                   help="training data: JSON Lines of {\"text\"}, {\"prompt\", \"completion\"} or {\"messages\"} "
+                        "(chat template, loss on assistant turns) records, or plain text; the format is read from "
+                        "the content (default: the embedded synthetic addition task)")
+    p.add_argument("--byte-tokens", action="store_true", default=None,
+                   help="train on UTF-8 byte ids when the model has no tokenizer files (default: such a model is an "
+                        "error with --data)")
+    p.add_argument("--no-packing", dest="packing", action="store_false", default=None,
+                   help="one example per sequence, cut at --seq-len and padded (default: examples packed end to end)")
     p.add_argument("--policy", default=None, help=f"preset name or policy JSON (default {d['policy']}, with "
                    f"{d['microbatch_size']} sequences per microbatch)")
     p.add_argument("--microbatch-size", type=int, default=None, metavar="N",
@@ -36,20 +44,42 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "training (default: the whole GPU)")
     p.add_argument("--hardware", default=None, help="CUDA only: hardware preset or JSON the schedule is "
                    "compiled for (default: the preset of the local GPU model)")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']}; with --resume, "
-                   "the resumed run's)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d['steps']}; with "
+                        "--resume, the resumed run's)")
+    length.add_argument("--epochs", type=float, default=None, metavar="E",
+                        help="train for E passes over --data instead of --steps (steps = ceil(E x sequences / "
+                             "sequences per step))")
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {d['seq_len']})")
     p.add_argument("--batch-tokens", type=int, default=None,
                    help="tokens per optimizer step, all microbatches together; microbatches = batch-tokens / "
                         f"(policy microbatch_size x seq-len) (default {d['batch_tokens']})")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="compute dtype (default: fp32 on cpu, bf16 on cuda); masters are always fp32")
-    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {d['lr']})")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW peak learning rate (default: by the model's size, 3e-3 up to 10M parameters, then "
+                        "3e-3 x sqrt(1e7 / parameters), at least 3e-5: 1.1e-4 for 8B)")
+    p.add_argument("--lr-schedule", choices=SCHEDULES, default=None,
+                   help=f"learning rate after the warmup: constant, linear to 0 or cosine to 0 at the last step, as "
+                        f"transformers' schedules (default {d['lr_schedule']})")
+    warm = p.add_mutually_exclusive_group()
+    warm.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+                      help="steps of linear warmup from lr 0 (default: --warmup-ratio)")
+    warm.add_argument("--warmup-ratio", type=float, default=None, metavar="R",
+                      help=f"warmup as a share of the run's steps, rounded up (default {d['warmup_ratio']})")
+    p.add_argument("--decay-all", action="store_true", default=None,
+                   help="apply --weight-decay to every parameter (default: not to norms, biases and the embedding)")
     p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),
                    help=f"AdamW betas, each in [0, 1) (default {' '.join(map(str, DEFAULT_BETAS))})")
     p.add_argument("--eps", type=float, default=None, help=f"AdamW epsilon (default {d['eps']})")
     p.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay (default {d['weight_decay']})")
     p.add_argument("--seed", type=int, default=None, help=f"initialisation and data seed (default {d['seed']})")
+    p.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="also write the model (Hugging Face format) to OUT/step-N every N steps (default 0: off); "
+                        "a run stopped by Ctrl-C writes it to OUT/step-K")
+    p.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="dtype of the saved model's weights (default: the model's own, its config's torch_dtype; "
+                        "fp32 for a model built from a config without one)")
     p.add_argument("--out", default=None, help="output directory: the fine-tuned model and checkpoints "
                    "(default runs/run-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --out, with its "

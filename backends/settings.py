@@ -23,25 +23,35 @@ from tinypipe.common.outputs import check_dir, check_file
 
 from .options import RunOptions
 
-# The embedded job (plain `tinypipe run`): loss falls and held-out addition accuracy rises within
-# about a minute on 2 CPU cores. Measured on a 2-core VM, single process: 1,000
-# steps of 512 tokens at lr 3e-3 reach ~34% accuracy (800: ~20%; lr 1e-2 diverges; 2,048-token
-# steps learn slower per token); the 2-worker pipeline runs ~8,400 tokens/s with 4 sequences
-# per microbatch and ~5,200 with the preset's 1, hence the microbatch size of the default job.
+# The embedded job (plain `tinypipe run`): tiny-llama learns zero-padded 2-digit addition
+# (`data/addition.py`) on 2 CPU workers. 500 steps of 512 tokens, peak lr 3e-3 (`optim_rules.default_lr`
+# for its 181k parameters), cosine after 5% warmup: see tests/backends/test_default_job.py for what
+# "learns" means and bench/results/default_run.json for the measured run. The 2-worker pipeline runs
+# ~6,000 tokens/s with 4 sequences per microbatch (~60% more than with the preset's 1).
 DEFAULT_BETAS = (0.9, 0.98)
 DEFAULT_POLICY, DEFAULT_MICROBATCH_SIZE = "tinypipe", 4  # the embedded job's, where --policy is not given
-DEFAULTS = {
+DEFAULTS: dict[str, Any] = {
     "model": "tiny-llama", "policy": DEFAULT_POLICY, "microbatch_size": DEFAULT_MICROBATCH_SIZE, "gpus": 2,
-    "steps": 800, "seq_len": 64,
-    "batch_tokens": 512, "lr": 3e-3, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
-    "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0,
+    "steps": 500, "seq_len": 64, "batch_tokens": 512, "lr": None, "lr_schedule": "cosine", "warmup_steps": None,
+    "warmup_ratio": 0.05, "decay_all": False, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
+    "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0, "byte_tokens": False, "packing": True,
+    "epochs": None, "save_every": 0, "save_dtype": None,
 }
 # Options recorded in a checkpoint and restored by --resume (argparse dest names).
 RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
-            "lr", "betas", "eps", "weight_decay", "seed", "backend", "checkpoint_every", "checkpoint_minutes")
-FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes")  # may differ from the record
-PLANNED = ("policy", "microbatch_size")  # None stays None: make_run_plan chooses (the embedded job's or the policy's)
+            "lr", "lr_schedule", "warmup_steps", "warmup_ratio", "decay_all", "betas", "eps", "weight_decay", "seed",
+            "backend", "checkpoint_every", "checkpoint_minutes", "byte_tokens", "packing", "epochs", "save_every",
+            "save_dtype")
+# may differ from the record
+FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype")
+# what a run whose checkpoint does not record these options trained with (they did not exist then)
+BEFORE_RECORDED: dict[str, Any] = {"lr_schedule": "constant", "warmup_ratio": 0.0, "decay_all": True,
+                                   "byte_tokens": True, "save_dtype": "fp32"}
+# None stays None: make_run_plan chooses (the embedded job's or the policy's; the lr by the model's size)
+PLANNED = ("policy", "microbatch_size", "lr")
 SEED_LIMIT = 2**63
+# bounds that keep a mistyped number from planning for ever (no model has more positions; no run more steps)
+MAX_SEQ_LEN, MAX_BATCH_TOKENS, MAX_STEPS, MAX_EPOCHS = 1 << 24, 1 << 34, 10**9, 10**6
 
 
 def rank_threads(backend: str, ranks: int, cores: int) -> int:
@@ -74,23 +84,25 @@ def settle(args: argparse.Namespace | RunOptions) -> RunOptions:
         for dest in RECORDED:
             given, recorded = getattr(args, dest, None), ran.get(dest)
             if given is None:
-                setattr(out, dest, recorded if dest in ran else _default(dest, DEFAULTS))
+                setattr(out, dest, recorded if dest in ran else BEFORE_RECORDED.get(dest, _default(dest, DEFAULTS)))
             elif dest in ran and dest not in FREE_ON_RESUME and _norm(given) != _norm(recorded):
                 raise InputError(f"--resume: the run in {args.out} was started with {_flag(dest)} "
                                  f"{_show(recorded) if recorded is not None else '(default)'}, this command gives "
                                  f"{_flag(dest)} {_show(given)}; leave it out to continue the run as it was, or "
                                  "start a new run in another --out")
         done = int(out.record["step"])
-        if out.steps < done or (out.steps == done and args.steps is not None):
+        if not isinstance(out.steps, int) or out.steps < done:
             raise InputError(f"--steps {out.steps}: the checkpoint in {args.out} is already at step {done}; give "
-                             f"--steps above {done} to train further")
-        if out.steps == done:
-            raise InputError(f"--resume: the run in {args.out} is complete ({done} of {done} steps); give --steps "
-                             f"above {done} to train further")
+                             f"--steps {done} to save its model, or more to train further")
+        # out.steps == done: nothing to train; the workers load the checkpoint and save the model
     else:
         for dest in RECORDED:
             if getattr(args, dest, None) is None:
                 setattr(out, dest, _default(dest, DEFAULTS))
+        if out.epochs is not None:
+            if out.data is None:
+                raise InputError("--epochs: give --data (the embedded addition task has no end); or use --steps")
+            out.steps = 0  # counted by the planner from the data
     if not out.out:
         out.out = str(Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
     opts = RunOptions.from_namespace(out)  # a record holds JSON lists: from_namespace makes them tuples
@@ -125,17 +137,28 @@ def _read_record(out: Path) -> dict[str, Any]:
 
 
 def _check_numbers(a: RunOptions) -> None:
-    for dest in ("gpus", "steps", "seq_len", "batch_tokens"):
+    for dest in ("gpus", "seq_len", "batch_tokens") + (("steps",) if a.epochs is None else ()):
         if getattr(a, dest) < 1:
             raise InputError(f"{_flag(dest)}: must be >= 1, got {getattr(a, dest)}")
+    if a.seq_len > MAX_SEQ_LEN or a.batch_tokens > MAX_BATCH_TOKENS or a.steps > MAX_STEPS:
+        raise InputError(f"--seq-len {a.seq_len}, --batch-tokens {a.batch_tokens}, --steps {a.steps}: at most "
+                         f"{MAX_SEQ_LEN:,}, {MAX_BATCH_TOKENS:,} and {MAX_STEPS:,}")
+    if a.epochs is not None and not (math.isfinite(a.epochs) and 0 < a.epochs <= MAX_EPOCHS):
+        raise InputError(f"--epochs: must be a number in (0, {MAX_EPOCHS}], got {a.epochs}")
+    if a.save_every < 0:
+        raise InputError(f"--save-every: must be >= 0, got {a.save_every}")
     if a.microbatch_size is not None and a.microbatch_size < 1:
         raise InputError(f"--microbatch-size: must be >= 1, got {a.microbatch_size}")
     if a.checkpoint_every < 0:
         raise InputError(f"--checkpoint-every: must be >= 0, got {a.checkpoint_every}")
     if not (math.isfinite(a.checkpoint_minutes) and a.checkpoint_minutes >= 0):
         raise InputError(f"--checkpoint-minutes: must be a number >= 0, got {a.checkpoint_minutes}")
-    if not (math.isfinite(a.lr) and a.lr > 0):
+    if a.lr is not None and not (math.isfinite(a.lr) and a.lr > 0):
         raise InputError(f"--lr: must be a positive number, got {a.lr}")
+    if a.warmup_steps is not None and a.warmup_steps < 0:
+        raise InputError(f"--warmup-steps: must be >= 0, got {a.warmup_steps}")
+    if a.warmup_ratio is not None and not (math.isfinite(a.warmup_ratio) and 0 <= a.warmup_ratio < 1):
+        raise InputError(f"--warmup-ratio: must be in [0, 1), got {a.warmup_ratio}")
     b1, b2 = a.betas
     for i, b in enumerate((b1, b2)):
         if not (math.isfinite(b) and 0.0 <= b < 1.0):

@@ -1,7 +1,7 @@
 """One rank's life: build its layers and host state, run the schedule step after step, checkpoint, save.
 
 `train_rank` is the whole life given a communicator and a control group, so the same code runs in
-a process of its own (`process_main`, under `tinypipe run` or `torchrun`) and, for tests, as a
+a process of its own (`rankprocess.process_main`, under `tinypipe run` or `torchrun`) and, for tests, as a
 thread (`launch.run_threads`). Step k runs the schedule's iteration min(k, K-1) as a template,
 with the actions' steps shifted to k: iterations repeat, and the last compiled one is the steady
 state. `window="schedule"` instead runs all K compiled iterations as one window (steps == K), so
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import resource
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,15 +26,16 @@ from tinypipe.ir.schedule import Schedule, owned_layers, rank_actions
 from tinypipe.ir.timeline import Record
 
 from . import checkpoint
-from .comm import Comm, DistComm
+from .comm import Comm
 from .compiled import COMPILE_BACKEND, LayerCaller
 from .cpustat import Steal
 from .executor import Carried, RunLog, run_actions
-from .groups import DistGroup, Group
+from .groups import Group
 from .host_states import make_host_state
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
 from .interpreter import ExecutionError, Interpreter, StepData
+from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
 
 
@@ -50,6 +49,8 @@ class Job:
     seq_len: int
     microbatch_size: int
     data: str | None = None
+    byte_tokens: bool = True  # a model without tokenizer files trains on byte ids (the planner checked)
+    packing: bool = True  # examples packed end to end (else one per sequence, data.examples.pack)
     seed: int = 0
     optim: AdamWConfig = AdamWConfig()
     backend: str = "cpu"
@@ -60,6 +61,9 @@ class Job:
     threads: int = 0  # torch intra-op threads per rank (0: torch's default)
     gpu_mem_bytes: int | None = None  # CUDA: the caching allocator's cap per rank (None: the whole GPU)
     progress: bool = True
+    write_metrics: bool = True  # OUT/metrics.jsonl (and TensorBoard), by rank 0
+    save_every: int = 0  # also save the model to OUT/step-N every N steps (0: off)
+    save_dtype: str | None = None  # the saved weights' dtype (DTYPES key; None: fp32, the masters')
     save_model: bool = True
     keep_masters: bool = False  # return the final fp32 masters in the result (tests)
     compile_blocks: bool = False  # torch.compile the decoder blocks (`--compile`, backends/compiled.py)
@@ -131,20 +135,6 @@ def strip_parameters(module: torch.nn.Module) -> None:
                                                 requires_grad=False))
 
 
-def _progress(job: Job, step: int, loss: float | None, started: float, done_steps: int) -> None:
-    n = job.steps
-    width = 24
-    filled = int(width * (step + 1) / n)
-    rate = job.tokens_per_step * done_steps / max(1e-9, time.perf_counter() - started)
-    text = (f"\rtraining [{'#' * filled}{'.' * (width - filled)}] step {step + 1}/{n}"
-            + ("" if loss is None else f"  loss {loss:.4f}") + f"  {rate:,.0f} tokens/s")
-    if sys.stderr.isatty():
-        sys.stderr.write(text + ("\n" if step + 1 == n else ""))
-    elif (step + 1) % max(1, n // 10) == 0 or step + 1 == n:
-        sys.stderr.write(text.lstrip("\r") + "\n")
-    sys.stderr.flush()
-
-
 def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
                stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
     """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
@@ -183,9 +173,10 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         assert module is not None  # built for the layers this rank owns
         strip_parameters(module)
     rss["model's own weights dropped"] = _rss()
-    tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size)
+    tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size,
+                               byte_tokens=job.byte_tokens or job.data is None)
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
-                           microbatches=sched.microbatches, seed=job.seed)
+                           microbatches=sched.microbatches, seed=job.seed, packing=job.packing)
     interp = Interpreter(rank=rank, schedule=sched, layers=stack.layers, host=host, comm=comm, device=device,
                          hidden_size=stack.spec.hidden_size, tied=stack.tied,
                          caller=LayerCaller(compile_blocks=job.compile_blocks, backend=job.compile_backend))
@@ -201,7 +192,9 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             host.load_state_dict(state["host"])
             checkpoint.set_rng_state(state["rng"])
             start, losses = int(meta["step"]), dict(state["losses"])
-    head = sched.num_layers - 1 in layers
+    steplog = (StepLog(job.out if job.write_metrics else None, steps=job.steps, start=start,
+                       tokens_per_step=job.tokens_per_step, ranks=world, lr_at=job.optim.lr_at,
+                       progress=job.progress) if rank == 0 else None)
     log = RunLog()
     t_begin = time.perf_counter()
     steal = Steal()  # the host's CPU time the hypervisor took while this rank trained
@@ -219,6 +212,15 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
                         state={"host": host.state_dict(), "rng": checkpoint.rng_state(), "losses": losses},
                         run=job.record)
         saved[:] = [step, time.monotonic()]
+
+    def save_model(at: int | None) -> None:
+        """The model in Hugging Face form: in OUT at the end, in OUT/step-N at step N."""
+        assert job.out is not None
+        finish_host_steps()
+        where = job.out if at is None else str(Path(job.out) / f"step-{at}")
+        save_pretrained(host.masters(), stack.config, where, rank=rank, world=world, source_dir=stack.source_dir,
+                        dtype=DTYPES[job.save_dtype] if job.save_dtype else None)
+        group.barrier()  # every rank's shards are written when any rank goes on
 
     step = start
     optimizer = HostWorker(f"rank{rank}-optim")  # runs the OPT_STEPs beside GPU dispatch
@@ -248,10 +250,12 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         left = interp.leftovers()
         if left:
             raise ExecutionError(f"rank {rank}: steps {step}..{step + n - 1} ended still holding {', '.join(left[:6])}")
-        if job.progress and head:
-            for k in range(step, step + n):
-                _progress(job, k, losses.get(k), t_begin, k + 1 - start)
+        parts = group.gather(({k: losses[k] for k in part.losses}, host.take_grad_sq()))
+        if steplog is not None and parts is not None:
+            steplog.window(step, step + n, window_end - t_run, parts)
         step += n
+        if job.out and job.save_every and step % job.save_every == 0 and step < job.steps:
+            save_model(step)
         if settle_heap:
             finish_host_steps()  # once: the optimizer's tail would wait for the GIL the collection holds
             settle_heap()
@@ -268,12 +272,15 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             break
     finish_host_steps()
     optimizer.close()
+    parts = group.gather(({}, host.take_grad_sq()))
+    if steplog is not None:
+        steplog.close(parts or ())
     rss["training done"] = _rss()
     wall = time.perf_counter() - t_begin
     if job.out and job.checkpoint_s and not interrupted and saved[0] != step:  # and at the end
         save_checkpoint(step)
-    if job.out and job.save_model and not interrupted:
-        save_pretrained(host.masters(), stack.config, job.out, rank=rank, world=world, source_dir=stack.source_dir)
+    if job.out and job.save_model:
+        save_model(step if interrupted else None)  # Ctrl-C: the model as of the stop, beside the checkpoint
     # the allocator's peak since the last reset, and before it the per-action peaks that reset it
     peak_dev = (max([torch.cuda.max_memory_allocated(device), *(b for _, _, b in log.peaks)])
                 if device.type == "cuda" else max((b for _, b in log.memory), default=0))
@@ -299,101 +306,3 @@ def _rss() -> tuple[int, int]:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), peak
     except OSError:
         return 0, peak
-
-
-def import_before_groups(model: str, seed: int) -> None:
-    """Import what training imports before any process group exists.
-
-    transformers imports `torch.distributed.nn` (through its FSDP integration), whose functions take
-    `group=group.WORLD` as a default argument, evaluated at import. Imported after
-    `init_process_group`, they hold the live default group for good: `destroy_process_group` then
-    cannot free it, and gloo's threads (`pt_gloo_runloop`, `gloo_tcp_loop`) run on into interpreter
-    shutdown and static destruction, while the peer exits and closes their sockets: the teardown
-    race behind a finished run's rank dying with SIGABRT ("terminate called without an active
-    exception"; seen about 1 run in 14, not reproduced on the 2-core dev box in ~250 runs).
-    Imported first, the defaults are None and the teardown frees the groups and joins their threads.
-    """
-    import torch.distributed.nn  # noqa: F401
-
-    from .hf import build_model
-
-    build_model(model, seed=seed, only=set())  # transformers' lazy modules for this model
-
-
-def lingering_group_threads() -> list[str]:
-    """Names of this process's threads that belong to a torch.distributed backend (Linux; tests)."""
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            continue
-    return sorted(n for n in names if "gloo" in n or "nccl" in n.lower())
-
-
-# The caching allocator grows segments in place instead of keeping one per size: reserved memory
-# stays near what is allocated, so a run planned under `--gpu-mem` does not reach the cap through
-# fragmentation. At the cap the allocator frees its cache, and freeing (cudaFree, or the events of
-# blocks used on other streams) waits for the device: with an NCCL receive posted before its peer's
-# send, that wait needs the peer's host, which may be waiting for this one.
-CUDA_ALLOC_CONF = "expandable_segments:True"
-
-
-def process_main(local_rank: int, job: Job, world: int, init_method: str, result_path: str | None,
-                 env_rank: int | None = None) -> None:
-    """The entry of one worker process (`torch.multiprocessing.spawn`, or in-process under torchrun)."""
-    import torch.distributed as dist
-
-    rank = local_rank if env_rank is None else env_rank
-    stop = threading.Event()
-    hang_s = float(os.environ.get("TINYPIPE_STACKS_AFTER_S", "0") or 0)
-    if hang_s > 0:  # diagnosis of a stuck run: every thread's Python stack on stderr after this long
-        import faulthandler
-
-        faulthandler.dump_traceback_later(hang_s, exit=False)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    main = threading.current_thread() is threading.main_thread()
-    if main:  # Ctrl-C: finish the window, checkpoint, stop (SIGTERM keeps killing: spawn uses it on failure)
-        signal.signal(signal.SIGINT, on_signal)
-    if job.threads:
-        torch.set_num_threads(job.threads)
-    backend = "nccl" if job.backend == "cuda" else "gloo"
-    if job.backend == "cuda":
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # before the allocator's first use
-        torch.cuda.set_device(local_rank)
-    import_before_groups(job.model, job.seed)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=job.timeout_s))
-    finished = False
-    try:
-        comm = DistComm(rank, world, backend=backend)
-        group = DistGroup(rank, world, backend)
-        if env_rank is not None:  # torchrun: each process planned for itself; rank 0's plan is the one run
-            box = [job]
-            dist.broadcast_object_list(box, src=0, group=group.group)
-            job = box[0]
-        result = train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank)
-        results = group.gather(result)
-        if rank == 0 and result_path is not None:
-            tmp = f"{result_path}.part{os.getpid()}"
-            torch.save(results, tmp)
-            os.replace(tmp, result_path)
-        # Orderly teardown: no helper thread inside a gloo Work, and no rank destroying its groups
-        # while a peer still uses them (a rank once died with SIGABRT at exit without this).
-        comm.close()
-        group.barrier()
-        finished = True
-    finally:
-        if main:  # done: a late Ctrl-C must not kill the exiting process (Python restores SIG_DFL at exit)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # Failing, keep the groups' connections open: torch's spawn wrapper writes this rank's error
-        # file after the exception leaves here, and the launcher names the rank whose file is oldest
-        # (`launch._first_failure`). Destroyed here, the peers' "connection closed" errors could be
-        # written first (seen under load). The process exits right after anyway.
-        if finished:
-            dist.destroy_process_group()
-

@@ -25,6 +25,12 @@ class AdditionTask:
     """The embedded default task: `a+b=c` lines, operands of 1..`digits` digits (each digit count
     equally likely), loss on the answers `c\\n` (or on everything with `loss_on="all"`).
 
+    `padded`: operands written with `digits` digits and the sum with `digits + 1`, zeros in front
+    (`07+35=042`), so each digit of the answer sits at a fixed distance from the operand digits it
+    depends on. A small model learns this form several times faster: tiny-llama, one process,
+    500 steps of 512 tokens at lr 3e-3 with a cosine schedule reached 33-83% held-out accuracy over
+    three seeds padded and 0-1% unpadded (2026-12-02, 2-core box).
+
     Problems are split by a hash of (a, b): one in `HELD_OUT_BUCKETS` is never trained on and is
     what `task_accuracy` asks.
     """
@@ -32,6 +38,7 @@ class AdditionTask:
     seed: int = 0
     digits: int = 2
     loss_on: str = "answer"  # "answer" | "all"
+    padded: bool = True
 
     def __post_init__(self) -> None:
         if self.digits < 1:
@@ -50,8 +57,16 @@ class AdditionTask:
             if is_held_out(a, b) == held_out:
                 yield a, b
 
+    def prompt(self, a: int, b: int) -> str:
+        """`a+b=` as the task writes it."""
+        return f"{a:0{self.digits}d}+{b:0{self.digits}d}=" if self.padded else f"{a}+{b}="
+
+    def answer(self, a: int, b: int) -> str:
+        """The sum as the task writes it (without the newline that ends it)."""
+        return f"{a + b:0{self.digits + 1}d}" if self.padded else f"{a + b}"
+
     def example(self, a: int, b: int) -> Example:
-        prompt, answer = f"{a}+{b}=", f"{a + b}\n"
+        prompt, answer = self.prompt(a, b), self.answer(a, b) + "\n"
         return Example(prompt, answer) if self.loss_on == "answer" else Example("", prompt + answer)
 
     def held_out(self, n: int) -> list[tuple[int, int]]:
@@ -152,10 +167,10 @@ def task_accuracy(logits_fn: Callable[[torch.Tensor], torch.Tensor], *, n: int =
     task = task or AdditionTask()
     tokenizer = tokenizer or ByteTokenizer()
     problems = task.held_out(n)
-    groups: dict[int, list[tuple[list[int], int]]] = {}
+    groups: dict[int, list[tuple[list[int], str]]] = {}
     for a, b in problems:
-        prompt = tokenize(Example("", f"{a}+{b}="), tokenizer, eos=False)[0]
-        groups.setdefault(len(prompt), []).append((prompt, a + b))
+        prompt = tokenize(Example("", task.prompt(a, b)), tokenizer, eos=False)[0]
+        groups.setdefault(len(prompt), []).append((prompt, task.answer(a, b)))
     correct = 0
     for items in groups.values():
         ids = torch.tensor([p for p, _ in items], dtype=torch.long)
@@ -164,5 +179,5 @@ def task_accuracy(logits_fn: Callable[[torch.Tensor], torch.Tensor], *, n: int =
             next_ids = logits_fn(ids)[:, -1].argmax(-1)
             ids = torch.cat([ids, next_ids[:, None].to(ids.device)], dim=1)
         for row, (_, answer) in zip(ids[:, start:].tolist(), items):
-            correct += tokenizer.decode(row).split("\n")[0] == str(answer)
+            correct += tokenizer.decode(row).split("\n")[0] == answer
     return correct / max(1, len(problems))

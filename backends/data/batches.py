@@ -58,7 +58,7 @@ class Batches:
 
 def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int, microbatch_size: int,
                  microbatches: int, seed: int, replica: int = 0, replicas: int = 1,
-                 task: AdditionTask | None = None) -> Batches:
+                 task: AdditionTask | None = None, packing: bool = True) -> Batches:
     """Batches from a data file, or from the addition task when `data` is None or "addition"."""
     if seq_len < 1:
         raise InputError(f"seq_len must be >= 1, got {seq_len}")
@@ -66,7 +66,7 @@ def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int,
     if data is None or (str(data) == ADDITION and not Path(ADDITION).exists()):
         source = AdditionSequences(task or AdditionTask(seed=seed), tokenizer, seq_len)
     else:
-        inputs, labels = pack(read_examples(data), tokenizer, seq_len)
+        inputs, labels = pack(read_examples(data), tokenizer, seq_len, packing=packing)
         source = PackedSequences(inputs, labels, seed=seed)
     return Batches(source, microbatch_size=microbatch_size, microbatches=microbatches,
                    replica=replica, replicas=replicas)

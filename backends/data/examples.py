@@ -1,18 +1,16 @@
-"""Examples from JSONL or plain-text files, tokenised and packed into fixed-length windows.
+"""Examples tokenised and packed into fixed-length windows (or, without packing, one example a window).
 
-Every source becomes a list of `Example(prompt, completion)` (a `text` record is a completion with
-an empty prompt). Examples are concatenated, each followed by the end-of-text token, and cut into
-windows of `seq_len + 1` tokens: the inputs are the first `seq_len`, the labels the last `seq_len`
-(shifted, so position t predicts labels[t]), -100 where a token carries no loss (prompts, padding).
+Every source becomes a list of `formats.Example`s (a `text` record is a completion with an empty
+prompt; a `messages` record is rendered by the tokenizer's chat template). Packed, examples are
+concatenated, each followed by the end-of-text token, and cut into windows of `seq_len + 1` tokens:
+the inputs are the first `seq_len`, the labels the last `seq_len` (shifted, so position t predicts
+labels[t]), -100 where a token carries no loss (prompts, non-assistant turns, padding).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -20,74 +18,19 @@ from tinypipe.common.errors import InputError
 
 from ..hf import param_seed
 from ..layers import IGNORE_INDEX
+from .formats import Example, read_examples
 from .tokenizers import Tokenizer
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-
-
-@dataclass(frozen=True)
-class Example:
-    """One training example: the loss falls on `completion` only (a plain text has no prompt)."""
-
-    prompt: str
-    completion: str
-
-
-# --- reading files --------------------------------------------------------------------------------
-
-def read_examples(path: str | Path) -> list[Example]:
-    """Examples from a JSONL file (`text`, or `prompt` + `completion`, per line) or a plain text
-    file (one example, loss on all of it). Bad input raises InputError naming the file and line."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{p}: no such data file" + (" (it is a directory)" if p.is_dir() else ""))
-    raw = p.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise InputError(f"{p}:{line}: not UTF-8 text (byte {exc.start})") from exc
-    if not text.strip():
-        raise InputError(f"{p}: empty file: no training examples")
-    if p.suffix.lower() not in JSONL_SUFFIXES:
-        return [Example("", text)]
-    examples = [_parse_record(line, p, n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    return examples
-
-
-def _parse_record(line: str, path: Path, n: int) -> Example:
-    where = f"{path}:{n}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{where}: not a JSON object ({exc.msg} at column {exc.colno}); each line of a "
-                         f"JSONL file is one {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}"
-                         ) from exc
-    if not isinstance(record, dict):
-        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    has_text, has_pair = "text" in record, "prompt" in record or "completion" in record
-    if has_text and has_pair:
-        raise InputError(f"{where}: give either \"text\" or \"prompt\" and \"completion\", not both")
-    if has_text:
-        return Example("", _string(record, "text", where))
-    if "prompt" in record and "completion" in record:
-        return Example(_string(record, "prompt", where), _string(record, "completion", where))
-    found = ", ".join(sorted(map(str, record))) or "none"
-    raise InputError(f"{where}: needs a \"text\" field, or \"prompt\" and \"completion\" fields "
-                     f"(found: {found})")
-
-
-def _string(record: dict[str, Any], key: str, where: str) -> str:
-    value = record[key]
-    if not isinstance(value, str):
-        raise InputError(f"{where}: \"{key}\" must be a string, got {type(value).__name__}")
-    return value
+__all__ = ["Example", "read_examples", "tokenize", "window", "pack", "SequenceSource", "PackedSequences"]
 
 
 # --- packing ----------------------------------------------------------------------------------------
 
 def tokenize(example: Example, tokenizer: Tokenizer, *, eos: bool = True) -> tuple[list[int], list[bool]]:
-    """An example's tokens and, per token, whether it carries loss (as a label)."""
+    """An example's tokens and, per token, whether it carries loss (as a label). A conversation is
+    the tokenizer's chat template's rendering (which ends its turns itself: no end-of-text added)."""
+    if example.messages is not None:
+        return tokenizer.chat(example.messages)
     prompt = tokenizer.encode(example.prompt) if example.prompt else []
     completion = tokenizer.encode(example.completion)
     ids = ([] if tokenizer.bos_id is None else [tokenizer.bos_id]) + prompt + completion
@@ -107,14 +50,27 @@ def window(ids: Sequence[int], loss: Sequence[bool], seq_len: int, pad_id: int) 
 
 
 def pack(examples: Sequence[Example], tokenizer: Tokenizer, seq_len: int, *,
-         eos: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+         eos: bool = True, packing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """All examples concatenated and cut into windows: (input_ids, labels), each [n, seq_len].
 
     Window k holds tokens [k*seq_len, (k+1)*seq_len] (one token of overlap: the last label of a
     window is the first input of the next), so every token but the first is a label exactly once.
+    Without `packing`, each example is a window of its own: its first `seq_len + 1` tokens (the rest
+    cut off), padded without loss; an example left with no loss token is dropped.
     """
     ids: list[int] = []
     loss: list[bool] = []
+    if not packing:
+        rows = []
+        for ex in examples:
+            t, m = tokenize(ex, tokenizer, eos=eos)
+            if len(t) >= 2 and any(m[1: seq_len + 1]):
+                rows.append(window(t, m, seq_len, tokenizer.pad_id))
+        if not rows:
+            raise InputError(f"no example keeps a loss token within its first {seq_len + 1} tokens: nothing to "
+                             "train on (raise --seq-len, or pack the examples)")
+        inputs, labels = zip(*rows)
+        return torch.tensor(inputs, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
     for ex in examples:
         t, m = tokenize(ex, tokenizer, eos=eos)
         ids += t

@@ -1,4 +1,4 @@
-"""Tokenizers for training data: the model directory's own (local files only), else byte-level ids."""
+"""Tokenizers for training data: the model directory's own (local files only), or byte-level ids when asked."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def chat(self, messages: Sequence[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+        """A conversation's tokens through the chat template and, per token, whether it is an assistant's."""
+        ...
+
 
 class ByteTokenizer:
     """Byte-level ids for the tiny models: 0..255 are UTF-8 bytes; 256 ends a text and 257 pads
@@ -41,6 +45,10 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def chat(self, messages: Sequence[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+        raise InputError("\"messages\" data needs the model's tokenizer and its chat template; byte-level ids "
+                         "have no chat template")
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer from a local model directory, with BOS added only where its own
@@ -49,10 +57,12 @@ class HFTokenizer:
     def __init__(self, directory: Path) -> None:
         from transformers import AutoTokenizer
 
+        self.directory = directory
         try:
             self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{directory}: cannot load the tokenizer ({exc})") from exc
+        except Exception as exc:  # corrupt or foreign tokenizer files raise many kinds of errors
+            why = " ".join(str(exc).split())[:300]
+            raise InputError(f"{directory}: cannot load the tokenizer ({type(exc).__name__}: {why})") from None
         bos = self.tok.bos_token_id
         self.bos_id = bos if bos is not None and self.tok("a")["input_ids"][:1] == [bos] else None
         self.eos_id = self.tok.eos_token_id
@@ -65,9 +75,74 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=True))
 
+    def __len__(self) -> int:
+        return len(self.tok)
 
-def load_tokenizer(model_dir: str | Path | None, *, vocab_size: int) -> Tokenizer:
-    """The model directory's own tokenizer when it has tokenizer files, else `ByteTokenizer(vocab_size)`."""
-    if model_dir is not None and any((Path(model_dir) / m).is_file() for m in TOKENIZER_MARKERS):
-        return HFTokenizer(Path(model_dir))
+    def chat(self, messages: Sequence[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+        """The chat template's rendering of `messages`, tokenised, with loss on the assistant turns.
+
+        An assistant turn is the text the template adds when that message joins the conversation,
+        after the generation prompt (for ChatML: the content and `<|im_end|>\\n`), as TRL's
+        assistant-only loss marks it. Found by rendering each prefix of the conversation, which
+        needs a template whose renderings of successive prefixes extend each other.
+        """
+        if not getattr(self.tok, "chat_template", None):
+            raise InputError(f"{self.directory}: the tokenizer has no chat template, which \"messages\" data needs "
+                             "(add chat_template to tokenizer_config.json, or give prompt/completion records)")
+        msgs = [{"role": r, "content": c} for r, c in messages]
+        full = self._render(msgs, False)
+        spans = []
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            before, upto = self._render(msgs[:i], True), self._render(msgs[: i + 1], False)
+            if not (upto.startswith(before) and full.startswith(upto)):
+                raise InputError(f"{self.directory}: the chat template does not render the conversation prefix by "
+                                 "prefix (an earlier turn changes when later ones are added), so the assistant "
+                                 "turns cannot be told apart for their loss")
+            spans.append((len(before), len(upto)))
+        if self.tok.is_fast:
+            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            loss = [any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
+            return ids, loss
+        ids, loss, at = [], [], 0
+        for a, b in spans:  # a slow tokenizer: piece by piece
+            for text, keep in ((full[at:a], False), (full[a:b], True)):
+                t = self.encode(text) if text else []
+                ids += t
+                loss += [keep] * len(t)
+            at = b
+        tail = self.encode(full[at:]) if full[at:] else []
+        return ids + tail, loss + [False] * len(tail)
+
+    def _render(self, msgs: list[dict[str, str]], generation_prompt: bool) -> str:
+        if not msgs:
+            return ""
+        try:
+            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as exc:  # the template is user data: any error it raises is the template's
+            raise InputError(f"{self.directory}: the chat template failed on a conversation ({exc})") from None
+        return str(text)
+
+
+def has_tokenizer(model_dir: str | Path | None) -> bool:
+    return model_dir is not None and any((Path(model_dir) / m).is_file() for m in TOKENIZER_MARKERS)
+
+
+def load_tokenizer(model_dir: str | Path | None, *, vocab_size: int, byte_tokens: bool = True) -> Tokenizer:
+    """The model directory's own tokenizer when it has tokenizer files; else `ByteTokenizer(vocab_size)`
+    if `byte_tokens`, else an InputError (a model without a tokenizer trains on byte ids only when asked).
+    InputError when the tokenizer's ids do not fit the model's vocabulary."""
+    if has_tokenizer(model_dir):
+        assert model_dir is not None
+        tok = HFTokenizer(Path(model_dir))
+        if len(tok) > vocab_size:
+            raise InputError(f"{model_dir}: the tokenizer has {len(tok):,} tokens, more than the model's vocabulary "
+                             f"of {vocab_size:,}")
+        return tok
+    if not byte_tokens:
+        where = "the model" if model_dir is None else str(model_dir)
+        raise InputError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_MARKERS)}); give a model directory "
+                         "with its tokenizer, or --byte-tokens to train on UTF-8 byte ids")
     return ByteTokenizer(vocab_size)

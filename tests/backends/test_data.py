@@ -52,11 +52,12 @@ def test_jsonl_and_plain_text_are_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("content, message", [
     ('{"text": "ok"}\nnot json\n', r"d\.jsonl:2: not a JSON object"),
-    ('{"text": "ok"}\n{"prompt": "a"}\n', r"d\.jsonl:2: needs a \"text\" field, or \"prompt\" and \"completion\" "
-                                          r"fields \(found: prompt\)"),
+    ('{"text": "ok"}\n{"prompt": "a"}\n', r"d\.jsonl:2: needs a \"text\" field, \"prompt\" and \"completion\" "
+                                          r"fields, or \"messages\" \(found: prompt\)"),
     ('{"text": 3}\n', r"d\.jsonl:1: \"text\" must be a string, got int"),
-    ('[1, 2]\n', r"d\.jsonl:1: expected a JSON object, got list"),
-    ('{"text": "a", "prompt": "b", "completion": "c"}\n', r"d\.jsonl:1: give either"),
+    ('[1, 2]\n', r"d\.jsonl: a JSON array; write one record per line"),
+    ('{"text": "a"}\n[1]\n', r"d\.jsonl:2: expected a JSON object, got list"),
+    ('{"text": "a", "prompt": "b", "completion": "c"}\n', r"d\.jsonl:1: give one of"),
     ("", r"d\.jsonl: empty file"),
     ("\n  \n", r"d\.jsonl: empty file"),
 ])
@@ -161,7 +162,7 @@ def oracle(correct: bool):
             text = tok.decode(seq)
             prompt, done = text.split("=")
             a, b = prompt.split("+")
-            target = f"{int(a) + int(b)}\n" if correct else "0\n"
+            target = AdditionTask().answer(int(a), int(b)) + "\n" if correct else "0\n"
             out[row, -1, ord(target[min(len(done), len(target) - 1)])] = 1.0
         return out
 
@@ -191,3 +192,7 @@ def test_model_directory_tokenizer_is_used(tmp_path: Path) -> None:
     assert inputs.tolist() == [[0, 3, 4, 6, 5]]
     assert labels.tolist() == [[X, X, X, 5, 1]]
     assert isinstance(load_tokenizer(tmp_path / "none", vocab_size=300), ByteTokenizer)
+    with pytest.raises(InputError, match="no tokenizer files .* or --byte-tokens"):
+        load_tokenizer(tmp_path / "none", vocab_size=300, byte_tokens=False)
+    with pytest.raises(InputError, match="the tokenizer has 9 tokens, more than the model's vocabulary of 8"):
+        load_tokenizer(tmp_path, vocab_size=8)

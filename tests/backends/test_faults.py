@@ -100,7 +100,7 @@ def test_kill_9_of_a_rank_stops_the_run_and_resume_is_bit_identical(tmp_path: Pa
 TEARDOWN_PROBE = textwrap.dedent("""
     import pickle, sys, tempfile
     from pathlib import Path
-    from tinypipe.backends.worker import lingering_group_threads, process_main
+    from tinypipe.backends.rankprocess import lingering_group_threads, process_main
     job = pickle.loads(Path(sys.argv[1]).read_bytes())
     assert "transformers" not in sys.modules  # as in a freshly spawned worker
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,151 @@
+"""What a run reports while it trains: a progress line with ETA, and `OUT/metrics.jsonl` (TensorBoard too).
+
+Rank 0 gathers, after each window, every rank's losses (the head's) and squared gradient norms (each
+rank's share over its layers, `HostState.grad_sq`) and keeps them in a `StepLog`. A step's line is
+written once every rank's optimizer steps for it have finished (a window's last optimizer steps may
+run on into the next window), so `metrics.jsonl` trails the progress line by up to one window.
+
+One JSON object per line: `step` (1-based), `loss` (the step's mean token loss), `lr`, `grad_norm`
+(the global L2 norm of the step's gradients over all ranks, before any update), `tokens`,
+`tokens_per_s` (of the window the step ran in) and `elapsed_s`; `eval_loss` where measured.
+With `tensorboard` installed (torch.utils.tensorboard), the same scalars go to OUT/tensorboard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_FILE, TENSORBOARD_DIR = "metrics.jsonl", "tensorboard"
+
+
+def fmt_duration(s: float) -> str:
+    """Seconds as `1:02:03` or `2:03`."""
+    s = max(0, int(round(s)))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def progress_line(step: int, steps: int, loss: float | None, tokens_per_s: float, eta_s: float | None) -> str:
+    width = 24
+    filled = int(width * step / max(1, steps))
+    return (f"training [{'#' * filled}{'.' * (width - filled)}] step {step}/{steps}"
+            + ("" if loss is None else f"  loss {loss:.4f}") + f"  {tokens_per_s:,.0f} tokens/s"
+            + ("" if eta_s is None else f"  ETA {fmt_duration(eta_s)}"))
+
+
+class StepLog:
+    """Rank 0's record of the run's steps: progress on stderr, metrics.jsonl (and TensorBoard) under `out`."""
+
+    def __init__(self, out: str | None, *, steps: int, start: int, tokens_per_step: int, ranks: int,
+                 lr_at: Callable[[int], float], progress: bool = True, stream: TextIO | None = None) -> None:
+        self.steps, self.start, self.tokens_per_step, self.ranks = steps, start, tokens_per_step, ranks
+        self.lr_at, self.progress, self.stream = lr_at, progress, stream or sys.stderr
+        self.t0 = time.perf_counter()
+        self.losses: dict[int, float] = {}
+        self.grad_sq: dict[int, list[float]] = {}  # step -> each rank's share that has arrived
+        self.rate: dict[int, float] = {}  # step -> tokens/s of its window
+        self.eval: dict[int, float] = {}
+        self.written = start
+        self._file: TextIO | None = None
+        self._board: Any = None
+        if out is not None:
+            path = Path(out) / METRICS_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = _rows_upto(path, start) if start else []  # a resumed run continues the file from its checkpoint
+            self._file = open(path, "w")  # noqa: SIM115 - closed in close()
+            self._file.writelines(kept)
+            self._board = _tensorboard(Path(out) / TENSORBOARD_DIR)
+
+    def window(self, first: int, last: int, seconds: float, parts: Iterable[tuple[dict[int, float],
+                                                                                    dict[int, float]]]) -> None:
+        """Steps first..last-1 ran in `seconds`; `parts`: every rank's (losses, grad_sq) it gathered."""
+        for losses, sq in parts:
+            self.losses.update(losses)
+            for k, v in sq.items():
+                self.grad_sq.setdefault(k, []).append(v)
+        rate = self.tokens_per_step * (last - first) / max(seconds, 1e-9)
+        for k in range(first, last):
+            self.rate[k] = rate
+        if self.progress:
+            done = last - self.start
+            elapsed = time.perf_counter() - self.t0
+            eta = elapsed / max(1, done) * (self.steps - last)
+            self._say(progress_line(last, self.steps, self.losses.get(last - 1), rate, eta), final=last == self.steps)
+        self._flush(complete_only=True)
+
+    def _say(self, text: str, *, final: bool) -> None:
+        if self.stream.isatty():
+            self.stream.write("\r" + text + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _flush(self, *, complete_only: bool) -> None:
+        while self.written < self.steps:
+            k = self.written
+            if k not in self.rate or (complete_only and len(self.grad_sq.get(k, ())) < self.ranks):
+                return
+            sq = self.grad_sq.get(k)
+            row: dict[str, Any] = {"step": k + 1, "loss": self.losses.get(k), "lr": self.lr_at(k),
+                                   "grad_norm": math.sqrt(sum(sq)) if sq and len(sq) == self.ranks else None,
+                                   "tokens": self.tokens_per_step, "tokens_per_s": round(self.rate[k], 1),
+                                   "elapsed_s": round(time.perf_counter() - self.t0, 3)}
+            if k in self.eval:
+                row["eval_loss"] = self.eval[k]
+            self._write(row)
+            self.written += 1
+
+    def _write(self, row: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        if self._board is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"):
+                if row.get(key) is not None:
+                    self._board.add_scalar(f"train/{key}", row[key], row["step"])
+
+    def close(self, parts: Iterable[tuple[dict[int, float], dict[int, float]]] = ()) -> None:
+        """The last shares (after every optimizer step finished), then every remaining line."""
+        for losses, sq in parts:
+            self.losses.update(losses)
+            for k, v in sq.items():
+                self.grad_sq.setdefault(k, []).append(v)
+        self._flush(complete_only=False)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+
+def _rows_upto(path: Path, step: int) -> list[str]:
+    """The lines of an earlier metrics.jsonl for steps up to `step` (those after it are trained again)."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return kept
+
+
+def _tensorboard(directory: Path) -> Any:
+    """A TensorBoard SummaryWriter when the tensorboard package is installed, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(directory))
