@@ -151,9 +151,12 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     A Namespace (the parsed command line) is settled first (`settings.settle`). `phase(text)` hears
     what starts next (the CLI shows it as progress)."""
     from .data.addition import ADDITION
-    from .data.examples import pack, read_examples
+    from .data.batches import make_batches
+    from .data.examples import PackedSequences
     from .data.tokenizers import load_tokenizer
+    from .interpreter import ExecutionError
     from .settings import record, settle
+    from .worker import step_data
 
     args = settle(options)  # defaults or the resumed run's record; numbers and output paths checked
     if args.backend == "cpu" and args.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
@@ -169,9 +172,6 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     data = None if args.data is None or (args.data == ADDITION and not Path(ADDITION).exists()) else args.data
     addition = data is None
     tokenizer = load_tokenizer(source.directory, vocab_size=spec.vocab_size, byte_tokens=addition or args.byte_tokens)
-    if data is not None:
-        say(f"reading and tokenizing {data}")
-        sequences = len(pack(read_examples(data), tokenizer, args.seq_len, packing=args.packing)[0])
     policy = _policy(args)
     if args.record and args.policy is None and isinstance(args.record.get("policy"), dict):
         policy = Policy.from_json(args.record["policy"], where=f"{args.out}: the checkpoint's policy")
@@ -183,9 +183,18 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         raise InputError(f"--batch-tokens {args.batch_tokens}: not a multiple of the microbatch "
                          f"({policy.microbatch_size} sequences x {args.seq_len} tokens = {tokens_per_mb})")
     policy = policy.replace(microbatches=args.batch_tokens // tokens_per_mb)
-    if args.epochs is not None and not args.resume and data is not None:  # the steps of E passes over the data
-        args = dataclasses.replace(args, steps=max(1, math.ceil(args.epochs * sequences * args.seq_len
-                                                                / args.batch_tokens)))
+    if data is not None:
+        say(f"reading and tokenizing {data}")
+    batches = make_batches(data, tokenizer=tokenizer, seq_len=args.seq_len, microbatch_size=policy.microbatch_size,
+                           microbatches=policy.microbatches, seed=args.seed, packing=args.packing)
+    if args.epochs is not None and not args.resume and isinstance(batches.source, PackedSequences):
+        args = dataclasses.replace(args, steps=max(1, math.ceil(args.epochs * len(batches.source)
+                                                                * args.seq_len / args.batch_tokens)))
+    first = int(args.record["step"]) if args.record else 0
+    try:
+        step_data(batches, first)
+    except ExecutionError as exc:
+        raise InputError(f"--seq-len {args.seq_len}: {exc}; give longer sequences") from None
     # a resumed run keeps its packs on its ranks (the packer's choice may depend on rates measured now)
     pinned = pinned.replace(microbatches=policy.microbatches)
     threads = max(1, (os.cpu_count() or 1) // args.gpus)
@@ -246,6 +255,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         found = checkpoint.find(out)
         assert found is not None  # settle read it
         checkpoint.read_meta(found, identity)
+        check_rank_files(found, args.gpus)
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every,
@@ -284,6 +294,22 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
         if prediction.fits and sorted(set(schedule.pack_gpu)) == list(range(gpus)):
             return cand, (schedule, prediction)
     return None
+
+
+def check_rank_files(directory: Path, ranks: int) -> None:
+    """InputError unless the checkpoint holds a complete file for each of `ranks` ranks (torch.save's zip
+    format: a truncated file lacks the zip's closing directory)."""
+    import zipfile
+
+    files = sorted(directory.glob("rank*.pt"))
+    if not files:
+        return  # another format: the workers read it
+    for r in range(ranks):
+        f = directory / f"rank{r}.pt"
+        if not f.is_file():
+            raise InputError(f"{f}: missing; the checkpoint holds {len(files)} rank file(s), this run has {ranks} ranks")
+        if not zipfile.is_zipfile(f):
+            raise InputError(f"{f}: truncated or corrupt (not a complete torch.save file)")
 
 
 SAVE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -8,6 +8,7 @@ mathematics as one AdamW over all parameters), same data (`data.Batches`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +42,12 @@ def layer_adamw(params: Iterable[nn.Parameter], *, lr: float, betas: tuple[float
 @dataclass(frozen=True)
 class ReferenceResult:
     """Per-step losses (the mean token loss of each step) and the final weights, as
-    {layer index: {parameter name in layer: tensor}} (`LayerStack.state()`'s form, cloned)."""
+    {layer index: {parameter name in layer: tensor}} (`LayerStack.state()`'s form, cloned);
+    `grad_norms`: per step, the global L2 norm of its gradients (`torch.nn.utils.get_total_norm`)."""
 
     losses: list[float]
     state: dict[int, dict[str, torch.Tensor]]
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
 
 
 def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: int, lr: float,
@@ -84,6 +87,7 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
     # one deepcopy of the list keeps a tied matrix shared between the working copies too
     workers = masters if dtype == torch.float32 else [w.to(dtype) for w in copy.deepcopy(masters)]
     losses: list[float] = []
+    grad_norms: list[float] = []
     pending: list[list[torch.Tensor]] | None = None
     data = iter(batches)
 
@@ -97,6 +101,7 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
         step = next(data)
         loss, grads = _forward_backward(workers, own, step, tied=stack.tied)
         losses.append(loss)
+        grad_norms.append(float(torch.nn.utils.get_total_norm([g for layer in grads for g in layer])))
         if async_staleness == 0:
             apply(grads, t)
         else:
@@ -107,7 +112,7 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
         apply(pending, steps - 1)
     state = {i: {n: m.get_parameter(n).detach().clone() for n in names} for i, (m, names) in
              enumerate(zip(masters, own))}
-    return ReferenceResult(losses=losses, state=state)
+    return ReferenceResult(losses=losses, state=state, grad_norms=grad_norms)
 
 
 def _layer(stack: LayerStack, i: int) -> nn.Module:

@@ -75,6 +75,12 @@ def settle(args: argparse.Namespace | RunOptions) -> RunOptions:
     if isinstance(args, RunOptions):
         return args
     out = argparse.Namespace(**vars(args))
+    if out.model is not None and not out.model.strip():
+        raise InputError("--model: empty; give a shipped model name, a config.json or a model directory")
+    if out.model is not None and Path(out.model).exists():  # a path: recorded absolute, so any directory resumes it
+        out.model = str(Path(out.model).resolve())
+    args = out
+    out = argparse.Namespace(**vars(args))
     out.record = None  # the checkpoint's meta.json when resuming
     if args.resume:
         if not args.out:

@@ -229,6 +229,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         n = min(1 if settle_heap else sched.iterations, job.steps - step)  # settle_heap: iteration 0 alone
         if job.checkpoint_every and job.out:
             n = min(n, job.checkpoint_every - step % job.checkpoint_every)
+        if job.save_every and job.out:
+            n = min(n, job.save_every - step % job.save_every)
         if job.stop_after is not None and step < job.stop_after:
             n = min(n, job.stop_after - step)
         window = by_prefix.get(n)
@@ -254,8 +256,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         if steplog is not None and parts is not None:
             steplog.window(step, step + n, window_end - t_run, parts)
         step += n
-        if job.out and job.save_every and step % job.save_every == 0 and step < job.steps:
-            save_model(step)
+        saving = bool(job.out and job.save_every and step % job.save_every == 0 and step < job.steps)
         if settle_heap:
             finish_host_steps()  # once: the optimizer's tail would wait for the GIL the collection holds
             settle_heap()
@@ -268,6 +269,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             due = group.any_true(due)
         if job.out and (interrupted or due or (every and step % every == 0)):
             save_checkpoint(step)
+        if saving and not interrupted:  # (a stopped run saves its model at the stop, below)
+            save_model(step)
         if interrupted:
             break
     finish_host_steps()

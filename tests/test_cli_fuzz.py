@@ -1,11 +1,18 @@
-"""The whole command line under random flags and values: exit 0, or exit 2 with one `error:` line.
+"""The whole command line under drawn flags and values: exit 0, or exit 2 with one `error:` line, in bounded time.
 
 Hypothesis draws a subcommand and a handful of its flags with values that are mostly wrong
 (negative, zero, NaN, garbage, missing or unwritable paths, other subcommands' flags). `main` runs
 in this process. `run` plans for real, but a run that passes every check stops where the workers
 would start (nothing trains here: `tests/backends` covers that), `profile` where it would start
 measuring, and the CPU is described with fixed numbers instead of measured, so an example costs
-milliseconds to a second.
+milliseconds to a second. An example fails on a traceback, on exit 0 when it holds a value that is
+wrong wherever it is drawn (`ALWAYS_BAD`), and on running longer than `BOUND_S`.
+
+The default suite draws a fixed set of examples (derandomized: the same in every CI run); the
+longer random search is its own command:
+
+    pytest -m fuzz tests/test_cli_fuzz.py            # 1,000 fresh examples
+    FUZZ_EXAMPLES=5000 pytest -m fuzz tests/test_cli_fuzz.py
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
+import signal
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -47,6 +57,7 @@ def _files(root: Path) -> dict[str, str]:
         "NOT_JSON": ("not.json", "{this is not json"),
         "DATA_BAD": ("data.jsonl", '{"text": "fine"}\nnot json\n'),
         "DATA_OK": ("data.txt", "1+1=2\n" * 200),
+        "DATA_CSV": ("data.csv", "text,label\nhello,1\n"),
     }
     out = {}
     for key, (name, text) in made.items():
@@ -110,7 +121,11 @@ if HAVE_TORCH:
         "--dtype": st.sampled_from(["fp32", "bf16", "fp16"]), "--backend": st.sampled_from(["cpu", "cuda", "tpu"]),
         "--hardware": HARDWARE, "--out": OUT_DIRS, "--resume": None, "--checkpoint-minutes": FLOATS,
         "--checkpoint-every": INTS, "--trace": OUT_FILES,
-        "--data": st.sampled_from(["DATA_OK", "DATA_BAD", "NO_DIR/x"]), "--profile": PROFILES,
+        "--data": st.sampled_from(["DATA_OK", "DATA_BAD", "DATA_CSV", "NO_DIR/x"]), "--profile": PROFILES,
+        "--lr-schedule": st.sampled_from(["constant", "linear", "cosine", "step"]),
+        "--warmup-steps": INTS, "--warmup-ratio": FLOATS, "--epochs": FLOATS, "--byte-tokens": None,
+        "--no-packing": None, "--save-every": INTS, "--save-dtype": st.sampled_from(["fp32", "bf16", "fp16", "int4"]),
+        "--decay-all": None,
     }
     FLAGS[("profile",)] = {
         "--model": MODELS, "--seq-len": st.sampled_from(["16", "64", "0", "100000", "x"]), "--microbatch-size": INTS,
@@ -168,13 +183,52 @@ def places(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return _files(tmp_path_factory.mktemp("fuzz"))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+# values wrong wherever the strategies draw them (as the pre-substitution names): an argv holding one exits 2
+ALWAYS_BAD = frozenset({"x", "2.5", "-1", "-2", "-3", "-5", "nan", "inf", "-inf", "int8", "int4", "tpu", "step", "lots",
+                        "-5GiB", "BAD_MODEL", "/nonexistent/config.json", "llama-9", "NOT_JSON", "POLICY_SHORT",
+                        "POLICY_FIELD", "DATA_BAD", "DATA_CSV", "/proc/tinypipe-x", "/etc/passwd/x", "NO_DIR/x",
+                        "FILE", "--frobnicate", "extra", "-x"})
+BOUND_S = 60.0  # no example may run longer: a mistyped number must be refused, not computed for hours
+SUPPRESS = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+
+
+class Overlong(BaseException):  # noqa: N818 - BaseException: no `except Exception` in the code under test stops it
+    """Raised in the example when it has run BOUND_S seconds."""
+
+
+@contextlib.contextmanager
+def _bounded(seconds: float) -> Iterator[None]:
+    def expire(signum: int, frame: Any) -> None:
+        raise Overlong
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=SUPPRESS)
 @given(args=argv())
 def test_every_command_line_ends_in_exit_0_or_one_error_line(args: list[str], places: dict[str, str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever the flags: exit 0 without a traceback, or exit 2 with exactly one `error:` line on
-    stderr (the last one) and no traceback; a valid `run` reaches the point of starting workers."""
+    stderr (the last one) and no traceback; exit 2 whenever a value is always wrong; within BOUND_S;
+    a valid `run` reaches the point of starting workers. The same 60 examples in every run."""
+    check_command_line(args, places, monkeypatch)
+
+
+@pytest.mark.fuzz
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "1000")), deadline=None, suppress_health_check=SUPPRESS)
+@given(args=argv())
+def test_random_command_lines(args: list[str], places: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same contract over fresh random examples (`pytest -m fuzz`)."""
+    check_command_line(args, places, monkeypatch)
+
+
+def check_command_line(args: list[str], places: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     fresh = Path(tempfile.mkdtemp(dir=places["DIR"]))
     monkeypatch.chdir(fresh)  # the default --out (runs/...) lands here
     names = {**places, "FRESH_FILE": str(fresh / "out.file"), "FRESH_DIR": str(fresh / "run"),
@@ -191,9 +245,13 @@ def test_every_command_line_ends_in_exit_0_or_one_error_line(args: list[str], pl
         stack.enter_context(contextlib.redirect_stderr(err))
         stack.enter_context(contextlib.redirect_stdout(out))
         try:
-            code = main(real)
+            with _bounded(BOUND_S):
+                code = main(real)
         except WouldTrain:
+            assert not set(args) & ALWAYS_BAD, (real, "a wrong value reached the workers")
             return
+        except Overlong:
+            pytest.fail(f"ran longer than {BOUND_S:g} s: {real}")
         except SystemExit as exc:  # argparse's --help
             code = exc.code if isinstance(exc.code, int) else 2
     text = err.getvalue()
@@ -202,6 +260,7 @@ def test_every_command_line_ends_in_exit_0_or_one_error_line(args: list[str], pl
     # either means a patch above missed and the example trained for real
     assert not (HAVE_TORCH and args[0] in ("run", "profile") and code == 0), (real, text)
     assert code in (0, 2), (real, code, text)
+    assert code == 2 or not set(args) & ALWAYS_BAD, (real, "exit 0 with", sorted(set(args) & ALWAYS_BAD), text)
     if code == 2:
         lines = [x for x in text.splitlines() if x.strip()]
         errors = [x for x in lines if x.startswith("error: ")]

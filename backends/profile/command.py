@@ -95,18 +95,23 @@ def gpu_model_and_base(device: torch.device, hardware: str | None) -> tuple[str,
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag in ("seq_len", "repeat", "threads"):
+    for flag in ("seq_len", "repeat", "threads", "optimizer_rounds"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise InputError(f"--{flag.replace('_', '-')}: must be >= 1, got {v}")
+    for flag, most in (("repeat", 10_000), ("warmup", 10_000), ("threads", 4096), ("optimizer_rounds", 100),
+                       ("seq_len", 1 << 20)):
+        v = getattr(args, flag)
+        if v is not None and v > most:
+            raise InputError(f"--{flag.replace('_', '-')}: at most {most:,}, got {v}")
     for flag in ("warmup", "seed"):
         if getattr(args, flag) < 0:
             raise InputError(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
     if args.seed >= SEED_LIMIT:
         raise InputError(f"--seed: must be < 2**63, got {args.seed}")
-    bad = [s for s in args.microbatch_size if s < 1]
+    bad = [s for s in args.microbatch_size if not 1 <= s <= 65536]
     if bad:
-        raise InputError(f"--microbatch-size: every size must be >= 1, got {bad[0]}")
+        raise InputError(f"--microbatch-size: every size must be in 1..65536, got {bad[0]}")
     check_dir(Path(args.out), "--out")
     if args.backend == "cuda" and not torch.cuda.is_available():
         raise InputError("--backend cuda: no CUDA device is available (torch.cuda.is_available() is false); "

@@ -1,7 +1,7 @@
 """The default job (`tinypipe run`, no arguments) learns zero-padded 2-digit addition.
 
 "Learns clearly" is: the mean loss on the answers falls from ~5.5 (random init) below 1.0, and the
-held-out addition accuracy rises from 0% to at least 25%. On the 2-core dev box the whole job reaches
+held-out addition accuracy rises from 0% to at least 25%. On a 2-core machine the whole job reached
 loss ~0.21 and ~83% (bench/results/default_run.json); one process, same settings, seeds 0/1/2 ended at
 83/59/33%, so 25% leaves room for another CPU's rounding. The slow test runs the whole job; the fast one
 runs its first 80 steps (a schedule of 80) and checks that the loss leaves the random-init plateau

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEQ, MBS, MB = 16, 2, 2
 LR = 1e-2
+CONSTANT = ("--lr-schedule", "constant", "--warmup-ratio", "0")  # the reference's lr: the same at every step
 
 
 def policy_file(tmp: Path, **fields: object) -> str:
@@ -48,7 +50,8 @@ def policy_file(tmp: Path, **fields: object) -> str:
 def parse(*argv: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
-    return ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), *argv])
+    return ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), *CONSTANT,
+                          *argv])
 
 
 def fake_checkpoint(out: Path, *, step: int, **run: object) -> str:
@@ -77,7 +80,8 @@ def test_run_trains_two_processes_saves_and_traces(tmp_path: Path, capfd: pytest
     out, trace = tmp_path / "out", tmp_path / "trace.json"
     pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1])
     code = cli_main(["run", "--gpus", "2", "--policy", pol, "--steps", "5", "--seq-len", str(SEQ),
-                     "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), "--out", str(out), "--trace", str(trace)])
+                     "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), *CONSTANT, "--out", str(out),
+                     "--trace", str(trace)])
     captured = capfd.readouterr()
     assert code == 0, captured.err
     for word in ("loss", "accuracy", "tokens/s measured", "predicted by the simulator", "B/param measured", "saved",
@@ -117,7 +121,8 @@ def test_run_trains_a_tied_model_and_saves_it_tied(tmp_path: Path, tied_config: 
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[1, 2, 1, 1], mapping="round-robin")
     code = cli_main(["run", "--gpus", "2", "--model", tied_config, "--policy", pol, "--steps", "4",
-                     "--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), "--out", str(out)])
+                     "--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR), *CONSTANT,
+                     "--out", str(out)])
     captured = capfd.readouterr()
     assert code == 0, captured.err
     ref = reference(tied_config, 4)
@@ -208,6 +213,16 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
     (["--trace", "NO_DIR/trace.json"], "does not exist"),
     (["--resume", "--out", "CKPT_AT_30", "--steps", "20"], "--steps 20: the checkpoint .* is already at step 30"),
     (["--resume", "--out", "CKPT_AT_30", "--lr", "0.5"], "was started with --lr 0.01, this command gives --lr 0.5"),
+    (["--seq-len", "1"], "--seq-len 1: step 0: no token carries loss"),
+    (["--model", ""], "--model: empty"),
+    (["--model", "TRUNCATED_SHARD"], "model-00002-of-00002.safetensors: truncated"),
+    (["--model", "GARBAGE_SHARD"], "model-00002-of-00002.safetensors: not a safetensors file"),
+    (["--model", "MISSING_SHARD"], "model-00002-of-00002.safetensors: missing"),
+    (["--model", "BAD_INDEX"], "model.safetensors.index.json: not a safetensors index"),
+    (["--model", "BAD_TOKENIZER", "--data", "GOOD_DATA"], "cannot load the tokenizer"),
+    (["--gpus", "2", "--resume", "--out", "CORRUPT_RANK"], r"rank1\.pt: truncated or corrupt"),
+    (["--epochs", "1"], "--epochs: give --data"),
+    (["--warmup-ratio", "1.5"], r"--warmup-ratio: must be in \[0, 1\)"),
 ])
 def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,10 +249,67 @@ def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: s
              "A_FILE": str(bad_data), "NO_DIR": str(tmp_path / "no" / "such"),
              "CKPT_AT_30": fake_checkpoint(tmp_path / "at30", step=30, steps=3000),
              "CKPT_DONE": fake_checkpoint(tmp_path / "done", step=30, steps=30)}
+    if any(a in ("TRUNCATED_SHARD", "GARBAGE_SHARD", "MISSING_SHARD", "BAD_INDEX", "BAD_TOKENIZER") for a in argv):
+        subst.update(_broken_models(tmp_path))
+    if "GOOD_DATA" in argv:
+        good = tmp_path / "good.txt"
+        good.write_text("hello world\n" * 20)
+        subst["GOOD_DATA"] = str(good)
+    if "CORRUPT_RANK" in argv:
+        subst["CORRUPT_RANK"] = _corrupt_checkpoint(tmp_path / "corrupt")
     args = parse(*[subst.get(a, a) for a in argv])
     with pytest.raises(InputError, match=match) as info:
         make_run_plan(args)
     assert "\n" not in str(info.value)
+
+
+def _broken_models(tmp: Path) -> dict[str, str]:
+    """Model directories whose weights (two shards and an index, saved from tiny-llama) are broken one way each."""
+    from tinypipe.backends.hf import build_model
+    from tinypipe.backends.hf_save import save_pretrained
+
+    base = tmp / "saved"
+    stack = build_model("tiny-llama", seed=0)
+    state = stack.state()
+    save_pretrained(state, stack.config, base, rank=0, world=1)
+    # two shards: layers 0-2 in the first, 3-5 in the second
+    from safetensors.torch import load_file, save_file
+
+    tensors = {}
+    for f in sorted(base.glob("model-*.safetensors")):
+        tensors.update(load_file(f))
+        f.unlink()
+    names = sorted(tensors)
+    half = {n: tensors[n] for n in names[: len(names) // 2]}, {n: tensors[n] for n in names[len(names) // 2:]}
+    files = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for part, f in zip(half, files):
+        save_file(part, str(base / f))
+    index = {"metadata": {}, "weight_map": {n: files[k] for k in (0, 1) for n in half[k]}}
+    (base / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = {}
+    for name, breaks in (("TRUNCATED_SHARD", lambda d: (d / files[1]).write_bytes((d / files[1]).read_bytes()[:-64])),
+                         ("GARBAGE_SHARD", lambda d: (d / files[1]).write_bytes(b"\x10\0\0\0\0\0\0\0garbage!")),
+                         ("MISSING_SHARD", lambda d: (d / files[1]).unlink()),
+                         ("BAD_INDEX", lambda d: (d / "model.safetensors.index.json").write_text("{not json")),
+                         ("BAD_TOKENIZER", lambda d: (d / "tokenizer.json").write_text("{not a tokenizer"))):
+        d = tmp / name.lower()
+        shutil.copytree(base, d)
+        breaks(d)
+        out[name] = str(d)
+    return out
+
+
+def _corrupt_checkpoint(out: Path) -> str:
+    """A run directory whose checkpoint (this module's default settings on 2 ranks, step 1) has a truncated
+    rank1.pt: written by a real 1-step run, then cut."""
+    from tinypipe.backends.launch import run_threads
+
+    plan = make_run_plan(parse("--gpus", "2", "--steps", "2", "--out", str(out)))
+    run_threads(dataclasses.replace(plan.job, stop_after=1, progress=False, save_model=False,
+                                    write_metrics=False), 2)
+    f = out / checkpoint.DIR / "rank1.pt"
+    f.write_bytes(f.read_bytes()[:-100])
+    return str(out)
 
 
 def test_resume_continues_the_recorded_run(tmp_path: Path) -> None:

@@ -18,11 +18,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from tinypipe.describe.hardware import load_hardware, shipped_hardware
         from tinypipe.describe.hfconfig import load_model, shipped_models
 
-        if not args.name:
+        if args.name is None:
             return print_list("models", shipped_models(), args.json)
+        if not args.name.strip():
+            raise InputError("inspect model: the model name is empty; give a shipped name or a config.json path")
         positive("--seq-len", args.seq_len)
         positive("--microbatch-size", args.microbatch_size)
         model = load_model(args.name)
+        if args.seq_len > model.max_seq_len:
+            raise InputError(f"--seq-len {args.seq_len}: {model.name} handles at most {model.max_seq_len:,} positions")
         hws = [load_hardware(h) for h in (args.hardware or shipped_hardware())]
         rep = model_report(model, seq_len=args.seq_len, microbatch_size=args.microbatch_size, hardware=hws)
         if args.json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from tinypipe.common.errors import InputError
 from tinypipe.common.progress import Progress
 from tinypipe.policy.modes import OptimizerMode
 
-from .util import check_outputs, plot_to, positive, print_json, workloads, write_new
+from .util import LIMITS, at_most, check_outputs, plot_to, positive, print_json, workloads, write_new
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -26,6 +27,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     host_mem = parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None
     if args.batch_tokens is not None:
         positive("--batch-tokens", args.batch_tokens)
+        at_most("--batch-tokens", args.batch_tokens, LIMITS["batch_tokens"])
         if args.microbatches is not None:
             raise InputError("--batch-tokens and --microbatches: give one (--batch-tokens sets each policy's "
                              "microbatch count)")
@@ -97,8 +99,10 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     for flag in ("seq_len", "batch_tokens", "top"):
         positive("--" + flag.replace("_", "-"), getattr(args, flag))
+        at_most("--" + flag.replace("_", "-"), getattr(args, flag), LIMITS[flag])
     if args.workers is not None:
         positive("--workers", args.workers)
+        at_most("--workers", args.workers, min(LIMITS["workers"], 4 * (os.cpu_count() or 1)))
     if args.batch_tokens % args.seq_len:
         raise InputError(f"--batch-tokens: {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
     check_outputs(out=args.out, plot=args.plot)

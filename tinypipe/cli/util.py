@@ -37,7 +37,10 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
         v = getattr(args, flag, None)
         if v is not None:
             positive("--" + flag.replace("_", "-"), v)
+            at_most("--" + flag.replace("_", "-"), v, LIMITS[flag])
     model = load_model(args.model)
+    if args.seq_len > model.max_seq_len:
+        raise InputError(f"--seq-len {args.seq_len}: {model.name} handles at most {model.max_seq_len:,} positions")
     hw = load_hardware(args.hardware)
     policy = load_policy(policy_name)
     changes = {k: getattr(args, k) for k in ("microbatches", "microbatch_size") if getattr(args, k, None)}
@@ -55,9 +58,20 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
     return model, hw, policy, trace
 
 
+# the most a command line may ask for: beyond these, compiling and simulating takes hours (a schedule holds
+# iterations x microbatches x layers actions), so a mistyped number is refused instead of run
+LIMITS = {"seq_len": 1 << 24, "iterations": 64, "microbatches": 4096, "microbatch_size": 65536, "workers": 1024,
+          "top": 100_000, "batch_tokens": 1 << 34}
+
+
 def positive(flag: str, v: int) -> None:
     if v < 1:
         raise InputError(f"{flag}: must be >= 1, got {v}")
+
+
+def at_most(flag: str, v: int, most: int) -> None:
+    if v > most:
+        raise InputError(f"{flag}: at most {most:,}, got {v:,}")
 
 
 def print_json(obj: Any) -> int:
@@ -80,6 +94,8 @@ def check_outputs(**paths: str | None) -> None:
         if value is None:
             continue
         check_file(Path(value), "--" + flag.replace("_", "-"))
+        if flag == "plot" and Path(value).exists():  # a picture is never drawn over a file the user has
+            raise InputError(f"--plot {value}: the file exists; give a new name or remove it")
         if flag == "plot":
             from tinypipe.cli.plot import _pyplot
 

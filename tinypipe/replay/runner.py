@@ -198,10 +198,12 @@ def issue_busy(trace: RunTrace, window: Sequence[Record], first_id: int, warmup:
 
 def replay_main(args: argparse.Namespace, *, simulate: Simulate) -> int:
     """The `tinypipe replay` command: the report as tables, or JSON with --json."""
+    if args.top < 1:
+        raise InputError(f"--top: must be >= 1, got {args.top}")
     trace = load_run_trace(args.trace)
     report = replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup, which=args.window)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        print(report.table(top=max(1, args.top)))
+        print(report.table(top=args.top))
     return 0

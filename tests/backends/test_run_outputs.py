@@ -1,0 +1,89 @@
+"""What a run writes while it trains: metrics.jsonl (every step, the reference's loss, lr and gradient norm),
+Hugging Face directories every N steps and at a stop, in the dtype asked for, and the model of a run
+resumed at the step it reached. Ranks run as threads (`launch.run_threads`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_run import LR, MB, MBS, SEQ, policy_file  # noqa: E402
+from tinypipe.backends import checkpoint  # noqa: E402
+from tinypipe.backends.data.batches import make_batches  # noqa: E402
+from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
+from tinypipe.backends.launch import run_threads  # noqa: E402
+from tinypipe.backends.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.reference import reference_train  # noqa: E402
+from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    add_run_arguments(ap)
+    return ap.parse_args(["--gpus", "2", "--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR),
+                          *argv])
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_metrics_hold_every_step_with_the_references_loss_lr_and_gradient_norm(tmp_path: Path) -> None:
+    """Six steps, cosine after 2 warmup steps, weight decay on the matrices only: one JSON line per step
+    whose loss, lr and grad_norm (global over both ranks) equal the single-process reference's."""
+    out = tmp_path / "out"
+    pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1])
+    plan = make_run_plan(parse("--policy", pol, "--steps", "6", "--lr-schedule", "cosine", "--warmup-steps", "2",
+                               "--weight-decay", "0.1", "--out", str(out)))
+    run_threads(dataclasses.replace(plan.job, progress=False, save_model=False), 2)
+    got = rows(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    batches = make_batches(None, tokenizer=ByteTokenizer(256), seq_len=SEQ, microbatch_size=MBS, microbatches=MB,
+                           seed=0)
+    sched = plan.job.optim.schedule
+    assert sched is not None and (sched.kind, sched.warmup_steps, sched.total_steps) == ("cosine", 2, 6)
+    ref = reference_train("tiny-llama", batches, steps=6, lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1,
+                          seed=0, schedule=sched, decay_exempt=True)
+    assert [r["loss"] for r in got] == pytest.approx(ref.losses, rel=1e-6)
+    assert [r["lr"] for r in got] == [sched.lr(k) for k in range(6)] and got[0]["lr"] == 0.0
+    assert [r["grad_norm"] for r in got] == pytest.approx(ref.grad_norms, rel=1e-5)
+    assert all(r["tokens"] == SEQ * MBS * MB and r["tokens_per_s"] > 0 for r in got)
+
+
+def test_models_every_n_steps_at_a_stop_and_on_resume_at_the_reached_step(tmp_path: Path) -> None:
+    """--save-every 2 --save-dtype bf16, stopped after step 4 (as Ctrl-C stops it): OUT/step-2 and OUT/step-4
+    hold bf16 weights, OUT no model yet. `--resume --steps 4` trains nothing and writes OUT's model, equal to
+    step-4's; resuming to 6 steps continues metrics.jsonl without repeating a step."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
+    plan = make_run_plan(parse("--policy", pol, "--steps", "6", "--save-every", "2", "--save-dtype", "bf16",
+                               "--out", str(out)))
+    first = run_threads(dataclasses.replace(plan.job, progress=False, stop_after=4), 2)
+    assert all(r.interrupted for r in first)
+    assert json.loads((out / checkpoint.DIR / "meta.json").read_text())["step"] == 4
+    assert not (out / "config.json").exists()
+    for step in (2, 4):
+        config = json.loads((out / f"step-{step}" / "config.json").read_text())
+        assert config.get("torch_dtype", config.get("dtype")) == "bfloat16"
+        shards = sorted((out / f"step-{step}").glob("*.safetensors"))
+        assert len(shards) == 6 and {t.dtype for s in shards for t in load_file(s).values()} == {torch.bfloat16}
+    export = make_run_plan(parse("--resume", "--steps", "4", "--out", str(out)))
+    again = run_threads(dataclasses.replace(export.job, progress=False), 2)
+    assert [r.steps_run for r in again] == [0, 0]
+    for shard in sorted((out / "step-4").glob("*.safetensors")):
+        saved, final = load_file(shard), load_file(out / shard.name)
+        assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in saved)
+    finish = make_run_plan(parse("--resume", "--out", str(out)))
+    run_threads(dataclasses.replace(finish.job, progress=False), 2)
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
+    assert (out / "step-4").is_dir() and not (out / "step-6").exists()  # the end's model is OUT itself
