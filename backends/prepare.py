@@ -307,7 +307,8 @@ def check_rank_files(directory: Path, ranks: int) -> None:
     for r in range(ranks):
         f = directory / f"rank{r}.pt"
         if not f.is_file():
-            raise InputError(f"{f}: missing; the checkpoint holds {len(files)} rank file(s), this run has {ranks} ranks")
+            raise InputError(f"{f}: missing; the checkpoint holds {len(files)} rank file(s), this run has "
+                             f"{ranks} ranks")
         if not zipfile.is_zipfile(f):
             raise InputError(f"{f}: truncated or corrupt (not a complete torch.save file)")
 

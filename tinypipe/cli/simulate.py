@@ -87,7 +87,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     import dataclasses
-    import os
 
     from tinypipe.common import table
     from tinypipe.common.units import parse_bytes
