@@ -44,10 +44,12 @@ class ExecutionError(RuntimeError):
 
 @dataclass
 class StepData:
-    """One optimizer step's input: (input_ids, labels) per microbatch and the step's loss-token count."""
+    """One optimizer step's input: (input_ids, labels) per microbatch and the step's loss-token count;
+    `documents`: per microbatch, each position's document id, for the decoder blocks' per-document mask."""
 
     microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     denom: float
+    documents: list[torch.Tensor] | None = None
 
 
 class Interpreter:
@@ -167,8 +169,9 @@ class Interpreter:
         if x is None:
             raise self.fail(a, f"no input for layer {L} microbatch {m} (missing FWD, RECV or FETCH_ACT before it)")
         self.use(x)
-        extra = (sd.microbatches[m][1].to(self.device), sd.denom) if L == self.last_layer else ()
-        return x, extra
+        if L == self.last_layer:
+            return x, (sd.microbatches[m][1].to(self.device), sd.denom)
+        return x, (() if sd.documents is None else (sd.documents[m].to(self.device),))
 
     def _call(self, L: int, weights: dict[str, torch.Tensor], x: torch.Tensor, extra: tuple[Any, ...]) -> torch.Tensor:
         module = self.layers[L]

@@ -62,14 +62,23 @@ class Block(nn.Module):
             self._rotary[device] = None if cpu is None else copy.deepcopy(cpu).to(device)
         return self._rotary[device]
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents` [b, s]: the document each position belongs to (packed windows); a position then
+        attends only to earlier positions of its own document, and positions count from each document's
+        start, as if each document were a sequence of its own."""
         seq_len = hidden.shape[1]
-        position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+        if documents is None:
+            position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+            mask = attention_mask(seq_len, device=hidden.device, dtype=hidden.dtype,
+                                  attn_implementation=self.attn_implementation,
+                                  sliding_window=self.sliding_window)
+        else:
+            documents = documents.to(hidden.device)
+            position_ids = document_positions(documents)
+            mask = document_mask(documents, position_ids, dtype=hidden.dtype,
+                                 attn_implementation=self.attn_implementation, sliding_window=self.sliding_window)
         rotary = self.rotary_on(hidden.device)
         position_embeddings = None if rotary is None else rotary(hidden, position_ids)
-        mask = attention_mask(seq_len, device=hidden.device, dtype=hidden.dtype,
-                              attn_implementation=self.attn_implementation,
-                              sliding_window=self.sliding_window)
         return _call_decoder_layer(self.layer, hidden, mask, position_ids, position_embeddings)
 
 
@@ -217,6 +226,34 @@ def attention_mask(seq_len: int, *, device: torch.device, dtype: torch.dtype, at
     if attn_implementation == "sdpa":
         return allowed
     additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return additive.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Per position of `documents` [b, s] (document ids, equal along each document's run), its offset from
+    the start of its document's run in the row: [b, s] long."""
+    b, s = documents.shape
+    index = torch.arange(s, device=documents.device).expand(b, s)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+def document_mask(documents: torch.Tensor, positions: torch.Tensor, *, dtype: torch.dtype, attn_implementation: str,
+                  sliding_window: int | None) -> torch.Tensor:
+    """[b, 1, s, s]: position q attends to k <= q of its own document (within the sliding window, counted
+    in the document's positions); boolean for sdpa and flash-free kernels that take one, additive (0 or
+    the dtype's minimum) for eager attention."""
+    s = documents.shape[1]
+    q = torch.arange(s, device=documents.device)
+    allowed = (q[None, :] <= q[:, None])[None] & (documents[:, :, None] == documents[:, None, :])
+    if sliding_window is not None:
+        allowed &= (positions[:, :, None] - positions[:, None, :]) < sliding_window
+    allowed = allowed[:, None]
+    if attn_implementation != "eager":
+        return allowed
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=documents.device)
     return additive.masked_fill(~allowed, torch.finfo(dtype).min)
 
 

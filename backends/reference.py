@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,8 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                     weight_decay: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float32,
                     async_staleness: int = 0, schedule: LRSchedule | None = None,
-                    decay_exempt: bool = False) -> ReferenceResult:
+                    decay_exempt: bool = False,
+                    documents: Callable[[int], list[torch.Tensor] | None] | None = None) -> ReferenceResult:
     """Train `model` (a LayerStack holding every layer, or a name built with `seed`) for `steps`.
 
     Step t takes the next item of `batches` (a list of (input_ids, labels) microbatches), runs each
@@ -73,7 +74,8 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
     was computed on.
 
     `schedule`: step t's gradient is applied at `schedule.lr(t)` (None: `lr` throughout);
-    `decay_exempt`: weight decay only where `optim_rules.decays` says.
+    `decay_exempt`: weight decay only where `optim_rules.decays` says. `documents(t)`: step t's document
+    ids per microbatch for the blocks' per-document mask (e.g. `Batches.documents`).
     """
     if async_staleness not in (0, 1):
         raise ValueError(f"async_staleness must be 0 or 1, got {async_staleness}")
@@ -99,7 +101,8 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
 
     for t in range(steps):
         step = next(data)
-        loss, grads = _forward_backward(workers, own, step, tied=stack.tied)
+        loss, grads = _forward_backward(workers, own, step, tied=stack.tied,
+                                        documents=None if documents is None else documents(t))
         losses.append(loss)
         grad_norms.append(float(torch.nn.utils.get_total_norm([g for layer in grads for g in layer])))
         if async_staleness == 0:
@@ -123,7 +126,8 @@ def _layer(stack: LayerStack, i: int) -> nn.Module:
 
 
 def _forward_backward(workers: list[nn.Module], own: list[list[str]], step: Step, *,
-                      tied: tuple[str, str] | None = None) -> tuple[float, list[list[torch.Tensor]]]:
+                      tied: tuple[str, str] | None = None, documents: list[torch.Tensor] | None = None
+                      ) -> tuple[float, list[list[torch.Tensor]]]:
     """One step's loss and fp32 gradients (per layer, in `own` order), summed over microbatches.
 
     Tied embeddings (`tied` = the matrix's name in the head, in the embedding): the head computes
@@ -140,12 +144,13 @@ def _forward_backward(workers: list[nn.Module], own: list[list[str]], step: Step
     shared = workers[0].get_parameter(tied[1]) if tied is not None else None
     head_share = None if shared is None else torch.zeros(shared.shape, dtype=torch.float32)
     total = 0.0
-    for input_ids, labels in step:
+    for m, (input_ids, labels) in enumerate(step):
+        doc = () if documents is None else (documents[m],)
         for w in workers:
             w.zero_grad(set_to_none=True)
         hidden = workers[0](input_ids)
         for w in workers[1:-1]:
-            hidden = w(hidden)
+            hidden = w(hidden, *doc)
         if shared is None or tied is None:
             loss = workers[-1](hidden, labels, denom)
             alias = None

@@ -123,7 +123,7 @@ def step_data(batches: Any, step: int) -> StepData:
     denom = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in mbs)
     if denom == 0:
         raise ExecutionError(f"step {step}: no token carries loss (every label is {IGNORE_INDEX})")
-    return StepData(microbatches=mbs, denom=float(denom))
+    return StepData(microbatches=mbs, denom=float(denom), documents=batches.documents(step))
 
 
 def strip_parameters(module: torch.nn.Module) -> None:

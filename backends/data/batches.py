@@ -14,7 +14,7 @@ import torch
 from tinypipe.common.errors import InputError
 
 from .addition import ADDITION, AdditionSequences, AdditionTask
-from .examples import PackedSequences, SequenceSource, pack, read_examples
+from .examples import PackedSequences, SequenceSource, pack_documents, read_examples
 from .tokenizers import Tokenizer
 
 
@@ -41,13 +41,26 @@ class Batches:
     def seq_len(self) -> int:
         return self.source.seq_len
 
+    def _first(self, k: int) -> int:
+        return (k * self.replicas + self.replica) * self.microbatches * self.microbatch_size
+
     def step(self, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        first = (k * self.replicas + self.replica) * self.microbatches * self.microbatch_size
+        first = self._first(k)
         out = []
         for m in range(self.microbatches):
             rows = [self.source[first + m * self.microbatch_size + r] for r in range(self.microbatch_size)]
             out.append((torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
         return out
+
+    def documents(self, k: int) -> list[torch.Tensor] | None:
+        """Step k's document ids per microbatch ([microbatch_size, seq_len] each), for the per-document
+        attention mask; None when the source has none (the addition task, or masking off)."""
+        of = getattr(self.source, "documents_of", None)
+        if of is None or of(0) is None:
+            return None
+        first = self._first(k)
+        return [torch.stack([of(first + m * self.microbatch_size + r) for r in range(self.microbatch_size)])
+                for m in range(self.microbatches)]
 
     def __iter__(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         k = 0
@@ -58,15 +71,16 @@ class Batches:
 
 def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int, microbatch_size: int,
                  microbatches: int, seed: int, replica: int = 0, replicas: int = 1,
-                 task: AdditionTask | None = None, packing: bool = True) -> Batches:
-    """Batches from a data file, or from the addition task when `data` is None or "addition"."""
+                 task: AdditionTask | None = None, packing: bool = True, document_mask: bool = True) -> Batches:
+    """Batches from a data file, or from the addition task when `data` is None or "addition".
+    `document_mask`: a file's windows carry their document ids (`Batches.documents`)."""
     if seq_len < 1:
         raise InputError(f"seq_len must be >= 1, got {seq_len}")
     source: SequenceSource
     if data is None or (str(data) == ADDITION and not Path(ADDITION).exists()):
         source = AdditionSequences(task or AdditionTask(seed=seed), tokenizer, seq_len)
     else:
-        inputs, labels = pack(read_examples(data), tokenizer, seq_len, packing=packing)
-        source = PackedSequences(inputs, labels, seed=seed)
+        inputs, labels, docs = pack_documents(read_examples(data), tokenizer, seq_len, packing=packing)
+        source = PackedSequences(inputs, labels, seed=seed, documents=docs if document_mask else None)
     return Batches(source, microbatch_size=microbatch_size, microbatches=microbatches,
                    replica=replica, replicas=replicas)

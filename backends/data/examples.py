@@ -21,7 +21,8 @@ from ..layers import IGNORE_INDEX
 from .formats import Example, read_examples
 from .tokenizers import Tokenizer
 
-__all__ = ["Example", "read_examples", "tokenize", "window", "pack", "SequenceSource", "PackedSequences"]
+__all__ = ["Example", "read_examples", "tokenize", "window", "pack", "pack_documents", "SequenceSource",
+           "PackedSequences"]
 
 
 # --- packing ----------------------------------------------------------------------------------------
@@ -51,36 +52,51 @@ def window(ids: Sequence[int], loss: Sequence[bool], seq_len: int, pad_id: int) 
 
 def pack(examples: Sequence[Example], tokenizer: Tokenizer, seq_len: int, *,
          eos: bool = True, packing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """All examples concatenated and cut into windows: (input_ids, labels), each [n, seq_len].
+    """All examples concatenated and cut into windows: (input_ids, labels), each [n, seq_len]
+    (`pack_documents` without the document ids)."""
+    inputs, labels, _ = pack_documents(examples, tokenizer, seq_len, eos=eos, packing=packing)
+    return inputs, labels
+
+
+def pack_documents(examples: Sequence[Example], tokenizer: Tokenizer, seq_len: int, *, eos: bool = True,
+                   packing: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All examples concatenated and cut into windows: (input_ids, labels, documents), each [n, seq_len].
 
     Window k holds tokens [k*seq_len, (k+1)*seq_len] (one token of overlap: the last label of a
     window is the first input of the next), so every token but the first is a label exactly once.
-    Without `packing`, each example is a window of its own: its first `seq_len + 1` tokens (the rest
-    cut off), padded without loss; an example left with no loss token is dropped.
+    `documents` holds, per input position, the index of the example it comes from (-1 for padding),
+    for the per-document attention mask (`layers.Block`). Without `packing`, each example is a
+    window of its own: its first `seq_len + 1` tokens (the rest cut off), padded without loss; an
+    example left with no loss token is dropped.
     """
     ids: list[int] = []
     loss: list[bool] = []
+    doc: list[int] = []
+    rows = []
     if not packing:
-        rows = []
-        for ex in examples:
+        for n, ex in enumerate(examples):
             t, m = tokenize(ex, tokenizer, eos=eos)
             if len(t) >= 2 and any(m[1: seq_len + 1]):
-                rows.append(window(t, m, seq_len, tokenizer.pad_id))
+                kept = min(len(t) - 1, seq_len)
+                rows.append((*window(t, m, seq_len, tokenizer.pad_id), [n] * kept + [-1] * (seq_len - kept)))
         if not rows:
             raise InputError(f"no example keeps a loss token within its first {seq_len + 1} tokens: nothing to "
                              "train on (raise --seq-len, or pack the examples)")
-        inputs, labels = zip(*rows)
-        return torch.tensor(inputs, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
-    for ex in examples:
-        t, m = tokenize(ex, tokenizer, eos=eos)
-        ids += t
-        loss += m
-    if len(ids) < 2:
-        raise InputError("the data has fewer than two tokens: nothing to train on")
-    rows = [window(ids[k: k + seq_len + 1], loss[k: k + seq_len + 1], seq_len, tokenizer.pad_id)
-            for k in range(0, len(ids) - 1, seq_len)]
-    inputs, labels = zip(*rows)
-    return torch.tensor(inputs, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+    else:
+        for n, ex in enumerate(examples):
+            t, m = tokenize(ex, tokenizer, eos=eos)
+            ids += t
+            loss += m
+            doc += [n] * len(t)
+        if len(ids) < 2:
+            raise InputError("the data has fewer than two tokens: nothing to train on")
+        for k in range(0, len(ids) - 1, seq_len):
+            part = doc[k: k + seq_len]
+            rows.append((*window(ids[k: k + seq_len + 1], loss[k: k + seq_len + 1], seq_len, tokenizer.pad_id),
+                         part + [-1] * (seq_len - len(part))))
+    inputs, labels, docs = zip(*rows)
+    return (torch.tensor(inputs, dtype=torch.long), torch.tensor(labels, dtype=torch.long),
+            torch.tensor(docs, dtype=torch.long))
 
 
 # --- sources of sequences -----------------------------------------------------------------------
@@ -94,20 +110,29 @@ class SequenceSource(Protocol):
 
 
 class PackedSequences:
-    """A fixed set of packed windows, served in a fresh seeded order every epoch."""
+    """A fixed set of packed windows, served in a fresh seeded order every epoch; with `documents`
+    (`pack_documents`), each window's document ids for the attention mask (`documents_of`)."""
 
-    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, *, seed: int) -> None:
-        self.inputs, self.labels, self.seed = inputs, labels, seed
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, *, seed: int,
+                 documents: torch.Tensor | None = None) -> None:
+        self.inputs, self.labels, self.seed, self.documents = inputs, labels, seed, documents
         self.seq_len = inputs.shape[1]
         self._order: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
-    def __getitem__(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index(self, j: int) -> int:
         epoch, r = divmod(j, len(self))
         if epoch not in self._order:
             g = torch.Generator().manual_seed(param_seed(self.seed, f"data/epoch/{epoch}"))
             self._order = {epoch: torch.randperm(len(self), generator=g)}
-        i = int(self._order[epoch][r])
+        return int(self._order[epoch][r])
+
+    def __getitem__(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self._index(j)
         return self.inputs[i], self.labels[i]
+
+    def documents_of(self, j: int) -> torch.Tensor | None:
+        """Sequence j's document id per position (None without documents)."""
+        return None if self.documents is None else self.documents[self._index(j)]

@@ -109,9 +109,12 @@ def _check(args: argparse.Namespace) -> None:
             raise InputError(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
     if args.seed >= SEED_LIMIT:
         raise InputError(f"--seed: must be < 2**63, got {args.seed}")
-    bad = [s for s in args.microbatch_size if not 1 <= s <= 65536]
+    bad = [s for s in args.microbatch_size if s < 1]
     if bad:
-        raise InputError(f"--microbatch-size: every size must be in 1..65536, got {bad[0]}")
+        raise InputError(f"--microbatch-size: every size must be >= 1, got {bad[0]}")
+    huge = [s for s in args.microbatch_size if s > 65536]
+    if huge:
+        raise InputError(f"--microbatch-size: at most 65,536, got {huge[0]}")
     check_dir(Path(args.out), "--out")
     if args.backend == "cuda" and not torch.cuda.is_available():
         raise InputError("--backend cuda: no CUDA device is available (torch.cuda.is_available() is false); "

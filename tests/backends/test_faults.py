@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_run import LR, MBS, SEQ, parse, policy_file, reference  # noqa: E402
+from test_run import CONSTANT, LR, MBS, SEQ, parse, policy_file, reference  # noqa: E402
 from tinypipe.backends.launch import launch  # noqa: E402
 from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 
@@ -64,7 +64,7 @@ def test_kill_9_of_a_rank_stops_the_run_and_resume_is_bit_identical(tmp_path: Pa
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[2, 1, 2], mapping=[0, 1, 0])
     argv = ["run", "--gpus", "2", "--model", qwen3_config, "--policy", pol, "--steps", str(KILL_STEPS),
-            "--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * 2), "--lr", str(LR),
+            "--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * 2), "--lr", str(LR), *CONSTANT,
             "--checkpoint-every", str(KILL_EVERY), "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "tinypipe.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -48,6 +48,13 @@ class Fields:
         sep = "" if self.where.endswith(":") else ": " if ":" not in self.where else "."
         return f"{self.where}{sep}{key}"
 
+    def only(self, *known: str) -> Fields:
+        """InputError on a field that is not one of `known` (names starting with `_` are comments)."""
+        extra = sorted(k for k in self.obj if k not in known and not str(k).startswith("_"))
+        if extra:
+            raise InputError(f"{self._at(str(extra[0]))}: unknown field (known: {', '.join(known)})")
+        return self
+
     def has(self, key: str) -> bool:
         return key in self.obj and self.obj[key] is not None
 

@@ -262,12 +262,14 @@ class Hardware:
     @classmethod
     def from_json(cls, obj: Any, where: str = "hardware") -> Hardware:
         """Parse the preset form; GPUs as a `gpus` list, or a `gpu` template with `gpu_count`."""
-        f = Fields(obj, where)
+        f = Fields(obj, where).only("name", "provenance", "source", "gpu_p2p", "host", "gpus", "gpu", "gpu_count",
+                                    "switches", "links")
         name = f.str("name")
         provenance = f.str("provenance", choices=PROVENANCES)
         source = f.str("source")
         gpu_p2p = f.bool("gpu_p2p", True)
-        h = f.obj_("host")
+        h = f.obj_("host").only("memory_bytes", "dma_gbps", "cpu_cores", "adam_params_per_s", "replicated_params_per_s",
+                                "compact_params_per_s")
         host = Host(memory_bytes=h.int("memory_bytes", minimum=1),
                     dma_gbps=h.float("dma_gbps", positive=True), cpu_cores=h.int("cpu_cores", minimum=1),
                     adam_params_per_s=h.float("adam_params_per_s", positive=True),
@@ -280,7 +282,7 @@ class Hardware:
                 raise InputError(f"{f._at(f'switches[{i}]')}: expected a string such as 'rc0' or 'sw0'")
         links = [Link(a=x.str("a"), b=x.str("b"), kind=x.str("kind", choices=LINK_KINDS),
                       gbps=x.float("gbps", positive=True), latency_s=x.float("latency_s", minimum=0.0))
-                 for x in f.items("links", nonempty=True)]
+                 for x in (y.only("a", "b", "kind", "gbps", "latency_s") for y in f.items("links", nonempty=True))]
         try:
             return cls(name=name, provenance=provenance, source=source, host=host, gpus=tuple(gpus),
                        switches=tuple(switches), links=tuple(links), gpu_p2p=gpu_p2p)
@@ -290,6 +292,7 @@ class Hardware:
 
 def _parse_gpus(f: Fields) -> list[GPU]:
     def gpu(g: Fields, name: str) -> GPU:
+        g.only("name", "model", "memory_bytes", "matmul_flops", "mem_gbps")
         return GPU(name=name, model=g.str("model"), memory_bytes=g.int("memory_bytes", minimum=1),
                    matmul_flops=g.float("matmul_flops", positive=True),
                    mem_gbps=g.float("mem_gbps", positive=True))
