@@ -18,6 +18,7 @@ from tinypipe.backends.hf import build_model  # noqa: E402
 from tinypipe.backends.launch import run_threads  # noqa: E402
 from tinypipe.backends.layers import LayerStack, document_positions  # noqa: E402
 from tinypipe.backends.reference import reference_train  # noqa: E402
+
 from tinypipe.policy import PRESETS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
