@@ -161,6 +161,7 @@ class HostState:
         # gradient norm (backends/metrics.py); `take_grad_sq` hands over the steps all layers have done
         self._grad_sq: dict[int, tuple[int, float]] = {}
         self._grad_sq_lock = threading.Lock()
+        self.measure_grad_norm = True  # one more pass over each layer's gradients (bench/grad_norm_cost.py)
 
     def _views(self, layer: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {p.name: flat[p.offset:p.offset + p.numel].view(p.shape) for p in self._index[layer]}
@@ -294,7 +295,7 @@ class HostState:
         grads = self._take_grads(layer)
         if layer == self.shared_grad:
             self._add_second_share(layer, grads)  # its copy ended before the step was called
-        if at_step is not None:
+        if at_step is not None and self.measure_grad_norm:
             sq = float(torch.linalg.vector_norm(grads[: self._numel[layer]], dtype=torch.float32)) ** 2
             with self._grad_sq_lock:
                 n, total = self._grad_sq.get(at_step, (0, 0.0))

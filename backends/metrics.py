@@ -44,9 +44,10 @@ class StepLog:
     """Rank 0's record of the run's steps: progress on stderr, metrics.jsonl (and TensorBoard) under `out`."""
 
     def __init__(self, out: str | None, *, steps: int, start: int, tokens_per_step: int, ranks: int,
-                 lr_at: Callable[[int], float], progress: bool = True, stream: TextIO | None = None) -> None:
+                 lr_at: Callable[[int], float], progress: bool = True, stream: TextIO | None = None,
+                 norms: bool = True) -> None:
         self.steps, self.start, self.tokens_per_step, self.ranks = steps, start, tokens_per_step, ranks
-        self.lr_at, self.progress, self.stream = lr_at, progress, stream or sys.stderr
+        self.lr_at, self.progress, self.stream, self.norms = lr_at, progress, stream or sys.stderr, norms
         self.t0 = time.perf_counter()
         self.losses: dict[int, float] = {}
         self.grad_sq: dict[int, list[float]] = {}  # step -> each rank's share that has arrived
@@ -90,7 +91,7 @@ class StepLog:
     def _flush(self, *, complete_only: bool) -> None:
         while self.written < self.steps:
             k = self.written
-            if k not in self.rate or (complete_only and len(self.grad_sq.get(k, ())) < self.ranks):
+            if k not in self.rate or (complete_only and self.norms and len(self.grad_sq.get(k, ())) < self.ranks):
                 return
             sq = self.grad_sq.get(k)
             row: dict[str, Any] = {"step": k + 1, "loss": self.losses.get(k), "lr": self.lr_at(k),

@@ -51,6 +51,7 @@ class RunOptions:
     compile: bool | None = None
     trace: str | None = None
     trace_memory: bool = False
+    grad_norm: bool = True
     profile: tuple[str, ...] = ()
     record: dict[str, Any] | None = None  # the checkpoint's meta.json when resuming
 

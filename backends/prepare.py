@@ -258,7 +258,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         check_rank_files(found, args.gpus)
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
-              byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every,
+              byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
               save_dtype=args.save_dtype or model_dtype(args.model),
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),

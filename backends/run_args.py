@@ -74,6 +74,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps", type=float, default=None, help=f"AdamW epsilon (default {d['eps']})")
     p.add_argument("--weight-decay", type=float, default=None, help=f"AdamW weight decay (default {d['weight_decay']})")
     p.add_argument("--seed", type=int, default=None, help=f"initialisation and data seed (default {d['seed']})")
+    p.add_argument("--no-grad-norm", dest="grad_norm", action="store_false", default=True,
+                   help="leave the gradient norm out of metrics.jsonl: measuring it is one more pass over each "
+                        "layer's gradients in the host optimizer (bench/grad_norm_cost.py: 9-23%% of a fused AdamW "
+                        "step on one CPU thread)")
     p.add_argument("--save-every", type=int, default=None, metavar="N",
                    help="also write the model (Hugging Face format) to OUT/step-N every N steps (default 0: off); "
                         "a run stopped by Ctrl-C writes it to OUT/step-K")

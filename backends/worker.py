@@ -62,6 +62,7 @@ class Job:
     gpu_mem_bytes: int | None = None  # CUDA: the caching allocator's cap per rank (None: the whole GPU)
     progress: bool = True
     write_metrics: bool = True  # OUT/metrics.jsonl (and TensorBoard), by rank 0
+    grad_norm: bool = True  # each step's global gradient norm for the metrics (`--no-grad-norm`)
     save_every: int = 0  # also save the model to OUT/step-N every N steps (0: off)
     save_dtype: str | None = None  # the saved weights' dtype (DTYPES key; None: fp32, the masters')
     save_model: bool = True
@@ -167,6 +168,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     host = make_host_state(stack.state(), host_memory=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
                            optim=job.optim, pin=device.type == "cuda", shared_grad=shared,
                            snapshots=sched.optimizer.staleness > 0)
+    host.measure_grad_norm = job.grad_norm
     rss["host state made"] = _rss()
     for i in layers:
         module = stack.layers[i]
@@ -194,7 +196,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             start, losses = int(meta["step"]), dict(state["losses"])
     steplog = (StepLog(job.out if job.write_metrics else None, steps=job.steps, start=start,
                        tokens_per_step=job.tokens_per_step, ranks=world, lr_at=job.optim.lr_at,
-                       progress=job.progress) if rank == 0 else None)
+                       progress=job.progress, norms=job.grad_norm) if rank == 0 else None)
     log = RunLog()
     t_begin = time.perf_counter()
     steal = Steal()  # the host's CPU time the hypervisor took while this rank trained

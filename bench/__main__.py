@@ -55,6 +55,7 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
     )),
     "cpu": ("the default job on this machine's CPU", (
         _py("default_run", "results/default_run.json", "README.md: Try it"),
+        _py("grad_norm_cost", "results/grad_norm_cost.json", "docs/training.md: Outputs (--no-grad-norm)"),
     )),
     "device": ("runs on CUDA GPUs (H200s for the published tables); each appends to results/ or $OUT", (
         _sh("peers", "$OUT/peers_h200.json", "README.md and docs/performance.md: Beside the peers"),

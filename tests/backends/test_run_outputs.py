@@ -87,3 +87,11 @@ def test_models_every_n_steps_at_a_stop_and_on_resume_at_the_reached_step(tmp_pa
     run_threads(dataclasses.replace(finish.job, progress=False), 2)
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
     assert (out / "step-4").is_dir() and not (out / "step-6").exists()  # the end's model is OUT itself
+
+
+def test_no_grad_norm_writes_every_step_without_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
+    plan = make_run_plan(parse("--policy", pol, "--steps", "3", "--no-grad-norm", "--out", str(out)))
+    run_threads(dataclasses.replace(plan.job, progress=False, save_model=False), 2)
+    assert [(r["step"], r["grad_norm"]) for r in rows(out)] == [(1, None), (2, None), (3, None)]
