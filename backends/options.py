@@ -52,6 +52,8 @@ class RunOptions:
     trace: str | None = None
     trace_memory: bool = False
     profile: tuple[str, ...] = ()
+    optimizer_state: str | None = None  # the moments' precision (None: the policy's)
+    keep_checkpoints: int = 1  # complete checkpoints kept in --out (0: none written)
     record: dict[str, Any] | None = None  # the checkpoint's meta.json when resuming
 
     @classmethod

@@ -223,10 +223,12 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == ResidentMode.ALL else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
-    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True)
+    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True,
+                              optimizer_state=p.optimizer_state)
     optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
     why = ""
-    hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
+    hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer,
+                    optimizer_state=p.optimizer_state).total_bytes
     if hb > w.host_limit:
         why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} host_memory, limit {w.host_limit:,}"
     least = least_peak_bytes(base_plan(p, model, hw, trace))
