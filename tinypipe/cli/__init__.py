@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "match; default: each policy's own, shown in the tokens/step column)")
     sim.add_argument("--gpu-mem", help="limit per GPU, e.g. 24GiB (default: the hardware's)")
     sim.add_argument("--host-mem", help="host DRAM limit, e.g. 256GiB (default: the hardware's)")
+    sim.add_argument("--optimizer-state", choices=("fp32", "bf16", "8bit"), default=None,
+                     help="hold AdamW's moments as fp32, bf16 or 8-bit blocks in every policy (default: each "
+                          "policy's own, fp32)")
     sim.add_argument("--trace", help="write a Chrome trace (Perfetto) of the first policy")
     sim.add_argument("--plot", help="write a PNG timeline of the first policy")
 
@@ -98,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--plot", help="write the Pareto front as a PNG")
     se.add_argument("--allow-async", action="store_true",
                     help="also consider the async optimizer (staleness 1: changes the training semantics)")
+    se.add_argument("--optimizer-state", choices=("fp32", "bf16", "8bit", "auto"), default="fp32",
+                    help="how the host holds AdamW's moments: fp32 (default, exact), bf16, 8bit (block-wise "
+                         "quantised), or auto: the most precise of these for which a policy fits (it changes the "
+                         "numerics, so only when asked)")
     _dtype_option(se)
     _profile_option(se)
     se.add_argument("--json", action="store_true")

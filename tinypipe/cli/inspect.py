@@ -46,15 +46,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "(the GPU-memory formula: weights, gradients, every microbatch's saved inputs, transients):")
         print(table.render(["k", "GPU bytes"], [[p["layers"], table.gib(p["gpu_bytes"])] for p in rep["packs"]],
                            align="rr"))
-        print("\nHost memory (fp32 master + AdamW):")
+        print("\nHost memory (fp32 master + AdamW; compact-bf16 / -8bit: the moments in bf16 / 8-bit blocks, "
+              "--optimizer-state):")
         rows = [[lay, round(h["bytes_per_param"], 2), table.gib(h["total_bytes"])] for lay, h in rep["host"].items()]
         print(table.render(["host memory", "bytes/param", "total"], rows, align="lrr"))
         print(f"\nCan it be trained at all? (needs >= {table.gib(rep['min_gpu_bytes'])} per GPU: the largest "
               "layer's backward, with its weights, gradient, activations and workspace)")
         rows = [[f["hardware"], f["gpus"], table.gib(f["gpu_bytes"]), table.gib(f["host_bytes"]), f["gpu_fits"],
-                 f["host_fits_replicated"], f["host_fits_compact"], f["resident_fits"]] for f in rep["fit"]]
+                 f["host_fits_replicated"], f["host_fits_compact"], f["host_fits_compact-bf16"],
+                 f["host_fits_compact-8bit"], f["resident_fits"]] for f in rep["fit"]]
         print(table.render(["hardware", "GPUs", "GPU mem", "host DRAM", "GPU ok", "host ok (replicated)",
-                            "host ok (compact)", "all-resident ok"], rows, align="lrrrllll"))
+                            "host ok (compact)", "(bf16 state)", "(8bit state)", "all-resident ok"], rows,
+                           align="lrrrllllll"))
         return 0
     if args.what == "hardware":
         from tinypipe.cli.inspection import hardware_report

@@ -1,0 +1,122 @@
+"""The optimizer state's precision in the host model: bytes, checkpoint size, optimizer time, the policy,
+the schedule's text form, the simulator, the search (only when asked) and `inspect model`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tinypipe.compiler import compile_schedule
+from tinypipe.describe.hardware import load_hardware
+from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.model import LayerKind, LayerSpec, ModelSpec
+from tinypipe.describe.trace import analytic_trace
+from tinypipe.estimate.hostmem import (
+    CHECKPOINT_SLACK_BYTES,
+    QUANT_BLOCK_ELEMS,
+    STATE_TIME_FACTOR,
+    checkpoint_bytes,
+    host_bytes,
+    moment_bytes,
+    optimizer_step_s,
+)
+from tinypipe.ir.schedule import Schedule
+from tinypipe.policy import PRESETS, Policy
+from tinypipe.policy.modes import ActivationHome, OptimizerState, ResidentMode, SwapMode
+from tinypipe.search.policy_search import SearchSpace, SearchTarget, search
+
+
+def _model(sizes: list[int]) -> ModelSpec:
+    layers = tuple(LayerSpec(i, LayerKind.BLOCK, f"block.{i}", n, n, 2.0 * n, 0.0, 8, 4) for i, n in enumerate(sizes))
+    return ModelSpec("m", "llama", layers, 4, 16, len(sizes), False, 64, "test")
+
+
+def test_moment_bytes_per_precision() -> None:
+    """fp32 8 B/param, bf16 4, 8bit 2 plus an fp32 absmax per block of each moment (a partial block counts)."""
+    n = 10 * QUANT_BLOCK_ELEMS + 1
+    assert moment_bytes(n, "fp32") == 8 * n
+    assert moment_bytes(n, "bf16") == 4 * n
+    assert moment_bytes(n, "8bit") == 2 * n + 2 * 4 * 11
+
+
+def test_compact_host_bytes_and_checkpoint_follow_the_state() -> None:
+    """compact: master 4 B/param + the moments as held + the ring; a checkpoint is the master and the moments
+    (no ring) plus its slack; replicated refuses a low-precision state."""
+    m = _model([4096, 8192])
+    for state, moments in (("fp32", 8 * 12288), ("bf16", 4 * 12288), ("8bit", 2 * 12288 + 8 * (16 + 32))):
+        h = host_bytes(m, "compact", optimizer_state=state)
+        assert (h.master_bytes, h.optim_state_bytes) == (4 * 12288, moments)
+        assert checkpoint_bytes(m, "compact", optimizer_state=state) == 4 * 12288 + moments + CHECKPOINT_SLACK_BYTES
+    assert checkpoint_bytes(m, "replicated") == (4 + 2 + 8) * 12288 + CHECKPOINT_SLACK_BYTES
+    with pytest.raises(ValueError, match="compact"):
+        host_bytes(m, "replicated", optimizer_state="8bit")
+
+
+def test_llama_8b_state_bytes_per_param() -> None:
+    """Llama-3.1-8B (8,030,261,248 parameters): 12, 8 and 6.03 B/param of state under compact, before the ring."""
+    m = load_model("llama-3.1-8b")
+    per = {s: (host_bytes(m, "compact", optimizer_state=s).total_bytes - host_bytes(m, "compact").grad_bytes)
+           / m.params for s in OptimizerState}
+    assert per[OptimizerState.FP32] == 12.0 and per[OptimizerState.BF16] == 8.0
+    assert per[OptimizerState.INT8] == pytest.approx(2 + 4 + 8 / QUANT_BLOCK_ELEMS, abs=1e-4)
+
+
+def test_optimizer_time_scales_by_the_measured_state_factor() -> None:
+    """Without a measured step, a layer's host optimizer time under each state is fp32's times its factor."""
+    hw = load_hardware("rtx4090x1")
+    layer = _model([1 << 20]).layers[0]
+    base = optimizer_step_s(layer, "compact", hw.host)
+    for state in OptimizerState:
+        assert optimizer_step_s(layer, "compact", hw.host, optimizer_state=state) == pytest.approx(
+            base * STATE_TIME_FACTOR[state])
+
+
+def test_policy_schedule_and_simulator_carry_the_state() -> None:
+    """The policy field round-trips through JSON, needs compact; the schedule's text form carries it (and
+    leaves it out for fp32, so older schedules read as fp32); the compiled host state shrinks with it."""
+    p = PRESETS["tinypipe"].replace(optimizer_state="8bit")
+    assert Policy.from_json(json.loads(p.dumps())) == p
+    with pytest.raises(Exception, match="optimizer_state: 8bit moments need host_memory compact"):
+        PRESETS["mobius"].replace(optimizer_state="8bit")
+    model, hw = load_model("llama-3.1-8b"), load_hardware("rtx4090x1")
+    trace = analytic_trace(model, hw.gpus[0], microbatch_size=1, seq_len=2048)
+    statics = {}
+    for state in OptimizerState:
+        sched = compile_schedule(p.replace(optimizer_state=state), model, hw, trace, iterations=1)
+        text = sched.dumps()
+        assert ("optimizer_state=" in text) == (not state.exact)
+        assert Schedule.loads(text).optimizer_state == state
+        statics[state] = sched.static("host")
+    assert statics[OptimizerState.FP32] - statics[OptimizerState.INT8] == (
+        host_bytes(model, "compact").optim_state_bytes - host_bytes(model, "compact", optimizer_state="8bit")
+        .optim_state_bytes)
+
+
+def test_search_finds_a_full_fine_tuning_of_llama_8b_on_a_64gb_workstation_only_when_asked() -> None:
+    """rtx4090x1 (24 GB GPU, 64 GiB host): with fp32 moments nothing fits (the compact state alone is 93.7 GiB)
+    and the advice names --optimizer-state; with 8-bit moments a policy fits (a narrow space for speed)."""
+    from tinypipe.sim.evaluate import SimEvaluator
+
+    model, hw = load_model("llama-3.1-8b"), load_hardware("rtx4090x1")
+    w = SearchTarget(model, hw, 2048, 32)
+    narrow = dict(microbatch_sizes=(4,), pack_sizes=(2,), packers=(), swaps=(SwapMode.LAYER,), recompute=(True,),
+                  activation_homes=(ActivationHome.GPU,), mappings=("cross",), prefetch_depths=(1,),
+                  residents=(ResidentMode.AUTO,))
+    evaluate = SimEvaluator(model, hw, 2048, None, None)
+    exact = search(w, evaluate, space=SearchSpace(**narrow))
+    assert exact.winner is None and any("--optimizer-state" in line for line in exact.advice)
+    low = search(w, evaluate, space=SearchSpace(**narrow, optimizer_state="8bit"))
+    assert low.winner is not None and low.winner.policy.optimizer_state == OptimizerState.INT8
+    assert low.winner.peak_host_bytes <= hw.host.memory_bytes
+
+
+def test_inspect_model_shows_each_state(capsys: pytest.CaptureFixture[str]) -> None:
+    """`inspect model` lists the host bytes of compact with each moment precision and whether each fits."""
+    from tinypipe.cli import main
+
+    assert main(["inspect", "model", "llama-3.1-8b", "--hardware", "rtx4090x1", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert set(rep["host"]) == {"replicated", "compact", "compact-bf16", "compact-8bit"}
+    fit = rep["fit"][0]
+    assert (fit["host_fits_compact"], fit["host_fits_compact-8bit"]) == (False, True)
