@@ -120,3 +120,28 @@ def test_inspect_model_shows_each_state(capsys: pytest.CaptureFixture[str]) -> N
     assert set(rep["host"]) == {"replicated", "compact", "compact-bf16", "compact-8bit"}
     fit = rep["fit"][0]
     assert (fit["host_fits_compact"], fit["host_fits_compact-8bit"]) == (False, True)
+
+
+def test_coverage_table_for_a_64gb_workstation_and_a_1tb_server() -> None:
+    """`inspect coverage` on rtx4090x1 (24 GB GPU): the largest model each system fully fine-tunes, literal.
+    At 64 GiB only low-precision moments reach Llama-3.1-8B (12.5 B/param fp32 does not; ZeRO-Offload's 16 and
+    RoundPipe's 21.9 stop at 4B and 1.7B); at 1 TiB tinypipe reaches Llama-3.1-70B at every precision,
+    which ZeRO-Offload's 16 B/param (1,051 GiB) misses."""
+    from tinypipe.estimate.coverage import COVERAGE_MODELS, coverage
+
+    rows = coverage(load_hardware("rtx4090x1"), [load_model(n) for n in COVERAGE_MODELS])
+    got = {r["host_gib"]: [r[k] for k in ("tinypipe fp32", "tinypipe bf16", "tinypipe 8bit", "RoundPipe",
+                                          "ZeRO-Offload")] for r in rows}
+    assert got == {
+        64: ["qwen3-4b", "llama-3.1-8b", "llama-3.1-8b", "qwen3-1.7b", "qwen3-4b"],
+        128: ["llama-3.1-8b", "qwen3-14b", "qwen3-14b", "qwen3-4b", "llama-3.1-8b"],
+        256: ["qwen3-14b", "qwen3-32b", "qwen3-32b", "llama-3.1-8b", "qwen3-14b"],
+        512: ["qwen3-32b", "qwen3-32b", "llama-3.1-70b", "qwen3-14b", "qwen3-32b"],
+        1024: ["llama-3.1-70b", "llama-3.1-70b", "llama-3.1-70b", "qwen3-32b", "qwen3-32b"],
+    }
+
+
+def test_new_model_configs_have_the_published_parameter_counts() -> None:
+    """Qwen3-4B and Qwen3-14B from their public config.json: 4,022,468,096 and 14,768,307,200 parameters."""
+    assert load_model("qwen3-4b").params == 4_022_468_096
+    assert load_model("qwen3-14b").params == 14_768_307_200

@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--microbatch-size", type=int, default=1)
     im.add_argument("--hardware", action="append", help="check fit on this hardware (default: every preset)")
     im.add_argument("--json", action="store_true")
+    icov = isub.add_parser("coverage", help="the largest model each server can fully fine-tune, by host memory, "
+                           "per optimizer-state precision, beside RoundPipe and ZeRO-Offload")
+    icov.add_argument("--hardware", action="append", help="server preset or JSON (default: every shipped preset)")
+    icov.add_argument("--seq-len", type=int, default=2048)
+    icov.add_argument("--json", action="store_true")
     ih = isub.add_parser("hardware", help="nodes, links, routes (no name: list the shipped presets)")
     ih.add_argument("name", nargs="?")
     ih.add_argument("--json", action="store_true")
