@@ -236,7 +236,8 @@ class CompactHostState(HostState):
     def _held(self, seen: set[int], optim: int, padding: int) -> HeldBytes:
         master = view_bytes([self._slab])
         grads = view_bytes([self._ring, *self._extra_slots])
-        scratch = storage_bytes([self._chunk_scratch], seen)
+        scratch = storage_bytes([self._chunk_scratch], seen) + (
+            0 if self.optimizer_state.exact else moments.pool_workspace_bytes())  # the chunk pool's, shared
         stale = (view_bytes(self._snap_region.values()) if self.snapshots
                  else storage_bytes((t for _, t in self._stale.values()), seen))
         return HeldBytes(self.host_memory, self.params, master, 0, grads, optim, scratch, stale, padding)

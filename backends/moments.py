@@ -19,6 +19,8 @@ The quantised state is plain tensors (uint8 codes, fp32 absmax), so a checkpoint
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import torch
@@ -95,39 +97,92 @@ def workspace_elems(chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> int:
 def lowp_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, moments: dict[str, torch.Tensor], *,
                     state: OptimizerState, step: int, lr: float, beta1: float, beta2: float, eps: float,
                     weight_decay: float, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-                    scratch: torch.Tensor | None = None) -> None:
+                    scratch: torch.Tensor | None = None, threads: int | None = None) -> None:
     """One AdamW update of the fp32 master in the planes `hi`/`lo` with moments held as `state` (bf16 or
     8bit, `zero_state`'s tensors), in place. `grad`: fp32, bf16 or fp16, read only. `step`: 1-based.
-    `scratch`: fp32 workspace of >= `workspace_elems(chunk_elems)` elements, reused across calls."""
+    `scratch`: fp32 workspace of >= `workspace_elems(chunk_elems)` elements, reused across calls (the
+    calling thread's). `threads` (default: torch's intra-op threads of the caller): chunks run side by side
+    on that many threads of a pool, each running its chunk's operators on one core (torch's table look-ups
+    run on one thread whatever the intra-op setting, so chunks, not operators, are what spread); every
+    chunk's arithmetic is the same on any thread, so the result does not depend on `threads`."""
     state = OptimizerState(state)
     if state.exact:
         raise ValueError("fp32 moments take planes.compact_adamw_step")
     if step < 1:
         raise ValueError(f"step is the 1-based number of this update, got {step}")
     n = hi.numel()
-    g = grad.reshape(-1)
     c = _chunk(chunk_elems, n)
-    need = 5 * c
     if scratch is None:
-        scratch = torch.empty(need, dtype=torch.float32)
-    if scratch.numel() < need:
-        raise ValueError(f"scratch: needs {need} fp32 elements, got {scratch.numel()}")
-    ws = scratch.view(-1)
-    master, wide, m32, v32 = ws[:c], ws[c:2 * c], ws[2 * c:3 * c], ws[3 * c:4 * c]
-    tmp = ws[4 * c:5 * c].view(torch.int32)
-    h, low = hi.view(-1).view(torch.int16), lo.view(-1).view(torch.int16)
-    step_t = torch.tensor(float(step), dtype=torch.float32)
-    for s in range(0, n, c):
+        scratch = torch.empty(5 * c, dtype=torch.float32)
+    if scratch.numel() < 5 * c:
+        raise ValueError(f"scratch: needs {5 * c} fp32 elements, got {scratch.numel()}")
+    job = _Step(hi.view(-1).view(torch.int16), lo.view(-1).view(torch.int16), grad.reshape(-1), moments, state,
+                torch.tensor(float(step), dtype=torch.float32), c,
+                {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "eps": eps})
+    starts = list(range(0, n, c))
+    threads = torch.get_num_threads() if threads is None else threads
+    if threads <= 1 or len(starts) == 1:
+        for s in starts:
+            job.chunk(s, scratch)
+        return
+    pool = _pool(threads)
+    for f in [pool.submit(_on_pool_thread, job, s) for s in starts]:
+        f.result()
+
+
+class _Step:
+    """One parameter's update, chunk by chunk: `chunk(start, scratch)` does elements start..start+c."""
+
+    def __init__(self, h: torch.Tensor, low: torch.Tensor, g: torch.Tensor, moments: dict[str, torch.Tensor],
+                 state: OptimizerState, step_t: torch.Tensor, c: int, hp: dict[str, float]) -> None:
+        self.h, self.low, self.g, self.moments, self.state = h, low, g, moments, state
+        self.step_t, self.c, self.hp = step_t, c, hp
+
+    def chunk(self, s: int, scratch: torch.Tensor) -> None:
+        c, n = self.c, self.h.numel()
+        ws = scratch.view(-1)
+        master, wide, m32, v32 = ws[:c], ws[c:2 * c], ws[2 * c:3 * c], ws[3 * c:4 * c]
+        tmp = ws[4 * c:5 * c].view(torch.int32)
         e = min(n, s + c)
         k = e - s
         x = master[:k]
-        planes._join_into(h[s:e], low[s:e], x, tmp[:k])
+        planes._join_into(self.h[s:e], self.low[s:e], x, tmp[:k])
+        g = self.g
         gc = g[s:e] if g.dtype == torch.float32 else wide[:k].copy_(g[s:e])
-        kb = _widen(moments, state, s, k, m32, v32, tmp)
-        torch._fused_adamw_([x], [gc], [m32[:k]], [v32[:k]], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        _narrow(moments, state, s, k, kb, m32, v32, tmp)
-        planes._split_shift(x, h[s:e], low[s:e])
+        kb = _widen(self.moments, self.state, s, k, m32, v32, tmp)
+        torch._fused_adamw_([x], [gc], [m32[:k]], [v32[:k]], [], [self.step_t], amsgrad=False, maximize=False,
+                            **self.hp)
+        _narrow(self.moments, self.state, s, k, kb, m32, v32, tmp)
+        planes._split_shift(x, self.h[s:e], self.low[s:e])
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_LOCAL = threading.local()
+_WORKSPACES: list[torch.Tensor] = []  # every pool thread's workspace (`pool_workspace_bytes`)
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """A pool of `threads` threads, each running torch operators on one core (made once per size)."""
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tinypipe-moments",
+                                             initializer=torch.set_num_threads, initargs=(1,))
+    return _POOLS[threads]
+
+
+def _on_pool_thread(job: _Step, s: int) -> None:
+    """Run one chunk with this pool thread's own workspace (grown to the job's chunk when needed)."""
+    ws = getattr(_LOCAL, "scratch", None)
+    if ws is None or ws.numel() < 5 * job.c:
+        if ws is not None:
+            _WORKSPACES[:] = [w for w in _WORKSPACES if w is not ws]
+        ws = _LOCAL.scratch = torch.empty(5 * job.c, dtype=torch.float32)
+        _WORKSPACES.append(ws)
+    job.chunk(s, ws)
+
+
+def pool_workspace_bytes() -> int:
+    """Bytes of the pool threads' workspaces (20 MiB each at the default chunk), held for the process's life."""
+    return sum(w.numel() * w.element_size() for w in list(_WORKSPACES))
 
 
 def _chunk(chunk_elems: int, n: int) -> int:

@@ -81,6 +81,28 @@ def test_each_step_equals_dequantise_adamw_requantise(state: str) -> None:
                 assert int((held[k].long() - ref[k].long()).abs().max()) <= 1
 
 
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_chunks_on_a_pool_of_threads_give_the_same_bits(state: str) -> None:
+    """Eight chunks run on 1 thread and on a pool of 2 threads leave the same masters and moments, bit for bit
+    (each chunk's arithmetic is the same on any thread)."""
+    n = 8 * QUANT_BLOCK_ELEMS * 4 + 13
+    gen = torch.Generator().manual_seed(2)
+    w, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
+    out = []
+    for threads in (1, 2):
+        hi, lo = torch.empty(n, dtype=torch.int16), torch.empty(n, dtype=torch.int16)
+        planes.split(w, hi, lo)
+        held = moments.zero_state(n, OptimizerState(state))
+        for t in (1, 2):
+            moments.lowp_adamw_step(hi, lo, g, held, state=OptimizerState(state), step=t, lr=1e-2, beta1=0.9,
+                                    beta2=0.99, eps=1e-8, weight_decay=0.0, chunk_elems=4 * QUANT_BLOCK_ELEMS,
+                                    threads=threads)
+        out.append((hi, lo, held))
+    (h1, l1, m1), (h2, l2, m2) = out
+    assert torch.equal(h1, h2) and torch.equal(l1, l2) and all(torch.equal(m1[k], m2[k]) for k in m1)
+    assert moments.pool_workspace_bytes() > 0
+
+
 def _widen(st: dict[str, torch.Tensor], state: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     if state == "bf16":
         return st["exp_avg"].float(), st["exp_avg_sq"].float()

@@ -46,14 +46,15 @@ DEFAULT_GRAD_RING_SLOTS = 4
 QUANT_BLOCK_ELEMS = 256
 
 # The chunked compact step's time with low-precision moments over its time with fp32 ones, both on the
-# same planes: measured on the 2-core dev VM (shared), 2 threads, 16M parameters, best of 7, variants in
-# turns (bench/host_optim_precision.py -> bench/results/host_optim_precision.json, 2026-12-02): fp32
-# 0.68 G params/s, bf16 0.68, 8bit 0.14 (torch's fused fp32 AdamW 1.50). The 8-bit step's four table
-# look-ups (torch.index_select, one thread) dominate it; a compiled kernel would close the gap. Until
-# `tinypipe profile` measures each precision on the host, the simulator scales the fp32 step by these.
+# same planes, per core: measured at 1 thread on the shared 2-core dev VM, 16M parameters, best of 7,
+# variants in turns (bench/host_optim_precision.py -> bench/results/host_optim_precision.json, 2026-12-02):
+# fp32 0.18 G params/s, bf16 0.15, 8bit 0.06 (torch's fused fp32 AdamW 0.45; three runs
+# gave 1.11-1.24 and 2.8-3.1). Its 2-thread figures swung with the other tenants' load. The 8-bit step's
+# four table look-ups dominate it; a compiled kernel would close the gap. Until `tinypipe profile`
+# measures each precision on the host, the simulator scales the fp32 step by these.
 STATE_TIME_FACTOR: dict[OptimizerState, float] = {OptimizerState.FP32: 1.0,
-                                                  OptimizerState.BF16: 0.99,
-                                                  OptimizerState.INT8: 4.99}
+                                                  OptimizerState.BF16: 1.24,
+                                                  OptimizerState.INT8: 2.99}
 
 
 def moment_bytes(params: int, state: OptimizerState = OptimizerState.FP32) -> int:
