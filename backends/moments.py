@@ -150,8 +150,10 @@ class _Step:
         g = self.g
         gc = g[s:e] if g.dtype == torch.float32 else wide[:k].copy_(g[s:e])
         kb = _widen(self.moments, self.state, s, k, m32, v32, tmp)
-        torch._fused_adamw_([x], [gc], [m32[:k]], [v32[:k]], [], [self.step_t], amsgrad=False, maximize=False,
-                            **self.hp)
+        hp = self.hp
+        torch._fused_adamw_([x], [gc], [m32[:k]], [v32[:k]], [], [self.step_t], lr=hp["lr"], beta1=hp["beta1"],
+                            beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=False,
+                            maximize=False)
         _narrow(self.moments, self.state, s, k, kb, m32, v32, tmp)
         planes._split_shift(x, self.h[s:e], self.low[s:e])
 
