@@ -26,7 +26,7 @@ class AdamWConfig:
     schedule: LRSchedule | None = None
     decay_exempt: bool = False
 
-    def make(self, params: list[torch.Tensor], names: Sequence[str] | None = None) -> torch.optim.AdamW:
+    def make(self, params: list[torch.Tensor], names: Sequence[str] | None = None) -> torch.optim.Optimizer:
         from .reference import layer_adamw
 
         decay = None if not self.decay_exempt or names is None else [decays(n, p.dim()) for n, p in zip(names, params)]

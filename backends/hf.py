@@ -80,12 +80,15 @@ def _shipped_folder() -> Path:
 
 def build_model(name_or_path: str, *, seed: int, only: set[int] | None = None,
                 dtype: torch.dtype = torch.float32,
-                attn_implementation: str = ATTN_IMPLEMENTATION) -> LayerStack:
+                attn_implementation: str = ATTN_IMPLEMENTATION, lazy: bool = False) -> LayerStack:
     """The model split into its layer sequence (see `LayerStack`), materialising only `only`.
 
     Weights come from the model directory's safetensors when it has them (each tensor read on its
     own, straight into the layer that owns it), otherwise from `init_layer(seed)`: every
     parameter's value depends only on `seed` and its name, so any `only` gives the same weights.
+    `lazy`: the layers of `only` keep their parameters on the meta device (their buffers are made);
+    `LayerStack.tensors_of(i)` reads or draws layer i's weights when asked, one layer at a time, so a
+    caller that copies them into its own store (the host state) never holds the model twice.
     """
     source = load_source(name_or_path, attn_implementation=attn_implementation)
     metas, names, _ = split_meta(source.config)
@@ -109,18 +112,21 @@ def build_model(name_or_path: str, *, seed: int, only: set[int] | None = None,
         if i not in wanted:
             layers.append(None)
             continue
-        tensors = tensors_of(i)
+        tensors = {} if lazy else tensors_of(i)
         if tied is not None and i == head:
             # the head computes with the embedding's matrix: the very same parameter where this
             # process holds the embedding too, else a copy of its values
             shared = layers[0].get_parameter(tied[1]) if 0 in wanted else None  # type: ignore[union-attr]
             if shared is None:
-                shared = nn.Parameter(tensors_of(0)[tied[1]].to(dtype), requires_grad=True)
+                value = (torch.empty(metas[0].get_parameter(tied[1]).shape, device="meta") if lazy
+                         else tensors_of(0)[tied[1]].to(dtype))
+                shared = nn.Parameter(value, requires_grad=True)
             owner_name, _, leaf = tied[0].rpartition(".")
             setattr(meta.get_submodule(owner_name), leaf, shared)
-        layers.append(materialize(meta, tensors, dtype=dtype, config=source.config))
+        layers.append(make_buffers(meta, source.config) if lazy
+                      else materialize(meta, tensors, dtype=dtype, config=source.config))
     return LayerStack(layers=layers, config=source.config, spec=source.spec, names=names,
-                      source_dir=source.directory, tied=tied)
+                      source_dir=source.directory, tied=tied, tensors_of=tensors_of if lazy else None)
 
 
 def split_meta(config: Any) -> tuple[list[nn.Module], list[dict[str, str]], nn.Module | None]:
@@ -252,13 +258,19 @@ def materialize(meta: nn.Module, tensors: dict[str, torch.Tensor], *, dtype: tor
                              f"the config gives {tuple(param.shape)}")
         owner_name, _, leaf = name.rpartition(".")
         setattr(meta.get_submodule(owner_name), leaf, nn.Parameter(value.to(dtype), requires_grad=True))
+    make_buffers(meta, config)
+    left = [n for n, t in [*meta.named_parameters(), *meta.named_buffers()] if t.is_meta]
+    if left:
+        raise AssertionError(f"tensors left on the meta device: {left}")
+    return meta
+
+
+def make_buffers(meta: nn.Module, config: Any) -> nn.Module:
+    """Real rotary buffers where a layer owns a rotary module (transformers 4.4x); parameters untouched."""
     for owner_name, module in list(meta.named_modules()):
         if "RotaryEmbedding" in type(module).__name__:
             parent_name, _, leaf = owner_name.rpartition(".")
             setattr(meta.get_submodule(parent_name), leaf, make_rotary(module, config))
-    left = [n for n, t in [*meta.named_parameters(), *meta.named_buffers()] if t.is_meta]
-    if left:
-        raise AssertionError(f"tensors left on the meta device: {left}")
     return meta
 
 

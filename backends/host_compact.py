@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS
-from tinypipe.policy.modes import HostMemory
+from tinypipe.policy.modes import HostMemory, OptimizerState
 
-from . import planes
+from . import moments, planes
 from .hoststate import AdamWConfig, HeldBytes, HostState, _Param, _to, storage_bytes, view_bytes
 
 
@@ -28,8 +28,10 @@ class CompactHostState(HostState):
 
     def __init__(self, params: dict[int, dict[str, torch.Tensor]], *, compute_dtype: torch.dtype,
                  optim: AdamWConfig, pin: bool = False, shared_grad: int | None = None,
-                 grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, snapshots: bool = False) -> None:
-        """Copies `params` into its slab (the caller may drop them)."""
+                 grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, snapshots: bool = False,
+                 optimizer_state: OptimizerState = OptimizerState.FP32) -> None:
+        """Copies `params` into its slab (the caller may drop them). `optimizer_state`: how AdamW's moments are
+        held (fp32: `planes.compact_adamw_step`, bit-identical to torch's; bf16 / 8bit: `moments.lowp_adamw_step`)."""
         if sys.byteorder != "little":  # pragma: no cover - the planes assume little-endian fp32
             raise RuntimeError("the compact host memory layout needs a little-endian host")
         super().__init__(params, compute_dtype=compute_dtype, optim=optim, pin=pin, shared_grad=shared_grad)
@@ -57,19 +59,27 @@ class CompactHostState(HostState):
         # the optimizer's parameters are only keys for its state (the moments, which it checkpoints):
         # views of one element, expanded to each shape, hold no memory
         self._key = torch.zeros(1, dtype=torch.float32)
-        self._chunk_scratch = torch.empty(planes.workspace_elems(min(planes.DEFAULT_CHUNK_ELEMS, biggest_tensor)),
-                                          dtype=torch.float32)
+        self.optimizer_state = OptimizerState(optimizer_state)
+        self._chunk_scratch = torch.empty(
+            planes.workspace_elems(min(planes.DEFAULT_CHUNK_ELEMS, biggest_tensor)) if self.optimizer_state.exact
+            else moments.workspace_elems(min(moments.DEFAULT_CHUNK_ELEMS, biggest_tensor)), dtype=torch.float32)
         self._free_slots: deque[torch.Tensor] = deque(self._ring.unbind(0))
         self._extra_slots: list[torch.Tensor] = []  # beyond the ring, when more layers wait than slots
         self._slot_of: dict[int, torch.Tensor] = {}
         self._stale: dict[int, tuple[int, torch.Tensor]] = {}
         self._work: dict[int, dict[str, torch.Tensor]] = {}  # per-parameter state keys
         for i in self.layers:
-            for p in self._index[i]:
-                hi, lo = self._planes(i, p)
-                planes.split(params[i][p.name].detach().reshape(-1), hi, lo)
+            if not any(t.is_meta for t in params[i].values()):
+                self.fill(i, params[i])
             self._work[i] = {p.name: self._key.expand(p.shape) for p in self._index[i]}
             self._opt[i] = self.optim.make(list(self._work[i].values()), list(self._work[i]))
+
+    def fill(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store `layer`'s fp32 weights in the planes (at construction, or later for a state made from meta
+        tensors: the shapes first, then the weights one layer at a time; the caller may drop them)."""
+        for p in self._index[layer]:
+            hi, lo = self._planes(layer, p)
+            planes.split(tensors[p.name].detach().to(torch.float32).reshape(-1), hi, lo)
 
     def _planes(self, layer: int, p: _Param | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         a = self._offset[layer] + (p.offset if p else 0)
@@ -158,10 +168,19 @@ class CompactHostState(HostState):
             st = opt.state[w]  # kept in the optimizer so that its state_dict checkpoints the moments
             if not st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["exp_avg"] = torch.zeros(w.shape, dtype=torch.float32)
-                st["exp_avg_sq"] = torch.zeros(w.shape, dtype=torch.float32)
+                if self.optimizer_state.exact:
+                    st["exp_avg"] = torch.zeros(w.shape, dtype=torch.float32)
+                    st["exp_avg_sq"] = torch.zeros(w.shape, dtype=torch.float32)
+                else:
+                    st.update(moments.zero_state(p.numel, self.optimizer_state))
             st["step"] += 1
             hi, lo = self._planes(layer, p)
+            if not self.optimizer_state.exact:
+                moments.lowp_adamw_step(hi, lo, grads[p.name], {k: v for k, v in st.items() if k != "step"},
+                                        state=self.optimizer_state, step=int(st["step"].item()), lr=group["lr"],
+                                        beta1=beta1, beta2=beta2, eps=group["eps"],
+                                        weight_decay=group["weight_decay"], scratch=self._chunk_scratch)
+                continue
             planes.compact_adamw_step(hi, lo, grads[p.name], st["exp_avg"], st["exp_avg_sq"],
                                       step=int(st["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
                                       eps=group["eps"], weight_decay=group["weight_decay"],
@@ -191,6 +210,17 @@ class CompactHostState(HostState):
         return {"slab": self._slab,  # torch.save writes the slab's whole storage: the ring and snapshots too
                 "stale": {i: (v, t.clone()) for i, (v, t) in self._stale.items()}}
 
+    def _load_optim(self, layer: int, saved: dict[str, Any]) -> None:
+        if self.optimizer_state.exact:
+            super()._load_optim(layer, saved)
+            return
+        # torch's Optimizer.load_state_dict would cast floating state to the keys' fp32: set it as held
+        opt = self._opt[layer]
+        keys = [t for g in opt.param_groups for t in g["params"]]  # the order torch's state_dict numbers them in
+        opt.state.clear()
+        for k, st in saved["state"].items():
+            opt.state[keys[int(k)]] = {name: t.clone() for name, t in st.items()}
+
     def _load_layout_state(self, state: dict[str, Any]) -> None:
         self._slab.copy_(state["slab"])
         self._stale = {}
@@ -206,7 +236,8 @@ class CompactHostState(HostState):
     def _held(self, seen: set[int], optim: int, padding: int) -> HeldBytes:
         master = view_bytes([self._slab])
         grads = view_bytes([self._ring, *self._extra_slots])
-        scratch = storage_bytes([self._chunk_scratch], seen)
+        scratch = storage_bytes([self._chunk_scratch], seen) + (
+            0 if self.optimizer_state.exact else moments.pool_workspace_bytes())  # the chunk pool's, shared
         stale = (view_bytes(self._snap_region.values()) if self.snapshots
                  else storage_bytes((t for _, t in self._stale.values()), seen))
         return HeldBytes(self.host_memory, self.params, master, 0, grads, optim, scratch, stale, padding)

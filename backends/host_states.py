@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS
-from tinypipe.policy.modes import HostMemory
+from tinypipe.policy.modes import HostMemory, OptimizerState
 
 from .host_compact import CompactHostState
 from .host_replicated import ReplicatedHostState
@@ -14,11 +14,15 @@ from .hoststate import AdamWConfig, HostState
 
 def make_host_state(params: dict[int, dict[str, torch.Tensor]], *, host_memory: HostMemory, compute_dtype: torch.dtype,
                     optim: AdamWConfig, pin: bool = False, grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS,
-                    shared_grad: int | None = None, snapshots: bool = False) -> HostState:
-    """The host state of `params` under `host_memory`; `grad_ring_slots` and `snapshots` are compact's."""
+                    shared_grad: int | None = None, snapshots: bool = False,
+                    optimizer_state: OptimizerState = OptimizerState.FP32) -> HostState:
+    """The host state of `params` under `host_memory`; `grad_ring_slots`, `snapshots` and a low-precision
+    `optimizer_state` are compact's."""
+    if not OptimizerState(optimizer_state).exact and host_memory != HostMemory.COMPACT:
+        raise ValueError(f"{optimizer_state} optimizer state needs the compact host layout")
     if host_memory == HostMemory.REPLICATED:
         return ReplicatedHostState(params, compute_dtype=compute_dtype, optim=optim, pin=pin, shared_grad=shared_grad)
     if host_memory == HostMemory.COMPACT:
         return CompactHostState(params, compute_dtype=compute_dtype, optim=optim, pin=pin, shared_grad=shared_grad,
-                                grad_ring_slots=grad_ring_slots, snapshots=snapshots)
+                                grad_ring_slots=grad_ring_slots, snapshots=snapshots, optimizer_state=optimizer_state)
     raise ValueError(f"unknown host memory layout {host_memory!r}; expected one of {tuple(HostMemory)}")

@@ -156,7 +156,7 @@ class HostState:
         self._writing: dict[int, threading.Event] = {}
         self._reads: dict[int, list[Any]] = {}
         self._slabs: list[PinnedSlab] = []  # the pinned slab, then any the layout adds later
-        self._opt: dict[int, torch.optim.AdamW] = {}
+        self._opt: dict[int, torch.optim.Optimizer] = {}
         # per training step: (layers stepped, sum of their squared gradient entries), for the step's global
         # gradient norm (backends/metrics.py); `take_grad_sq` hands over the steps all layers have done
         self._grad_sq: dict[int, tuple[int, float]] = {}
@@ -357,7 +357,11 @@ class HostState:
         with torch.no_grad():
             self._load_layout_state(state)
         for i in self.layers:
-            self._opt[i].load_state_dict(state["optim"][i])
+            self._load_optim(i, state["optim"][i])
+
+    def _load_optim(self, layer: int, saved: dict[str, Any]) -> None:
+        """Continue `layer`'s optimizer from its saved state_dict."""
+        self._opt[layer].load_state_dict(saved)
 
     def _layout_state(self) -> dict[str, Any]:
         raise NotImplementedError

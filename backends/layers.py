@@ -290,6 +290,8 @@ class LayerStack:
     # tied embeddings: (the shared matrix's name in the head, its name in the embedding); the head's
     # parameter is the embedding's own one where both are materialised, and is listed under layer 0 only
     tied: tuple[str, str] | None = None
+    # `build_model(lazy=True)`: layer i's own weights, read or drawn when called (its module's stay on meta)
+    tensors_of: Callable[[int], dict[str, torch.Tensor]] | None = None
 
     def hf_names(self, i: int) -> dict[str, str]:
         """Layer i's own parameter names (as in `layers[i].named_parameters()`, less a tied head's

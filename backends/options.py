@@ -53,6 +53,8 @@ class RunOptions:
     trace_memory: bool = False
     grad_norm: bool = True
     profile: tuple[str, ...] = ()
+    optimizer_state: str | None = None  # the moments' precision (None: the policy's)
+    keep_checkpoints: int = 1  # complete checkpoints kept in --out (0: none written)
     record: dict[str, Any] | None = None  # the checkpoint's meta.json when resuming
 
     @classmethod

@@ -249,6 +249,11 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                 "lr": lr, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
                 "dtype": dtype, "pack_sizes": [len(p) for p in schedule.pack_layers],
                 "pack_gpu": list(schedule.pack_gpu)}
+    from .frugal import check_disk
+
+    save_dtype = args.save_dtype or model_dtype(args.model)
+    check_disk(out, spec, schedule, keep=args.keep_checkpoints, checkpoints=True, save_dtype=save_dtype,
+               model_copies=1 + (args.steps // args.save_every if args.save_every else 0))
     if args.resume:  # the same checks the workers make, before any of them starts
         from . import checkpoint
 
@@ -259,13 +264,14 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
-              save_dtype=args.save_dtype or model_dtype(args.model),
+              save_dtype=save_dtype,
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),
                                 decay_exempt=not args.decay_all),
               backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
+              keep_checkpoints=args.keep_checkpoints,
               threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),
               compile_blocks=compile_blocks, trace_memory=args.trace_memory)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
@@ -297,20 +303,20 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
 
 
 def check_rank_files(directory: Path, ranks: int) -> None:
-    """InputError unless the checkpoint holds a complete file for each of `ranks` ranks (torch.save's zip
-    format: a truncated file lacks the zip's closing directory)."""
-    import zipfile
+    """InputError unless the checkpoint holds complete files for each of `ranks` ranks (`ckpt_format`: the
+    JSON beside a safetensors file whose header's tensors all lie within it; a truncated file does not)."""
+    from . import ckpt_format
 
-    files = sorted(directory.glob("rank*.pt"))
-    if not files:
-        return  # another format: the workers read it
+    files = sorted(directory.glob(f"rank*{ckpt_format.TENSORS}"))
     for r in range(ranks):
-        f = directory / f"rank{r}.pt"
-        if not f.is_file():
+        f = directory / f"rank{r}{ckpt_format.TENSORS}"
+        if not f.is_file() or not (directory / f"rank{r}{ckpt_format.SKELETON}").is_file():
             raise InputError(f"{f}: missing; the checkpoint holds {len(files)} rank file(s), this run has "
                              f"{ranks} ranks")
-        if not zipfile.is_zipfile(f):
-            raise InputError(f"{f}: truncated or corrupt (not a complete torch.save file)")
+        try:
+            ckpt_format.read_tensors(f)
+        except (OSError, ckpt_format.FormatError, KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{f}: truncated or corrupt ({exc})") from None
 
 
 SAVE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -336,6 +342,8 @@ def _policy(args: RunOptions) -> Policy:
         if size < 1:
             raise InputError(f"--microbatch-size: must be >= 1, got {size}")
         policy = policy.replace(microbatch_size=size)
+    if getattr(args, "optimizer_state", None) is not None:
+        policy = policy.replace(optimizer_state=args.optimizer_state)
     return policy
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinypipe.policy.modes import OptimizerState
+
 from .hf import build_model
 from .layers import IGNORE_INDEX, LayerStack
 from .optim_rules import LRSchedule, decays
@@ -24,10 +26,12 @@ Step = Sequence[tuple[torch.Tensor, torch.Tensor]]  # one optimizer step: (input
 
 
 def layer_adamw(params: Iterable[nn.Parameter], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                eps: float = 1e-8, weight_decay: float = 0.0, decay: Sequence[bool] | None = None) -> torch.optim.AdamW:
+                eps: float = 1e-8, weight_decay: float = 0.0, decay: Sequence[bool] | None = None,
+                optimizer_state: OptimizerState = OptimizerState.FP32) -> torch.optim.Optimizer:
     """The optimizer of one layer's parameters: torch's AdamW, fused when they are all on the CPU
     in fp32 (the backend's host optimizer is PyTorch's fused AdamW, per layer: docs/architecture.md). `decay`:
-    per parameter, whether weight decay applies (None: to all); the others form a group without it."""
+    per parameter, whether weight decay applies (None: to all); the others form a group without it. With
+    low-precision moments (`optimizer_state`), `LowPrecisionAdamW` over the same groups."""
     params = list(params)
     fused = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
     groups: list[dict[str, Any]] = [{"params": params}]
@@ -35,8 +39,44 @@ def layer_adamw(params: Iterable[nn.Parameter], *, lr: float, betas: tuple[float
         groups = [g for g in ({"params": [p for p, d in zip(params, decay) if d]},
                               {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0})
                   if g["params"]]
+    if not OptimizerState(optimizer_state).exact:
+        return LowPrecisionAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 optimizer_state=OptimizerState(optimizer_state))
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              fused=fused or None)
+
+
+class LowPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW on fp32 parameters with moments held as bf16 or 8-bit (`moments`): each step splits a parameter
+    into the compact layout's planes, runs the host's chunked step on them and joins them back, so a plain
+    single-process training takes the very same arithmetic as the pipeline's host state."""
+
+    def __init__(self, groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, optimizer_state: OptimizerState) -> None:
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.optimizer_state = optimizer_state
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        from . import moments, planes
+
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st.update(moments.zero_state(p.numel(), self.optimizer_state))
+                st["step"] += 1
+                hi, lo = torch.empty(p.numel(), dtype=torch.int16), torch.empty(p.numel(), dtype=torch.int16)
+                planes.split(p.detach().reshape(-1), hi, lo)
+                moments.lowp_adamw_step(hi, lo, p.grad.reshape(-1), {k: v for k, v in st.items() if k != "step"},
+                                        state=self.optimizer_state, step=int(st["step"].item()), lr=group["lr"],
+                                        beta1=beta1, beta2=beta2, eps=group["eps"],
+                                        weight_decay=group["weight_decay"])
+                planes.join(hi, lo, p.detach().view(-1))
 
 
 @dataclass(frozen=True)
@@ -55,7 +95,8 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
                     weight_decay: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float32,
                     async_staleness: int = 0, schedule: LRSchedule | None = None,
                     decay_exempt: bool = False,
-                    documents: Callable[[int], list[torch.Tensor] | None] | None = None) -> ReferenceResult:
+                    documents: Callable[[int], list[torch.Tensor] | None] | None = None,
+                    optimizer_state: OptimizerState = OptimizerState.FP32) -> ReferenceResult:
     """Train `model` (a LayerStack holding every layer, or a name built with `seed`) for `steps`.
 
     Step t takes the next item of `batches` (a list of (input_ids, labels) microbatches), runs each
@@ -83,7 +124,7 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
     masters = [_layer(stack, i) for i in range(len(stack.layers))]
     own = [[n for n, _ in stack.own_parameters(i)] for i in range(len(masters))]
     optimizers = [layer_adamw([m.get_parameter(n) for n in names], lr=lr, betas=betas, eps=eps,
-                              weight_decay=weight_decay,
+                              weight_decay=weight_decay, optimizer_state=optimizer_state,
                               decay=[decays(n, m.get_parameter(n).dim()) for n in names] if decay_exempt else None)
                   for m, names in zip(masters, own)]
     # one deepcopy of the list keeps a tied matrix shared between the working copies too
@@ -171,7 +212,7 @@ def _forward_backward(workers: list[nn.Module], own: list[list[str]], step: Step
     return total, grads
 
 
-def _apply(masters: list[nn.Module], optimizers: list[torch.optim.AdamW], grads: list[list[torch.Tensor]],
+def _apply(masters: list[nn.Module], optimizers: list[torch.optim.Optimizer], grads: list[list[torch.Tensor]],
            workers: list[nn.Module]) -> None:
     """One AdamW update per layer with `grads`, then refresh the low-precision working copies."""
     for master, opt, acc, worker in zip(masters, optimizers, grads, workers):

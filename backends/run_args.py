@@ -8,6 +8,7 @@ import importlib.util
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
     raise ImportError("torch is not installed")
 
+from .frugal import add_frugal_arguments  # noqa: E402 - after the torch check
 from .optim_rules import SCHEDULES  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
 
@@ -90,14 +91,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "settings (options given again must match them; --steps may extend the run)")
     p.add_argument("--checkpoint-minutes", type=float, default=None, metavar="M",
                    help=f"checkpoint after every M minutes of training and at the end (default "
-                        f"{d['checkpoint_minutes']:g}; 0: only by --checkpoint-every and on Ctrl-C); the last two "
-                        "are kept")
+                        f"{d['checkpoint_minutes']:g}; 0: only by --checkpoint-every and on Ctrl-C); "
+                        "--keep-checkpoints are kept")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                    help="also checkpoint every N steps (default 0: off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decoder blocks: one graph per block structure, fused elementwise work; "
                         "the first step pays the compilation (default: on for cuda, off for cpu)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of all ranks")
+    add_frugal_arguments(p)
     p.add_argument("--trace-memory", action="store_true",
                    help="CUDA: sample the caching allocator at each action, its bytes in use (the trace's memory "
                         "counter) and its peak while the action is issued (otherData.action_peaks); two statistics "

@@ -35,20 +35,21 @@ DEFAULTS: dict[str, Any] = {
     "steps": 500, "seq_len": 64, "batch_tokens": 512, "lr": None, "lr_schedule": "cosine", "warmup_steps": None,
     "warmup_ratio": 0.05, "decay_all": False, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
     "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0, "byte_tokens": False, "packing": True,
-    "epochs": None, "save_every": 0, "save_dtype": None,
+    "epochs": None, "save_every": 0, "save_dtype": None, "keep_checkpoints": 1,
 }
 # Options recorded in a checkpoint and restored by --resume (argparse dest names).
 RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
             "lr", "lr_schedule", "warmup_steps", "warmup_ratio", "decay_all", "betas", "eps", "weight_decay", "seed",
             "backend", "checkpoint_every", "checkpoint_minutes", "byte_tokens", "packing", "epochs", "save_every",
-            "save_dtype")
+            "save_dtype", "optimizer_state", "keep_checkpoints")
 # may differ from the record
-FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype")
+FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype",
+                  "keep_checkpoints")
 # what a run whose checkpoint does not record these options trained with (they did not exist then)
 BEFORE_RECORDED: dict[str, Any] = {"lr_schedule": "constant", "warmup_ratio": 0.0, "decay_all": True,
                                    "byte_tokens": True, "save_dtype": "fp32"}
 # None stays None: make_run_plan chooses (the embedded job's or the policy's; the lr by the model's size)
-PLANNED = ("policy", "microbatch_size", "lr")
+PLANNED = ("policy", "microbatch_size", "lr", "optimizer_state")
 SEED_LIMIT = 2**63
 # bounds that keep a mistyped number from planning for ever (no model has more positions; no run more steps)
 MAX_SEQ_LEN, MAX_BATCH_TOKENS, MAX_STEPS, MAX_EPOCHS = 1 << 24, 1 << 34, 10**9, 10**6
@@ -155,6 +156,8 @@ def _check_numbers(a: RunOptions) -> None:
         raise InputError(f"--save-every: must be >= 0, got {a.save_every}")
     if a.microbatch_size is not None and a.microbatch_size < 1:
         raise InputError(f"--microbatch-size: must be >= 1, got {a.microbatch_size}")
+    if a.keep_checkpoints < 0:
+        raise InputError(f"--keep-checkpoints: must be >= 0, got {a.keep_checkpoints}")
     if a.checkpoint_every < 0:
         raise InputError(f"--checkpoint-every: must be >= 0, got {a.checkpoint_every}")
     if not (math.isfinite(a.checkpoint_minutes) and a.checkpoint_minutes >= 0):

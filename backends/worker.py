@@ -10,8 +10,7 @@ the executed per-resource order can be compared with the schedule's whole lists.
 
 from __future__ import annotations
 
-import os
-import resource
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,12 +30,13 @@ from .compiled import COMPILE_BACKEND, LayerCaller
 from .cpustat import Steal
 from .executor import Carried, RunLog, run_actions
 from .groups import Group
-from .host_states import make_host_state
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
 from .interpreter import ExecutionError, Interpreter, StepData
 from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
+from .rank_state import build_rank_state, rss_now
+from .rank_state import strip_parameters as strip_parameters  # where tests and the profiler take it from
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Job:
     out: str | None = None
     checkpoint_every: int = 0
     checkpoint_s: float = 0.0  # also checkpoint after this much training time, and at the end (0: off)
+    keep_checkpoints: int = checkpoint.DEFAULT_KEEP  # complete checkpoints kept (`--keep-checkpoints`)
     resume: bool = False
     threads: int = 0  # torch intra-op threads per rank (0: torch's default)
     gpu_mem_bytes: int | None = None  # CUDA: the caching allocator's cap per rank (None: the whole GPU)
@@ -115,6 +116,7 @@ class RankResult:
     pinned_peak_bytes: dict[str, int | None] = field(default_factory=dict)
     # the host's CPU time a hypervisor took (cpustat.Steal) over the training loop; None where unknown
     host_steal_share: float | None = None
+    checkpoint_failures: list[str] = field(default_factory=list)  # checkpoint.Failed.line() of each not written
 
 
 def step_data(batches: Any, step: int) -> StepData:
@@ -125,15 +127,6 @@ def step_data(batches: Any, step: int) -> StepData:
     if denom == 0:
         raise ExecutionError(f"step {step}: no token carries loss (every label is {IGNORE_INDEX})")
     return StepData(microbatches=mbs, denom=float(denom), documents=batches.documents(step))
-
-
-def strip_parameters(module: torch.nn.Module) -> None:
-    """Replace a module's parameters by meta tensors: it becomes structure for functional_call."""
-    for name, p in list(module.named_parameters()):
-        owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        setattr(owner, leaf, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                requires_grad=False))
 
 
 def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
@@ -150,7 +143,6 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
                 host_spans: list[tuple[str, float, float]], settle_heap: Callable[[], None] | None) -> RankResult:
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
-    from .hf import build_model
     from .hf_save import save_pretrained
 
     sched = job.schedule
@@ -161,20 +153,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, job.gpu_mem_bytes / total), device)
     layers = owned_layers(sched, rank)
-    rss = {"start": _rss()}
-    stack = build_model(job.model, seed=job.seed, only=set(layers))
-    rss["model built"] = _rss()
-    shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
-    host = make_host_state(stack.state(), host_memory=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
-                           optim=job.optim, pin=device.type == "cuda", shared_grad=shared,
-                           snapshots=sched.optimizer.staleness > 0)
+    stack, host, rss = build_rank_state(job, layers, device)
     host.measure_grad_norm = job.grad_norm
-    rss["host state made"] = _rss()
-    for i in layers:
-        module = stack.layers[i]
-        assert module is not None  # built for the layers this rank owns
-        strip_parameters(module)
-    rss["model's own weights dropped"] = _rss()
     tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size,
                                byte_tokens=job.byte_tokens or job.data is None)
     batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
@@ -203,16 +183,23 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     interrupted = False
     saved = [start, time.monotonic()]  # step and time of the last checkpoint (or of the start)
     carry = Carried()  # OPT_STEPs still running when their window's device work ended
+    failures: list[str] = []  # checkpoints not written (RankResult.checkpoint_failures)
 
     def finish_host_steps() -> None:
         log.records.extend(carry.collect(id_stride=len(sched.actions), ledger=ledger, wait=True))
 
     def save_checkpoint(step: int) -> None:
         assert job.out is not None
+        if not job.keep_checkpoints:  # --keep-checkpoints 0: none written
+            return
         finish_host_steps()  # the host state as of `step`
-        checkpoint.save(job.out, rank=rank, step=step, identity=job.identity, barrier=group.barrier,
-                        state={"host": host.state_dict(), "rng": checkpoint.rng_state(), "losses": losses},
-                        run=job.record)
+        done = checkpoint.save(job.out, rank=rank, step=step, identity=job.identity, group=group,
+                               state={"host": host.state_dict(), "rng": checkpoint.rng_state(), "losses": losses},
+                               run=job.record, keep=job.keep_checkpoints)
+        if isinstance(done, checkpoint.Failed):  # one line; training goes on, the model is still saved
+            if rank == 0:
+                print(done.line(), file=sys.stderr, flush=True)
+            failures.append(done.line())
         saved[:] = [step, time.monotonic()]
 
     def save_model(at: int | None) -> None:
@@ -250,7 +237,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         log.extend(part)
         losses.update(part.losses)
         if "first window run" not in rss:
-            rss["first window run"] = _rss()
+            rss["first window run"] = rss_now()
         left = interp.leftovers()
         if left:
             raise ExecutionError(f"rank {rank}: steps {step}..{step + n - 1} ended still holding {', '.join(left[:6])}")
@@ -280,12 +267,12 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     parts = group.gather(({}, host.take_grad_sq()))
     if steplog is not None:
         steplog.close(parts or ())
-    rss["training done"] = _rss()
+    rss["training done"] = rss_now()
     wall = time.perf_counter() - t_begin
+    if job.out and job.save_model:  # the fine-tuned model first: the run's result, whatever a checkpoint meets
+        save_model(step if interrupted else None)  # Ctrl-C: the model as of the stop, beside the checkpoint
     if job.out and job.checkpoint_s and not interrupted and saved[0] != step:  # and at the end
         save_checkpoint(step)
-    if job.out and job.save_model:
-        save_model(step if interrupted else None)  # Ctrl-C: the model as of the stop, beside the checkpoint
     # the allocator's peak since the last reset, and before it the per-action peaks that reset it
     peak_dev = (max([torch.cuda.max_memory_allocated(device), *(b for _, _, b in log.peaks)])
                 if device.type == "cuda" else max((b for _, b in log.memory), default=0))
@@ -293,21 +280,11 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     return RankResult(
         rank=rank, layers=layers, losses=losses, records=log.records, order=dict(log.order), memory=log.memory,
         ledger_peak=ledger.peaks(), ledger_problems=list(ledger.problems), held=host.held().to_json(),
-        peak_device_bytes=peak_dev, peak_rss_bytes=_rss()[1], rss_phases=rss,
+        peak_device_bytes=peak_dev, peak_rss_bytes=rss_now()[1], rss_phases=rss,
         start_step=start, steps_run=len({r.iteration for r in log.records}), wall_s=wall, interrupted=interrupted,
         peak_reserved_bytes=max(int(stats.get("reserved_bytes.all.peak", 0)), log.reserved_peak),
         alloc_retries=int(stats.get("num_alloc_retries", 0)),
         masters=host.masters() if job.keep_masters else None, issued=log.issued, peaks=log.peaks, issue=log.issue,
         host=[h for h in host_spans if h[2] >= t_begin],  # the training loop's, not the model build's
         pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()},
-        host_steal_share=steal.share())
-
-
-def _rss() -> tuple[int, int]:
-    """(resident bytes now, peak resident bytes so far) of this process; now is 0 without /proc."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"), peak
-    except OSError:
-        return 0, peak
+        host_steal_share=steal.share(), checkpoint_failures=failures)

@@ -56,6 +56,10 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
     "cpu": ("the default job on this machine's CPU", (
         _py("default_run", "results/default_run.json", "README.md: Try it"),
         _py("grad_norm_cost", "results/grad_norm_cost.json", "docs/training.md: Outputs (--no-grad-norm)"),
+        _py("host_optim_precision", "results/host_optim_precision.json",
+            "docs/memory.md: host optimizer speed per state precision; hostmem.STATE_TIME_FACTOR"),
+        _py("optim_state_curves", "results/optim_state_curves.json", "docs/memory.md: loss curves per state precision"),
+        _py("rss_phases", "results/rss_phases.json", "docs/memory.md: the start of a run"),
     )),
     "device": ("runs on CUDA GPUs (H200s for the published tables); each appends to results/ or $OUT", (
         _sh("peers", "$OUT/peers_h200.json", "README.md and docs/performance.md: Beside the peers"),
@@ -64,6 +68,8 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
         _sh("compile_qwen3", "$OUT/cuda_h200.jsonl, profiles", "docs/performance.md: compiled blocks"),
         _sh("fidelity_h200", "$OUT/cuda_h200.jsonl, profiles, traces", "docs/fidelity.md (then `fidelity`)"),
         _sh("profile_h200", "$OUT/p8, $OUT/pq, a run's trace and replay", "profiles for --profile"),
+        _sh("frugal_h200", "$OUT/frugal_h200.jsonl, host_optim_precision_h200.json",
+            "docs/memory.md: 8B with low-precision state, checkpoints on a 64 GiB disk"),
         _py("fidelity", "results/fidelity.jsonl", "README.md and docs/fidelity.md: prediction error"),
     )),
     "test": ("the bench code's own tests (pytest)", (

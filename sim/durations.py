@@ -79,9 +79,10 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
     gpu_of = {r: resource_gpu(r) for r in schedule.by_resource()}
     profiles = {}
     computes: dict[tuple[int, bool], tuple[int, Any]] = {}  # (layer, forward) -> its mode and cost, made once
-    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer)
-    opt_phases = [optimizer_step_phases_s(layer, schedule.host_memory, trace, optimizer=schedule.optimizer)
-                  for layer in model.layers]
+    opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer,
+                              optimizer_state=schedule.optimizer_state)
+    opt_phases = [optimizer_step_phases_s(layer, schedule.host_memory, trace, optimizer=schedule.optimizer,
+                                          optimizer_state=schedule.optimizer_state) for layer in model.layers]
     owner = layer_owner(schedule)
     mode: list[int] = []
     cost: list[Any] = []

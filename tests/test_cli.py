@@ -25,11 +25,12 @@ def test_inspect_model_prints_exact_counts(capsys: pytest.CaptureFixture[str], n
 
 
 def test_inspect_model_json(capsys: pytest.CaptureFixture[str]) -> None:
-    """`--json` gives the same facts as data: exact count, both layouts, fit per preset."""
+    """`--json` gives the same facts as data: exact count, both layouts (compact with each moment precision),
+    fit per preset."""
     code, out, _ = _run(capsys, "inspect", "model", "llama-3.1-8b", "--json", "--hardware", "rtx4090x1")
     rep = json.loads(out)
     assert code == 0 and rep["params"] == 8_030_261_248
-    assert set(rep["host"]) == {"replicated", "compact"}
+    assert set(rep["host"]) == {"replicated", "compact", "compact-bf16", "compact-8bit"}
     assert rep["host"]["compact"]["bytes_per_param"] < rep["host"]["replicated"]["bytes_per_param"]
     assert [f["hardware"] for f in rep["fit"]] == ["rtx4090x1"]
 

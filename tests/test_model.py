@@ -25,7 +25,7 @@ from tinypipe.describe.model import (
 )
 
 SHIPPED = ["gpt2-xl", "llama-3.1-70b", "llama-3.1-8b", "mistral-7b", "pythia-1b", "qwen2-7b", "qwen3-1.7b",
-           "qwen3-32b", "tiny-llama"]
+           "qwen3-14b", "qwen3-32b", "qwen3-4b", "tiny-llama"]
 
 # Hand-sized configs (hidden 8, vocab 10) whose per-layer counts are worked out in the comments.
 LLAMA_GQA = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2,

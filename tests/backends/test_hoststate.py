@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import io
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,17 +119,22 @@ def test_compact_ring_grows_beyond_its_slots_and_says_so() -> None:
         hs.step(i)
 
 
-def test_state_dict_round_trip_continues_exactly() -> None:
-    """Saving and loading the state in a fresh HostState continues with identical steps."""
-    a = make_host_state(_clone(_params()), host_memory="compact", compute_dtype=torch.float32, optim=CFG)
+@pytest.mark.parametrize("state", ["fp32", "bf16", "8bit"])
+def test_state_dict_round_trip_continues_exactly(tmp_path: Path, state: str) -> None:
+    """Saving and loading the state in a fresh HostState continues with identical steps, for every
+    precision of the moments (the quantised ones as held: codes and absmax)."""
+    from tinypipe.backends import checkpoint, ckpt_format
+
+    a = make_host_state(_clone(_params()), host_memory="compact", compute_dtype=torch.float32, optim=CFG,
+                        optimizer_state=state)
     for i in a.layers:
         a.receive_grads(i, {n: torch.full_like(t, 0.5) for n, t in a.master(i).items()})
         a.step(i, keep_previous=True)
-    b = make_host_state(_clone(_params(seed=7)), host_memory="compact", compute_dtype=torch.float32, optim=CFG)
-    buf = io.BytesIO()  # through a file, as a checkpoint goes: state_dict hands out the live tensors
-    torch.save(a.state_dict(), buf)
-    buf.seek(0)
-    b.load_state_dict(torch.load(buf))
+    b = make_host_state(_clone(_params(seed=7)), host_memory="compact", compute_dtype=torch.float32, optim=CFG,
+                        optimizer_state=state)
+    # through files, as a checkpoint goes: state_dict hands out the live tensors
+    ckpt_format.write(tmp_path / "rank0", a.state_dict(), checkpoint._write_synced)
+    b.load_state_dict(ckpt_format.read(tmp_path / "rank0"))
     for hs in (a, b):
         for i in hs.layers:
             hs.receive_grads(i, {n: torch.full_like(t, -0.25) for n, t in hs.master(i).items()})

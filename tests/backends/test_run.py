@@ -143,14 +143,14 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen
     pol = policy_file(tmp_path, packing=[1, 1, 1, 1, 1], mapping=[0, 1, 2, 0, 1], swap="pack",
                       host_memory="replicated")
     args = parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out", str(out),
-                 "--checkpoint-every", "4")
+                 "--checkpoint-every", "4", "--keep-checkpoints", "2")
     plan = make_run_plan(args)
     first = launch(dataclasses.replace(plan.job, stop_after=2, progress=False, save_model=False), plan.world)
     assert first is not None and all(r.interrupted for r in first)
     assert checkpoint.find(out) == out / checkpoint.DIR
     assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 2
     resumed = make_run_plan(parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out",
-                              str(out), "--checkpoint-every", "4", "--resume"))
+                              str(out), "--checkpoint-every", "4", "--resume", "--keep-checkpoints", "2"))
     second = launch(dataclasses.replace(resumed.job, progress=False, save_model=False, keep_masters=True), 3)
     assert second is not None and [r.start_step for r in second] == [2, 2, 2]
     # step 4 (--checkpoint-every 4), then the end (time-based checkpointing, on by default): the last two kept
@@ -220,7 +220,7 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
     (["--model", "MISSING_SHARD"], "model-00002-of-00002.safetensors: missing"),
     (["--model", "BAD_INDEX"], "model.safetensors.index.json: not a safetensors index"),
     (["--model", "BAD_TOKENIZER", "--data", "GOOD_DATA"], "cannot load the tokenizer"),
-    (["--gpus", "2", "--resume", "--out", "CORRUPT_RANK"], r"rank1\.pt: truncated or corrupt"),
+    (["--gpus", "2", "--resume", "--out", "CORRUPT_RANK"], r"rank1\.safetensors: truncated or corrupt"),
     (["--epochs", "1"], "--epochs: give --data"),
     (["--warmup-ratio", "1.5"], r"--warmup-ratio: must be in \[0, 1\)"),
 ])
@@ -301,13 +301,13 @@ def _broken_models(tmp: Path) -> dict[str, str]:
 
 def _corrupt_checkpoint(out: Path) -> str:
     """A run directory whose checkpoint (this module's default settings on 2 ranks, step 1) has a truncated
-    rank1.pt: written by a real 1-step run, then cut."""
+    rank1.safetensors: written by a real 1-step run, then cut."""
     from tinypipe.backends.launch import run_threads
 
     plan = make_run_plan(parse("--gpus", "2", "--steps", "2", "--out", str(out)))
     run_threads(dataclasses.replace(plan.job, stop_after=1, progress=False, save_model=False,
                                     write_metrics=False), 2)
-    f = out / checkpoint.DIR / "rank1.pt"
+    f = out / checkpoint.DIR / "rank1.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
     return str(out)
 
@@ -344,8 +344,8 @@ def test_a_tied_model_runs_on_every_gpu_under_the_defaults(tmp_path: Path, tied_
 
 def test_checkpoints_by_time_keep_the_last_two(tmp_path: Path) -> None:
     """With time-based checkpoints every window is due when the interval is tiny (steps 4 and 6 of
-    a 6-step run, 4 iterations a window): both kept, newest in checkpoint/. A long interval leaves
-    only the checkpoint at the end."""
+    a 6-step run, 4 iterations a window): with two kept (--keep-checkpoints 2), both, newest in
+    checkpoint/. A long interval leaves only the checkpoint at the end."""
     from tinypipe.backends.launch import run_threads
 
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
@@ -353,7 +353,7 @@ def test_checkpoints_by_time_keep_the_last_two(tmp_path: Path) -> None:
     for name, every_s, steps in (("often", 1e-9, [6, 4]), ("rarely", 3600.0, [6])):
         out = tmp_path / name
         run_threads(dataclasses.replace(plan.job, out=str(out), checkpoint_s=every_s, progress=False,
-                                        save_model=False), 2)
+                                        save_model=False, keep_checkpoints=2), 2)
         found = [json.loads((out / d / "meta.json").read_text())["step"] for d in (checkpoint.DIR, checkpoint.OLD)
                  if (out / d).exists()]
         assert found == steps, name

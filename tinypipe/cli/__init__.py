@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--microbatch-size", type=int, default=1)
     im.add_argument("--hardware", action="append", help="check fit on this hardware (default: every preset)")
     im.add_argument("--json", action="store_true")
+    icov = isub.add_parser("coverage", help="the largest model each server can fully fine-tune, by host memory, "
+                           "per optimizer-state precision, beside RoundPipe and ZeRO-Offload")
+    icov.add_argument("--hardware", action="append", help="server preset or JSON (default: every shipped preset)")
+    icov.add_argument("--seq-len", type=int, default=2048)
+    icov.add_argument("--json", action="store_true")
     ih = isub.add_parser("hardware", help="nodes, links, routes (no name: list the shipped presets)")
     ih.add_argument("name", nargs="?")
     ih.add_argument("--json", action="store_true")
@@ -82,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "match; default: each policy's own, shown in the tokens/step column)")
     sim.add_argument("--gpu-mem", help="limit per GPU, e.g. 24GiB (default: the hardware's)")
     sim.add_argument("--host-mem", help="host DRAM limit, e.g. 256GiB (default: the hardware's)")
+    sim.add_argument("--optimizer-state", choices=("fp32", "bf16", "8bit"), default=None,
+                     help="hold AdamW's moments as fp32, bf16 or 8-bit blocks in every policy (default: each "
+                          "policy's own, fp32)")
     sim.add_argument("--trace", help="write a Chrome trace (Perfetto) of the first policy")
     sim.add_argument("--plot", help="write a PNG timeline of the first policy")
 
@@ -98,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--plot", help="write the Pareto front as a PNG")
     se.add_argument("--allow-async", action="store_true",
                     help="also consider the async optimizer (staleness 1: changes the training semantics)")
+    se.add_argument("--optimizer-state", choices=("fp32", "bf16", "8bit", "auto"), default="fp32",
+                    help="how the host holds AdamW's moments: fp32 (default, exact), bf16, 8bit (block-wise "
+                         "quantised), or auto: the most precise of these for which a policy fits (it changes the "
+                         "numerics, so only when asked)")
     _dtype_option(se)
     _profile_option(se)
     se.add_argument("--json", action="store_true")

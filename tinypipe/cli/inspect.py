@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from tinypipe.common.errors import InputError
 
@@ -46,16 +47,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "(the GPU-memory formula: weights, gradients, every microbatch's saved inputs, transients):")
         print(table.render(["k", "GPU bytes"], [[p["layers"], table.gib(p["gpu_bytes"])] for p in rep["packs"]],
                            align="rr"))
-        print("\nHost memory (fp32 master + AdamW):")
+        print("\nHost memory (fp32 master + AdamW; compact-bf16 / -8bit: the moments in bf16 / 8-bit blocks, "
+              "--optimizer-state):")
         rows = [[lay, round(h["bytes_per_param"], 2), table.gib(h["total_bytes"])] for lay, h in rep["host"].items()]
         print(table.render(["host memory", "bytes/param", "total"], rows, align="lrr"))
         print(f"\nCan it be trained at all? (needs >= {table.gib(rep['min_gpu_bytes'])} per GPU: the largest "
               "layer's backward, with its weights, gradient, activations and workspace)")
         rows = [[f["hardware"], f["gpus"], table.gib(f["gpu_bytes"]), table.gib(f["host_bytes"]), f["gpu_fits"],
-                 f["host_fits_replicated"], f["host_fits_compact"], f["resident_fits"]] for f in rep["fit"]]
+                 f["host_fits_replicated"], f["host_fits_compact"], f["host_fits_compact-bf16"],
+                 f["host_fits_compact-8bit"], f["resident_fits"]] for f in rep["fit"]]
         print(table.render(["hardware", "GPUs", "GPU mem", "host DRAM", "GPU ok", "host ok (replicated)",
-                            "host ok (compact)", "all-resident ok"], rows, align="lrrrllll"))
+                            "host ok (compact)", "(bf16 state)", "(8bit state)", "all-resident ok"], rows,
+                           align="lrrrllllll"))
         return 0
+    if args.what == "coverage":
+        return cmd_inspect_coverage(args)
     if args.what == "hardware":
         from tinypipe.cli.inspection import hardware_report
         from tinypipe.describe.hardware import HOST, load_hardware, shipped_hardware
@@ -95,6 +101,37 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.what == "schedule":
         return cmd_inspect_schedule(args)
     raise InputError("inspect: say what to inspect: model, hardware or schedule")
+
+
+def cmd_inspect_coverage(args: argparse.Namespace) -> int:
+    """`inspect coverage`: per server and host size, the largest model each system fully fine-tunes."""
+    from tinypipe.common import table
+    from tinypipe.describe.hardware import load_hardware, shipped_hardware
+    from tinypipe.describe.hfconfig import load_model
+    from tinypipe.estimate.coverage import COVERAGE_MODELS, PEER_BYTES_PER_PARAM, coverage
+
+    positive("--seq-len", args.seq_len)
+    models = [load_model(n) for n in COVERAGE_MODELS]
+    out: list[dict[str, Any]] = []
+    for name in args.hardware or shipped_hardware():
+        hw = load_hardware(name)
+        out.append({"hardware": hw.name, "gpus": len(hw.gpus), "gpu_model": hw.gpus[0].model,
+                    "rows": coverage(hw, models, seq_len=args.seq_len)})
+    if args.json:
+        return print_json({"models": list(COVERAGE_MODELS), "seq_len": args.seq_len,
+                           "peer_bytes_per_param": PEER_BYTES_PER_PARAM, "servers": out})
+    print(f"The largest of {', '.join(COVERAGE_MODELS)} that each system fully fine-tunes (AdamW), by host DRAM; "
+          f"tinypipe: compact host state + gradient ring, a layer's backward at seq {args.seq_len} on one GPU; "
+          "peers: " + ", ".join(f"{k} {v:g} B/param" for k, v in PEER_BYTES_PER_PARAM.items())
+          + " of host memory (tinypipe/estimate/coverage.py cites each)")
+    for server in out:
+        rows = server["rows"]
+        keys = [k for k in rows[0] if k not in ("host_gib", "gpu_bytes")]
+        print(f"\n{server['hardware']} ({server['gpus']} x {server['gpu_model']}, "
+              f"{table.gib(rows[0]['gpu_bytes'])} each)")
+        print(table.render(["host DRAM", *keys], [[f"{r['host_gib']} GiB", *(r[k] or "-" for k in keys)]
+                                                  for r in rows], align="r" + "l" * len(keys)))
+    return 0
 
 
 def cmd_inspect_schedule(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from tinypipe.estimate import gpumem
 from tinypipe.estimate.hostmem import host_bytes
 from tinypipe.estimate.plan import Plan, base_plan
 from tinypipe.partition.packing import per_gpu, uniform
-from tinypipe.policy.modes import HostMemory, ResidentMode, SwapMode
+from tinypipe.policy.modes import HostMemory, OptimizerState, ResidentMode, SwapMode
 from tinypipe.policy.policy import Policy
 
 
@@ -60,6 +60,15 @@ def pack_footprint(model: ModelSpec, hw: Hardware, trace: ProfileTrace, k: int, 
     return gpumem.gpu_peak_bytes(plan, sizes, (0,) * len(sizes), 1)[0]
 
 
+# The host layouts `inspect model` sizes: replicated (fp32 state) and compact with each moment precision.
+HOST_VARIANTS: dict[str, tuple[HostMemory, OptimizerState]] = {
+    "replicated": (HostMemory.REPLICATED, OptimizerState.FP32),
+    "compact": (HostMemory.COMPACT, OptimizerState.FP32),
+    "compact-bf16": (HostMemory.COMPACT, OptimizerState.BF16),
+    "compact-8bit": (HostMemory.COMPACT, OptimizerState.INT8),
+}
+
+
 def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
                  hardware: list[Hardware]) -> dict[str, Any]:
     """Everything `inspect model` shows, as plain data (the `--json` form). GPU bytes come from the
@@ -67,7 +76,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
     hardware's GPUs."""
     if not hardware:
         raise InputError("inspect model: name at least one hardware preset to size the model against")
-    host = {lay: host_bytes(model, lay) for lay in tuple(HostMemory)}
+    host = {name: host_bytes(model, lay, optimizer_state=st) for name, (lay, st) in HOST_VARIANTS.items()}
     trace = analytic_trace(model, hardware[0].gpus[0], microbatch_size=microbatch_size, seq_len=seq_len)
     packs = [{"layers": k, "gpu_bytes": pack_footprint(model, hardware[0], trace, k)} for k in (1, 2, 4, 8, 16)
              if k <= model.num_blocks]
@@ -78,7 +87,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
         fit.append({
             "hardware": hw.name, "gpus": len(hw.gpus), "gpu_bytes": gpu_mem, "host_bytes": hw.host.memory_bytes,
             "gpu_fits": min_gpu <= gpu_mem,
-            **{f"host_fits_{lay}": host[lay].total_bytes <= hw.host.memory_bytes for lay in tuple(HostMemory)},
+            **{f"host_fits_{name}": host[name].total_bytes <= hw.host.memory_bytes for name in HOST_VARIANTS},
             "resident_fits": max(_resident_bytes(model, hw, trace)) <= gpu_mem,
         })
     return {

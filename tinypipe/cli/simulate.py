@@ -11,7 +11,7 @@ from typing import Any
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.progress import Progress
-from tinypipe.policy.modes import OptimizerMode
+from tinypipe.policy.modes import OptimizerMode, OptimizerState
 
 from .util import LIMITS, at_most, check_outputs, plot_to, positive, print_json, workloads, write_new
 
@@ -111,7 +111,10 @@ def cmd_search(args: argparse.Namespace) -> int:
                      gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                      host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
                      profiles=load_profiles(args.profile or ()), dtype=args.dtype)
-    space = SearchSpace(optimizers=tuple(OptimizerMode) if args.allow_async else (OptimizerMode.SYNC,))
+    states = (tuple(OptimizerState) if args.optimizer_state == "auto"
+              else (OptimizerState.parse(args.optimizer_state, "--optimizer-state"),))
+    space = SearchSpace(optimizers=tuple(OptimizerMode) if args.allow_async else (OptimizerMode.SYNC,),
+                        optimizer_state=states[0])
     measured = sorted({t.microbatch_size for t in w.profiles
                        if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
     if w.profiles and not measured:
@@ -128,8 +131,17 @@ def cmd_search(args: argparse.Namespace) -> int:
     evaluate = SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes, profiles=w.profiles,
                             dtype=w.dtype)
     result = search(w, evaluate, space=space, workers=workers, progress=bar)
+    for state in states[1:]:  # auto: the most precise state for which a policy fits
+        if result.winner is not None:
+            break
+        if bar is not None:
+            bar.phase(f"search: nothing fits with {space.optimizer_state} optimizer state; trying {state}")
+        space = dataclasses.replace(space, optimizer_state=state, host_memories=SearchSpace().host_memories)
+        result = search(w, evaluate, space=space, workers=workers, progress=bar)
     if bar is not None:
         bar.close()
+    if len(states) > 1 and result.winner is not None and not args.json:
+        print(f"optimizer state: {space.optimizer_state} (--optimizer-state auto: the most precise that fits)")
     if args.out and result.winner is not None:
         write_new(Path(args.out), result.winner.policy.replace(name="searched").dumps())
     if args.plot:

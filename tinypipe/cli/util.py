@@ -43,7 +43,8 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
         raise InputError(f"--seq-len {args.seq_len}: {model.name} handles at most {model.max_seq_len:,} positions")
     hw = load_hardware(args.hardware)
     policy = load_policy(policy_name)
-    changes = {k: getattr(args, k) for k in ("microbatches", "microbatch_size") if getattr(args, k, None)}
+    changes = {k: getattr(args, k) for k in ("microbatches", "microbatch_size", "optimizer_state")
+               if getattr(args, k, None)}
     if changes:
         policy = policy.replace(**changes)
     batch_tokens = getattr(args, "batch_tokens", None)

@@ -71,6 +71,6 @@ def compile_schedule(policy: Policy, model: ModelSpec, hardware: Hardware, trace
         iterations=plan.iterations, microbatches=plan.microbatches,
         tokens_per_microbatch=trace.tokens_per_microbatch, recompute=plan.recompute,
         pack_layers=plan.pack_layers, pack_gpu=plan.pack_gpu, host_memory=plan.host_memory,
-        optimizer=plan.optimizer,
+        optimizer=plan.optimizer, optimizer_state=plan.optimizer_state,
         compute_dtype=trace.dtype, static_bytes=((HOST, plan.host_static_bytes),),
         meta=(("model", model.name), ("hardware", hardware.name), ("policy", policy.name)))

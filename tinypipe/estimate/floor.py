@@ -58,7 +58,7 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
     optimizer = [0.0] * gpus  # per rank: its optimizer thread's steps
     owner = layer_owner(schedule)
     opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer,
-                              least=True)
+                              least=True, optimizer_state=schedule.optimizer_state)
     profiles: dict[int, KindProfile] = {}
     for a in schedule.actions:
         info = a.kind.info  # the same costs as the simulator's (sim/engine.py), without contention

@@ -11,6 +11,10 @@ AdamW moments (8 B), and a small pinned ring of gradient slots (in the compute d
 accumulated them) instead of a model-sized buffer.
 12 B/param plus the ring; no rounding (one slab). With the asynchronous optimizer, 2 B/param more
 (bf16 compute): the previous version's upload form, kept for the uploads that still want it.
+
+The moments' precision (`OptimizerState`, compact only) sets their bytes: fp32 8 B/param, bf16 4, 8bit
+2 + 8 per QUANT_BLOCK_ELEMS (one fp32 absmax per block of each moment): 2.03. So compact holds 12, 8 or
+6.03 B/param plus the ring. A checkpoint holds the same state less the gradients (`checkpoint_bytes`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from tinypipe.describe.hardware import Host
 from tinypipe.describe.model import DTYPE_BYTES, LayerSpec, ModelSpec
 from tinypipe.describe.optimprofile import OptimizerProfile, StepPhases
 from tinypipe.describe.trace import ProfileTrace
-from tinypipe.policy.modes import HostMemory, OptimizerMode
+from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState
 
 # CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
 # by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7:
@@ -34,6 +38,33 @@ COMPACT_OPTIM_FACTOR = (1.56 + 1.82) / 2
 REPLICATED_OPTIM_FACTOR = 1.0 + 0.31
 
 DEFAULT_GRAD_RING_SLOTS = 4
+
+# 8-bit moments: elements per quantisation block, each with its own fp32 absmax. Dettmers et al. 2021
+# (arXiv:2110.02861) use 2048; torchao's 8-bit AdamW uses 256 (torchao/optim/subclass_8bit.py). Smaller
+# blocks isolate outliers better for 8 B per 256 elements (0.03 B/param); 256 is also a multiple of the
+# chunked step's 64-element alignment (backends/planes.py).
+QUANT_BLOCK_ELEMS = 256
+
+# The chunked compact step's time with low-precision moments over its time with fp32 ones, both on the
+# same planes, per core: measured at 1 thread on the shared 2-core dev VM, 16M parameters, best of 7,
+# variants in turns (bench/host_optim_precision.py -> bench/results/host_optim_precision.json, 2026-12-02):
+# fp32 0.18 G params/s, bf16 0.15, 8bit 0.06 (torch's fused fp32 AdamW 0.45; three runs
+# gave 1.11-1.24 and 2.8-3.1). Its 2-thread figures swung with the other tenants' load. The 8-bit step's
+# four table look-ups dominate it; a compiled kernel would close the gap. Until `tinypipe profile`
+# measures each precision on the host, the simulator scales the fp32 step by these.
+STATE_TIME_FACTOR: dict[OptimizerState, float] = {OptimizerState.FP32: 1.0,
+                                                  OptimizerState.BF16: 1.24,
+                                                  OptimizerState.INT8: 2.99}
+
+
+def moment_bytes(params: int, state: OptimizerState = OptimizerState.FP32) -> int:
+    """Host bytes of AdamW's two moments for a tensor (or layer) of `params` elements held as `state`."""
+    state = OptimizerState(state)
+    if state == OptimizerState.FP32:
+        return 8 * params
+    if state == OptimizerState.BF16:
+        return 4 * params
+    return 2 * params + 2 * 4 * -(-params // QUANT_BLOCK_ELEMS)
 
 
 def next_pow2(n: int) -> int:
@@ -70,12 +101,17 @@ class HostBytes:
 
 def host_bytes(model: ModelSpec, host_memory: HostMemory, *, compute_dtype: str = "bf16",
                grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, layers: tuple[int, ...] | None = None,
-               optimizer: OptimizerMode = OptimizerMode.SYNC) -> HostBytes:
+               optimizer: OptimizerMode = OptimizerMode.SYNC,
+               optimizer_state: OptimizerState = OptimizerState.FP32) -> HostBytes:
     """Host bytes to train `model` (or only `layers` of it) with an fp32 master and AdamW.
 
     compact + async optimizer: one more upload-form copy per parameter (the previous version's
-    snapshot region, counted as the upload copy); replicated's upload copy already serves."""
+    snapshot region, counted as the upload copy); replicated's upload copy already serves.
+    `optimizer_state`: the moments' precision (compact only; replicated keeps fp32)."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
+    optimizer_state = OptimizerState(optimizer_state)
+    if not optimizer_state.exact and host_memory != HostMemory.COMPACT:
+        raise ValueError(f"{optimizer_state} optimizer state needs the compact host layout")
     chosen = [model.layers[i] for i in layers] if layers is not None else list(model.layers)
     n = sum(x.params for x in chosen)
     cd = DTYPE_BYTES[compute_dtype]
@@ -88,27 +124,46 @@ def host_bytes(model: ModelSpec, host_memory: HostMemory, *, compute_dtype: str 
         biggest = max((x.params for x in chosen), default=0)
         ring = grad_ring_slots * biggest * cd if chosen else 0  # slots hold gradients as the GPU made them
         snapshots = n * cd if optimizer.is_async else 0
-        return HostBytes(host_memory, n, 4 * n, snapshots, ring, 8 * n, 0)
+        moments = sum(moment_bytes(x.params, optimizer_state) for x in chosen)
+        return HostBytes(host_memory, n, 4 * n, snapshots, ring, moments, 0)
     raise ValueError(f"unknown host memory layout {host_memory!r}")
 
 
-def optimizer_time_factor(host_memory: HostMemory) -> float:
-    """How much longer the CPU optimizer takes per parameter under `host_memory` than a plain fused AdamW."""
-    return COMPACT_OPTIM_FACTOR if host_memory == HostMemory.COMPACT else REPLICATED_OPTIM_FACTOR
+def checkpoint_bytes(model: ModelSpec, host_memory: HostMemory, *, compute_dtype: str = "bf16",
+                     layers: tuple[int, ...] | None = None, optimizer: OptimizerMode = OptimizerMode.SYNC,
+                     optimizer_state: OptimizerState = OptimizerState.FP32) -> int:
+    """Bytes of one checkpoint of `layers` (default all) on disk: `host_bytes`' state without the gradients
+    or the pinned rounding (masters as held, upload copies / kept snapshots, the moments as held), plus
+    CHECKPOINT_SLACK_BYTES for the per-tensor step counters, RNG states and the JSON beside them."""
+    hb = host_bytes(model, host_memory, compute_dtype=compute_dtype, layers=layers, optimizer=optimizer,
+                    optimizer_state=optimizer_state)
+    return hb.master_bytes + hb.upload_copy_bytes + hb.optim_state_bytes + CHECKPOINT_SLACK_BYTES
 
 
-def optimizer_s_per_param(host: Host, host_memory: HostMemory) -> float:
+CHECKPOINT_SLACK_BYTES = 1 << 20  # a rank's small parts: step counters, RNG states, the JSON skeleton
+
+
+def optimizer_time_factor(host_memory: HostMemory, optimizer_state: OptimizerState = OptimizerState.FP32) -> float:
+    """How much longer the CPU optimizer takes per parameter under `host_memory` (and moments held as
+    `optimizer_state`) than a plain fused AdamW."""
+    base = COMPACT_OPTIM_FACTOR if host_memory == HostMemory.COMPACT else REPLICATED_OPTIM_FACTOR
+    return base * STATE_TIME_FACTOR[OptimizerState(optimizer_state)]
+
+
+def optimizer_s_per_param(host: Host, host_memory: HostMemory,
+                          optimizer_state: OptimizerState = OptimizerState.FP32) -> float:
     """Seconds of host optimizer per parameter under `host_memory`: the measured rate of that layout's step
-    when the hardware has one (`tinypipe profile`), else the fused AdamW rate slowed by the layout's
-    factor. What `optimizer_step_s` falls back to."""
+    when the hardware has one (`tinypipe profile`, fp32 moments; scaled by STATE_TIME_FACTOR for others),
+    else the fused AdamW rate slowed by the layout's factor. What `optimizer_step_s` falls back to."""
     measured = host.compact_params_per_s if host_memory == HostMemory.COMPACT else host.replicated_params_per_s
     if measured is not None:
-        return 1.0 / measured
-    return optimizer_time_factor(host_memory) / host.adam_params_per_s
+        return STATE_TIME_FACTOR[OptimizerState(optimizer_state)] / measured
+    return optimizer_time_factor(host_memory, optimizer_state) / host.adam_params_per_s
 
 
 def optimizer_step_s(layer: LayerSpec, host_memory: HostMemory, host: Host, trace: ProfileTrace | None = None, *,
-                     optimizer: OptimizerMode = OptimizerMode.SYNC) -> float:
+                     optimizer: OptimizerMode = OptimizerMode.SYNC,
+                     optimizer_state: OptimizerState = OptimizerState.FP32) -> float:
     """Seconds of one host optimizer step (OPT_STEP) of `layer` under `host_memory` and `optimizer` mode. The
     one place the simulator, the cost model, the search bound and the floor take it from.
 
@@ -123,19 +178,23 @@ def optimizer_step_s(layer: LayerSpec, host_memory: HostMemory, host: Host, trac
     measured that step (`OptimizerProfile.async_in_run_s`) gives its time, else the sync one: on the H200
     the kept copy made a Qwen3-1.7B block's step 1.43x slower."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
+    factor = STATE_TIME_FACTOR[OptimizerState(optimizer_state)]  # traces measure the fp32 moments' step
     measured = _measured(layer, trace)
     t = measured.step_s(host_memory, layer.params, asynchronous=optimizer.is_async) if measured else None
-    return t if t is not None else layer.params * optimizer_s_per_param(host, host_memory)
+    return t * factor if t is not None else layer.params * optimizer_s_per_param(host, host_memory, optimizer_state)
 
 
 def optimizer_step_phases_s(layer: LayerSpec, host_memory: HostMemory, trace: ProfileTrace | None = None, *,
-                            optimizer: OptimizerMode = OptimizerMode.SYNC) -> StepPhases | None:
+                            optimizer: OptimizerMode = OptimizerMode.SYNC,
+                            optimizer_state: OptimizerState = OptimizerState.FP32) -> StepPhases | None:
     """Seconds of one OPT_STEP of `layer` by what its rank's main thread does meanwhile (the compute stream
     waits / it issues FWDs / BWDs), when `trace` measured them for the layer's kind, host_memory and mode
     (`OptimizerProfile.phases_s`), else None: the simulator then charges `optimizer_step_s` whatever runs."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     measured = _measured(layer, trace)
-    return measured.phases_s(host_memory, layer.params, asynchronous=optimizer.is_async) if measured else None
+    phases = measured.phases_s(host_memory, layer.params, asynchronous=optimizer.is_async) if measured else None
+    factor = STATE_TIME_FACTOR[OptimizerState(optimizer_state)]
+    return StepPhases(*(x * factor for x in phases)) if phases is not None and factor != 1.0 else phases
 
 
 def _measured(layer: LayerSpec, trace: ProfileTrace | None) -> OptimizerProfile | None:
@@ -145,14 +204,16 @@ def _measured(layer: LayerSpec, trace: ProfileTrace | None) -> OptimizerProfile 
 
 
 def optimizer_steps_s(model: ModelSpec, host_memory: HostMemory, host: Host, trace: ProfileTrace | None = None, *,
-                      optimizer: OptimizerMode = OptimizerMode.SYNC, least: bool = False) -> tuple[float, ...]:
+                      optimizer: OptimizerMode = OptimizerMode.SYNC, least: bool = False,
+                      optimizer_state: OptimizerState = OptimizerState.FP32) -> tuple[float, ...]:
     """`optimizer_step_s` of every layer of `model`, by layer index: what the simulator, the floor, the cost
     model's plan and the search bound read. `least` (the floor's and the search bound's lower bounds): the
     least of that and the step's times by phase (`optimizer_step_phases_s`), which the simulator may charge."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     out = []
     for layer in model.layers:
-        t = optimizer_step_s(layer, host_memory, host, trace, optimizer=optimizer)
-        phases = optimizer_step_phases_s(layer, host_memory, trace, optimizer=optimizer) if least else None
+        t = optimizer_step_s(layer, host_memory, host, trace, optimizer=optimizer, optimizer_state=optimizer_state)
+        phases = (optimizer_step_phases_s(layer, host_memory, trace, optimizer=optimizer,
+                                          optimizer_state=optimizer_state) if least else None)
         out.append(min(t, *phases) if phases is not None else t)
     return tuple(out)

@@ -15,7 +15,15 @@ from tinypipe.describe.trace import ProfileTrace
 from tinypipe.estimate.calibration import CostModel
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_steps_s
 from tinypipe.ir.schedule import recomputes
-from tinypipe.policy.modes import ActivationHome, HostMemory, OptimizerMode, ResidentMode, SwapMode, coerce_modes
+from tinypipe.policy.modes import (
+    ActivationHome,
+    HostMemory,
+    OptimizerMode,
+    OptimizerState,
+    ResidentMode,
+    SwapMode,
+    coerce_modes,
+)
 from tinypipe.policy.policy import Policy
 
 
@@ -57,6 +65,7 @@ class Plan:
     activation_home: ActivationHome = ActivationHome.GPU
     optimizer: OptimizerMode = OptimizerMode.SYNC
     host_memory: HostMemory = HostMemory.COMPACT
+    optimizer_state: OptimizerState = OptimizerState.FP32
     recompute: bool = True
     tied: bool = False  # the last layer (head) uses the first layer's (embedding's) matrix
     ring_slots: int = DEFAULT_GRAD_RING_SLOTS
@@ -167,7 +176,8 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         ws_acc.append(kp.accumulate_workspace(layer.param_bytes(dt)))
     g = len(hardware.gpus)
     pairs = [hardware.route(f"gpu{a}", f"gpu{b}") for a in range(g) for b in range(g) if a != b]
-    hb = host_bytes(model, policy.host_memory, compute_dtype=dt, optimizer=policy.optimizer)
+    hb = host_bytes(model, policy.host_memory, compute_dtype=dt, optimizer=policy.optimizer,
+                    optimizer_state=policy.optimizer_state)
     ring = hb.grad_bytes if policy.host_memory == HostMemory.COMPACT else 0
     grad_fp32 = [layer.gpu_params * 4 for layer in model.layers]
     if policy.host_memory == HostMemory.COMPACT:
@@ -185,7 +195,8 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         host_grad_bytes=tuple(x.gpu_params * DTYPE_BYTES[dt] for x in model.layers),
         grad_out_bytes=tuple(grad_fp32) if policy.host_memory == HostMemory.REPLICATED else (),
         master_bytes=tuple(x.params * 4 for x in model.layers),
-        opt_s=optimizer_steps_s(model, policy.host_memory, hardware.host, trace, optimizer=policy.optimizer),
+        opt_s=optimizer_steps_s(model, policy.host_memory, hardware.host, trace, optimizer=policy.optimizer,
+                                optimizer_state=policy.optimizer_state),
         num_gpus=g, h2d_gbps=hardware.host_to_gpu_gbps(),
         p2p_gbps=min((r.bottleneck_gbps for r in pairs), default=float("inf")),
         p2p_through_host=any(r.through_host for r in pairs),
@@ -193,4 +204,5 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         host_dma_gbps=hardware.host.dma_gbps, host_static_bytes=hb.total_bytes - ring, host_dynamic_bytes=dyn,
         swap=policy.swap, prefetch_depth=policy.prefetch_depth, resident=policy.resident,
         activation_home=policy.activation_home, optimizer=policy.optimizer, host_memory=policy.host_memory,
+        optimizer_state=policy.optimizer_state,
         recompute=policy.recompute, tied=model.tied_embeddings, cost=cost)

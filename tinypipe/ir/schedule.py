@@ -40,7 +40,7 @@ from tinypipe.ir.kinds import GPU_STREAMS as GPU_STREAMS
 from tinypipe.ir.kinds import HOST_OPTIM as HOST_OPTIM
 from tinypipe.ir.kinds import KIND_STREAM as KIND_STREAM
 from tinypipe.ir.kinds import Kind as Kind
-from tinypipe.policy.modes import HostMemory, OptimizerMode, coerce_modes
+from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState, coerce_modes
 
 
 def recomputes(recompute: bool, layer: int, num_layers: int) -> bool:
@@ -197,6 +197,7 @@ class Schedule:
     pack_gpu: tuple[int, ...]  # GPU of each pack
     host_memory: HostMemory = HostMemory.REPLICATED  # sets the CPU optimizer's cost and host bytes (hostmem)
     optimizer: OptimizerMode = OptimizerMode.SYNC  # what the backend's version checks follow (`staleness`)
+    optimizer_state: OptimizerState = OptimizerState.FP32  # how the host holds AdamW's moments (hostmem)
     compute_dtype: str = "bf16"
     static_bytes: tuple[tuple[str, int], ...] = ()  # (device, bytes)
     meta: tuple[tuple[str, str], ...] = ()  # free-form provenance: model, hardware, policy name
@@ -250,7 +251,8 @@ class Schedule:
             f"# gpus={self.num_gpus} layers={self.num_layers} iterations={self.iterations} "
             f"microbatches={self.microbatches} tokens_per_microbatch={self.tokens_per_microbatch} "
             f"recompute={int(self.recompute)} host_memory={self.host_memory} optimizer={self.optimizer} "
-            f"compute_dtype={self.compute_dtype}",
+            f"compute_dtype={self.compute_dtype}"
+            + ("" if self.optimizer_state.exact else f" optimizer_state={self.optimizer_state}"),
             "# packs=" + ";".join(",".join(map(str, p)) for p in self.pack_layers),
             "# pack_gpu=" + ",".join(map(str, self.pack_gpu)),
             "# static=" + ",".join(f"{d}={b}" for d, b in self.static_bytes),
@@ -287,6 +289,7 @@ class Schedule:
                 pack_layers=packs, pack_gpu=tuple(int(x) for x in hdr["pack_gpu"].split(",") if x),
                 host_memory=HostMemory.parse(hdr["host_memory"], f"{where}: host_memory"),
                 optimizer=OptimizerMode.parse(hdr["optimizer"], f"{where}: optimizer"),
+                optimizer_state=OptimizerState.parse(hdr.get("optimizer_state", "fp32"), f"{where}: optimizer_state"),
                 compute_dtype=hdr["compute_dtype"],
                 static_bytes=static, meta=tuple(meta),
             )

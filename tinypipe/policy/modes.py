@@ -98,6 +98,26 @@ class OptimizerMode(Mode):
         return self is OptimizerMode.ASYNC
 
 
+class OptimizerState(Mode):
+    """How the host holds AdamW's two moments (the master stays fp32 whatever this is).
+
+    fp32: exact (torch's fused AdamW, bit for bit). bf16: each moment rounded to bf16 after every step.
+    8bit: block-wise quantised moments (Dettmers et al. 2021, "8-bit Optimizers via Block-wise
+    Quantization", arXiv:2110.02861): an 8-bit code of the dynamic tree map per element and an fp32
+    absmax per block of `tinypipe.estimate.hostmem.QUANT_BLOCK_ELEMS`. Anything but fp32 changes the
+    numerics, so the search picks it only when asked to.
+    """
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "8bit"
+
+    @property
+    def exact(self) -> bool:
+        """The moments are kept as fp32 AdamW keeps them (no rounding beyond fp32's)."""
+        return self is OptimizerState.FP32
+
+
 class ActivationHome(Mode):
     """Where layer inputs wait between forward and backward."""
 

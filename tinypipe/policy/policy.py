@@ -18,6 +18,7 @@ from tinypipe.policy.modes import (
     HostMemory,
     MapperName,
     OptimizerMode,
+    OptimizerState,
     PackerName,
     ResidentMode,
     SwapMode,
@@ -39,6 +40,8 @@ class Policy:
     prefetch_depth: packs (pack mode) or layers (layer mode) uploaded ahead of use.
     resident: `none`, `all` (every layer stays on its GPU), `auto` (keep the layers used again
       soon, the last pack's forward then backward, when memory allows) or explicit layer indices.
+    optimizer_state: how the host holds AdamW's moments: `fp32`, `bf16` or `8bit` (block-wise
+      quantised); the low-precision ones need the compact host layout (the chunked step on the planes).
     """
 
     name: str = "custom"
@@ -55,6 +58,7 @@ class Policy:
     recompute: bool = True
     optimizer: OptimizerMode = OptimizerMode.SYNC
     activation_home: ActivationHome = ActivationHome.GPU
+    optimizer_state: OptimizerState = OptimizerState.FP32
 
     def __post_init__(self) -> None:
         def bad(field_: str, why: str) -> InputError:
@@ -95,6 +99,9 @@ class Policy:
                 raise bad(name, f"must be an integer >= {lo}; got {v!r}")
         if not isinstance(self.recompute, bool):
             raise bad("recompute", "must be true or false")
+        if not self.optimizer_state.exact and self.host_memory != HostMemory.COMPACT:
+            raise bad("optimizer_state", f"{self.optimizer_state} moments need host_memory compact (the chunked "
+                      "step on the planes); the replicated layout keeps fp32 AdamW state")
         if not self.recompute and self.activation_home.on_host:
             raise bad("activation_home", "host needs recompute (only layer inputs are offloaded)")
 
@@ -151,7 +158,7 @@ def _with_list(tp: Any) -> bool:
 
 
 _HINTS: dict[str, Any] = get_type_hints(Policy)
-_MODE_FIELDS = mode_fields(Policy)  # swap, host_memory, optimizer, activation_home
+_MODE_FIELDS = mode_fields(Policy)  # swap, host_memory, optimizer, activation_home, optimizer_state
 
 
 PRESETS: dict[str, Policy] = {

@@ -39,6 +39,7 @@ from tinypipe.policy.modes import (
     MapperName,
     Mode,
     OptimizerMode,
+    OptimizerState,
     PackerName,
     ResidentMode,
     SwapMode,
@@ -111,6 +112,9 @@ class SearchSpace:
     host_memories: tuple[HostMemory, ...] = (HostMemory.COMPACT, HostMemory.REPLICATED)
     # Only sync by default: async (staleness 1) changes the training semantics, so a user opts in.
     optimizers: tuple[OptimizerMode, ...] = (OptimizerMode.SYNC,)
+    # How the host holds AdamW's moments, for every candidate: fp32 unless a user asks (it changes the
+    # numerics); a low-precision one keeps only the compact layout (the only one that holds it).
+    optimizer_state: OptimizerState = OptimizerState.FP32
 
     def __post_init__(self) -> None:
         modes: dict[str, type[Mode]] = {"swaps": SwapMode, "activation_homes": ActivationHome,
@@ -118,6 +122,10 @@ class SearchSpace:
                                         "optimizers": OptimizerMode}
         for name, mode in modes.items():  # members, or their values
             object.__setattr__(self, name, tuple(mode.parse(v, f"search space: {name}") for v in getattr(self, name)))
+        state = OptimizerState.parse(self.optimizer_state, "search space: optimizer_state")
+        object.__setattr__(self, "optimizer_state", state)
+        if not state.exact:
+            object.__setattr__(self, "host_memories", (HostMemory.COMPACT,))
 
 
 @dataclass
@@ -177,7 +185,8 @@ def stage1(w: SearchTarget, space: SearchSpace) -> list[Policy]:
                         out.append(Policy(name="search", microbatch_size=mbs, microbatches=w.batch_sequences // mbs,
                                           swap=swap, recompute=rc, activation_home=home, mapping=space.mappings[0],
                                           prefetch_depth=1, resident=space.residents[0],
-                                          host_memory=space.host_memories[0], optimizer=space.optimizers[-1], **pk))
+                                          host_memory=space.host_memories[0], optimizer=space.optimizers[-1],
+                                          optimizer_state=space.optimizer_state, **pk))
     return out
 
 
@@ -223,10 +232,12 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == ResidentMode.ALL else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
-    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True)
+    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True,
+                              optimizer_state=p.optimizer_state)
     optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
     why = ""
-    hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
+    hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer,
+                    optimizer_state=p.optimizer_state).total_bytes
     if hb > w.host_limit:
         why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} host_memory, limit {w.host_limit:,}"
     least = least_peak_bytes(base_plan(p, model, hw, trace))
@@ -312,7 +323,8 @@ def describe(p: Policy) -> str:
         pk = f"uniform {p.pack_size}"
     return (f"{pk}, {p.mapping}, swap {p.swap} d{p.prefetch_depth}, resident {p.resident}, "
             f"{p.microbatches}x{p.microbatch_size} mb, {'recompute' if p.recompute else 'keep acts'}"
-            f"{', acts on host' if p.activation_home == 'host' else ''}, {p.host_memory}, {p.optimizer}")
+            f"{', acts on host' if p.activation_home == 'host' else ''}, {p.host_memory}, {p.optimizer}"
+            f"{'' if p.optimizer_state.exact else f', {p.optimizer_state} state'}")
 
 
 def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
@@ -322,12 +334,18 @@ def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
     lines = []
     gpu_short = [e.gpu_short_bytes for e in ranked if e.gpu_short_bytes > 0]
     host_short = [e.host_short_bytes for e in ranked if e.host_short_bytes > 0]
-    compact = host_bytes(w.model, HostMemory.COMPACT).total_bytes
+    state = ranked[0].policy.optimizer_state if ranked else OptimizerState.FP32
+    compact = host_bytes(w.model, HostMemory.COMPACT, optimizer_state=state).total_bytes
     replicated = host_bytes(w.model, HostMemory.REPLICATED).total_bytes
     if compact > w.host_limit:
         lines.append(f"host memory falls short: the compact layout needs {gib(compact)} for parameters and "
-                     f"optimizer state, the limit is {gib(w.host_limit)}; add at least {gib(compact - w.host_limit)} "
-                     "of host DRAM")
+                     f"{state} optimizer state, the limit is {gib(w.host_limit)}; add at least "
+                     f"{gib(compact - w.host_limit)} of host DRAM")
+        smaller = [s for s in OptimizerState if host_bytes(w.model, HostMemory.COMPACT, optimizer_state=s).total_bytes
+                   <= w.host_limit and s != state]
+        if smaller:
+            lines.append(f"or hold AdamW's moments in {smaller[0]} (--optimizer-state {smaller[0]}, or auto: the most "
+                         "precise that fits; it changes the numerics)")
     elif host_short and replicated > w.host_limit:
         lines.append(f"host memory falls short for the replicated layout by {gib(replicated - w.host_limit)}; "
                      "use host_memory=compact")
