@@ -11,7 +11,7 @@ from typing import Any
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.progress import Progress
-from tinypipe.policy.modes import OptimizerMode
+from tinypipe.policy.modes import HostMemory, OptimizerMode
 
 from .util import LIMITS, at_most, check_outputs, plot_to, positive, print_json, workloads, write_new
 
@@ -93,6 +93,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.describe.hardware import load_hardware
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import find_trace, load_profiles
+    from tinypipe.policy.lora import lora_from_args
     from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
 
@@ -111,7 +112,10 @@ def cmd_search(args: argparse.Namespace) -> int:
                      gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                      host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
                      profiles=load_profiles(args.profile or ()), dtype=args.dtype)
-    space = SearchSpace(optimizers=tuple(OptimizerMode) if args.allow_async else (OptimizerMode.SYNC,))
+    lora = lora_from_args(args)
+    space = SearchSpace(optimizers=tuple(OptimizerMode) if args.allow_async else (OptimizerMode.SYNC,), lora=lora)
+    if lora is not None:  # a frozen base has one host layout
+        space = dataclasses.replace(space, host_memories=(HostMemory.COMPACT,))
     measured = sorted({t.microbatch_size for t in w.profiles
                        if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
     if w.profiles and not measured:

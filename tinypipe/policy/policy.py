@@ -11,6 +11,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.jsonio import Fields, load_json
+from tinypipe.policy.lora import LoraSpec
 from tinypipe.policy.modes import (
     MAPPERS,
     PACKERS,
@@ -39,6 +40,8 @@ class Policy:
     prefetch_depth: packs (pack mode) or layers (layer mode) uploaded ahead of use.
     resident: `none`, `all` (every layer stays on its GPU), `auto` (keep the layers used again
       soon, the last pack's forward then backward, when memory allows) or explicit layer indices.
+    lora: adapters on a frozen base: the host holds one compute-dtype copy of the base, no gradient
+      leaves the GPU, and the adapters with their AdamW state stay on the GPU that owns their layer.
     """
 
     name: str = "custom"
@@ -55,6 +58,7 @@ class Policy:
     recompute: bool = True
     optimizer: OptimizerMode = OptimizerMode.SYNC
     activation_home: ActivationHome = ActivationHome.GPU
+    lora: LoraSpec | None = None  # train low-rank adapters on a frozen base (None: every parameter)
 
     def __post_init__(self) -> None:
         def bad(field_: str, why: str) -> InputError:
@@ -93,6 +97,8 @@ class Policy:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise bad(name, f"must be an integer >= {lo}; got {v!r}")
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise bad("lora", "must be a LoraSpec or none")
         if not isinstance(self.recompute, bool):
             raise bad("recompute", "must be true or false")
         if not self.recompute and self.activation_home.on_host:
@@ -109,6 +115,7 @@ class Policy:
                 d[k] = list(v)
             elif isinstance(v, Enum):
                 d[k] = v.value
+        d["lora"] = self.lora.to_json() if self.lora is not None else None
         return d
 
     def dumps(self) -> str:
@@ -126,7 +133,9 @@ class Policy:
             if not f.has(name):
                 continue
             v = f.raw(name)
-            if name in _MODE_FIELDS:
+            if name == "lora":
+                v = None if v is None else LoraSpec.from_json(v, f"{where}: lora")
+            elif name in _MODE_FIELDS:
                 v = _MODE_FIELDS[name].parse(f.str(name), f"{where}: {name}")
             elif _with_list(tp) and isinstance(v, list):
                 if any(isinstance(x, bool) or not isinstance(x, int) for x in v):

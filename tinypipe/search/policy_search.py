@@ -30,9 +30,11 @@ from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.estimate.gpumem import least_peak_bytes
 from tinypipe.estimate.hostmem import host_bytes, optimizer_steps_s
+from tinypipe.estimate.lora import frozen_host_bytes, frozen_trace
 from tinypipe.estimate.plan import base_plan
 from tinypipe.ir.schedule import recomputes
 from tinypipe.policy import Policy
+from tinypipe.policy.lora import LoraSpec
 from tinypipe.policy.modes import (
     ActivationHome,
     HostMemory,
@@ -111,6 +113,7 @@ class SearchSpace:
     host_memories: tuple[HostMemory, ...] = (HostMemory.COMPACT, HostMemory.REPLICATED)
     # Only sync by default: async (staleness 1) changes the training semantics, so a user opts in.
     optimizers: tuple[OptimizerMode, ...] = (OptimizerMode.SYNC,)
+    lora: LoraSpec | None = None  # every candidate trains these adapters on a frozen base
 
     def __post_init__(self) -> None:
         modes: dict[str, type[Mode]] = {"swaps": SwapMode, "activation_homes": ActivationHome,
@@ -177,7 +180,8 @@ def stage1(w: SearchTarget, space: SearchSpace) -> list[Policy]:
                         out.append(Policy(name="search", microbatch_size=mbs, microbatches=w.batch_sequences // mbs,
                                           swap=swap, recompute=rc, activation_home=home, mapping=space.mappings[0],
                                           prefetch_depth=1, resident=space.residents[0],
-                                          host_memory=space.host_memories[0], optimizer=space.optimizers[-1], **pk))
+                                          host_memory=space.host_memories[0], optimizer=space.optimizers[-1],
+                                          lora=space.lora, **pk))
     return out
 
 
@@ -214,6 +218,9 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     hw, model = w.hardware, w.model
     trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len, dtype=w.dtype,
                       profiles=w.profiles)
+    raw = trace
+    if p.lora is not None:  # a frozen base: LoRA's times, no host step, one compute-dtype copy on the host
+        trace = frozen_trace(trace, model, p.lora)
     compute = 0.0
     for layer in model.layers:
         kp = trace.layer(layer)
@@ -223,13 +230,15 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == ResidentMode.ALL else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
-    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True)
+    steps = (optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True)
+             if p.lora is None else (0.0,))
     optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
     why = ""
-    hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer).total_bytes
+    hb = (host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer) if p.lora is None
+          else frozen_host_bytes(model, compute_dtype=w.dtype)).total_bytes
     if hb > w.host_limit:
         why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} host_memory, limit {w.host_limit:,}"
-    least = least_peak_bytes(base_plan(p, model, hw, trace))
+    least = least_peak_bytes(base_plan(p, model, hw, raw))
     if least > w.gpu_limit:
         why = why or (f"GPU memory: a layer's backward holds at least {least:,} bytes (its weights, gradient, "
                       f"activations and workspace), limit {w.gpu_limit:,}")
