@@ -52,6 +52,11 @@ class RunOptions:
     trace: str | None = None
     trace_memory: bool = False
     profile: tuple[str, ...] = ()
+    lora: int | None = None  # LoRA's rank (None: every parameter trains); its other options as given
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: str | None = None
+    merge: bool = False
     record: dict[str, Any] | None = None  # the checkpoint's meta.json when resuming
 
     @classmethod

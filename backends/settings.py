@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Any] = {
 RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
             "lr", "lr_schedule", "warmup_steps", "warmup_ratio", "decay_all", "betas", "eps", "weight_decay", "seed",
             "backend", "checkpoint_every", "checkpoint_minutes", "byte_tokens", "packing", "epochs", "save_every",
-            "save_dtype")
+            "save_dtype", "lora", "lora_alpha", "lora_dropout", "lora_targets")
 # may differ from the record
 FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype")
 # what a run whose checkpoint does not record these options trained with (they did not exist then)

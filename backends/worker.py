@@ -35,6 +35,7 @@ from .host_states import make_host_state
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
 from .interpreter import ExecutionError, Interpreter, StepData
+from .lora_save import LoraFiles, lora_host_state, save_outputs
 from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
 
@@ -73,6 +74,7 @@ class Job:
     identity: dict[str, Any] = field(default_factory=dict)  # what a checkpoint must match on --resume
     record: dict[str, Any] = field(default_factory=dict)  # the run's options, recorded for --resume
     timeout_s: float = 600.0
+    lora_files: LoraFiles = LoraFiles()  # LoRA: an adapter directory to continue from; --merge
 
     @property
     def tokens_per_step(self) -> int:
@@ -150,7 +152,6 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
     from .hf import build_model
-    from .hf_save import save_pretrained
 
     sched = job.schedule
     if sched.num_gpus != world:
@@ -164,9 +165,9 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     stack = build_model(job.model, seed=job.seed, only=set(layers))
     rss["model built"] = _rss()
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
-    host = make_host_state(stack.state(), host_memory=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
-                           optim=job.optim, pin=device.type == "cuda", shared_grad=shared,
-                           snapshots=sched.optimizer.staleness > 0)
+    host = lora_host_state(job, stack, layers, device) if sched.lora is not None else make_host_state(
+        stack.state(), host_memory=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype], optim=job.optim,
+        pin=device.type == "cuda", shared_grad=shared, snapshots=sched.optimizer.staleness > 0)
     rss["host state made"] = _rss()
     for i in layers:
         module = stack.layers[i]
@@ -218,8 +219,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         assert job.out is not None
         finish_host_steps()
         where = job.out if at is None else str(Path(job.out) / f"step-{at}")
-        save_pretrained(host.masters(), stack.config, where, rank=rank, world=world, source_dir=stack.source_dir,
-                        dtype=DTYPES[job.save_dtype] if job.save_dtype else None)
+        save_outputs(host, stack, where, sched.lora, job.lora_files, job.model, rank, world, group.barrier,
+                     dtype=DTYPES[job.save_dtype] if job.save_dtype else None)  # LoRA: a peft adapter directory
         group.barrier()  # every rank's shards are written when any rank goes on
 
     step = start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tinypipe.sim import simulate
 
 from tinypipe.cli import main
 from tinypipe.cli.inspection import model_report
@@ -26,7 +27,6 @@ from tinypipe.ir.schedule import Schedule
 from tinypipe.policy.lora import ROLES, LoraSpec, parse_targets
 from tinypipe.policy.modes import OptimizerMode
 from tinypipe.policy.policy import PRESETS, Policy
-from tinypipe.sim import simulate
 
 ALL = LoraSpec(rank=16, alpha=32, targets=ROLES)
 
