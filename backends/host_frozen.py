@@ -58,6 +58,10 @@ class FrozenHostState(HostState):
     def _update(self, layer: int, grads: torch.Tensor, *, keep_previous: bool, ready: threading.Event) -> None:
         raise LoraError(f"layer {layer}: a host optimizer step on a frozen base")
 
+    def take_grad_sq(self) -> dict[int, float]:
+        """The adapters' share of each finished step's gradient norm (backends/metrics.py)."""
+        return self.adapters.take_grad_sq()
+
     def master(self, layer: int) -> dict[str, torch.Tensor]:
         """The base's weights of `layer` (fp32 copies of the held compute-dtype values)."""
         return {n: v.float().clone() for n, v in self._views(layer, self._base[layer]).items()}

@@ -204,7 +204,8 @@ class Interpreter:
 
     def _bwd(self, a: Action, step: int) -> Done:
         if self.adapters is not None:
-            return frozen_bwd(self, a, step)
+            frozen_bwd(self, a, step)
+            return None
         L, m = a.layer, a.microbatch
         assert L is not None and m is not None
         dy = None
@@ -277,7 +278,7 @@ class Interpreter:
         """The layer's adapters' AdamW on this device, with the gradients its BWDs of `step` accumulated."""
         if self.adapters is None:
             raise self.fail(a, "an adapter step, but the schedule trains no LoRA adapters")
-        self.adapters.step(a.layer)
+        self.adapters.step(a.layer, at_step=step)
         return None
 
     def _key(self, a: Action, step: int) -> tuple[int, int, int]:

@@ -32,8 +32,7 @@ from .hf import param_seed
 from .layers import LayerStack
 
 if TYPE_CHECKING:
-    from .hoststate import AdamWConfig
-    from .interpreter import Done, Interpreter
+    from .adamw import AdamWConfig
 
 from tinypipe.ir.schedule import Action
 
@@ -110,24 +109,45 @@ class Adapters:
         self.params = {i: {n: nn.Parameter(t.to(device), requires_grad=True) for n, t in own.items()}
                        for i, own in tensors.items()}
         self.names = names  # per layer: name in layer -> peft key
+        # every adapter is a matrix, which weight decay applies to (`optim_rules.decays`)
         self.opt = {i: torch.optim.AdamW(list(p.values()), lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                          weight_decay=optim.weight_decay, fused=True)
                     for i, p in self.params.items() if p}
+        self.optim = optim
         self.steps = {i: 0 for i in self.params}
+        self._grad_sq: dict[int, tuple[int, float]] = {}  # training step -> (layers stepped, sum of squares)
 
     def of(self, layer: int) -> dict[str, nn.Parameter]:
         return self.params.get(layer, {})
 
-    def step(self, layer: int) -> None:
-        """AdamW over the layer's adapters with the gradients its BWDs accumulated; then clear them."""
+    def step(self, layer: int, *, at_step: int) -> None:
+        """AdamW over the layer's adapters with the gradients its BWDs accumulated, at the learning rate of
+        training step `at_step`; then clear them."""
         opt = self.opt.get(layer)
         if opt is None:
             raise LoraError(f"layer {layer} has no adapters to step")
-        if any(p.grad is None for p in self.params[layer].values()):
+        grads = [p.grad for p in self.params[layer].values()]
+        if any(g is None for g in grads):
             raise LoraError(f"layer {layer}: an adapter step without gradients (no BWD before it)")
+        for group in opt.param_groups:
+            group["lr"] = self.optim.lr_at(at_step)
+        sq = float(sum(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads if g is not None))
+        n, total = self._grad_sq.get(at_step, (0, 0.0))
+        self._grad_sq[at_step] = (n + 1, total + sq)
         opt.step()
         opt.zero_grad(set_to_none=True)
         self.steps[layer] += 1
+
+    def note_step(self, at_step: int) -> None:
+        """Training step `at_step` ran here (its gradient-norm share is complete once its adapters stepped)."""
+        self._grad_sq.setdefault(at_step, (0, 0.0))
+
+    def take_grad_sq(self) -> dict[int, float]:
+        """Per training step whose every adapter layer here has stepped: the sum of their gradients' squares."""
+        done = {k: t for k, (n, t) in self._grad_sq.items() if n == len(self.opt)}
+        for k in done:
+            del self._grad_sq[k]
+        return done
 
     def peft_state(self) -> dict[str, torch.Tensor]:
         """The adapters as peft saves them (CPU fp32 copies keyed by peft's names)."""
@@ -175,14 +195,15 @@ class Adapters:
         return total
 
 
-def with_adapters(interp: Interpreter, layer: int, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+# `interp` below is the rank's `interpreter.Interpreter` (typed Any: the interpreter imports this module)
+def with_adapters(interp: Any, layer: int, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors a frozen layer computes with: its loaded base (no gradient) and its adapters (leaves)."""
     adapters = interp.adapters
     assert adapters is not None
     return {**weights, **adapters.of(layer)}
 
 
-def frozen_bwd(interp: Interpreter, a: Action, step: int) -> Done:
+def frozen_bwd(interp: Any, a: Action, step: int) -> None:
     """BWD of a layer on a frozen base: its input's gradient and its adapters' (accumulated in `.grad`).
 
     The embedding has nothing to train and no layer before it: nothing to do but drop what its FWD kept."""
@@ -196,6 +217,9 @@ def frozen_bwd(interp: Interpreter, a: Action, step: int) -> Done:
         interp.use(dy)
     if L == 0:
         interp.graphs.pop((step, L, m), None)
+        adapters = interp.adapters
+        assert adapters is not None
+        adapters.note_step(step)  # a rank without adapters still reports its (empty) share of the step's norm
         return None
     if interp.schedule.recomputes(L):
         weights = interp._weights(a, step)

@@ -110,7 +110,7 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
                         "peft's)")
 
 
-def lora_from_args(args: argparse.Namespace) -> LoraSpec | None:
+def lora_from_args(args: object) -> LoraSpec | None:
     """The LoraSpec `add_lora_arguments`' flags ask for (None without --lora); a flag without --lora is an error."""
     rank = getattr(args, "lora", None)
     extra = [f for f in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(args, f, None) is not None]

@@ -25,7 +25,7 @@ from tinypipe.backends.layers import IGNORE_INDEX  # noqa: E402
 from tinypipe.backends.lora import initial_value, peft_config  # noqa: E402
 from tinypipe.backends.lora_save import ADAPTER_WEIGHTS  # noqa: E402
 from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run import add_run_arguments  # noqa: E402
+from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
 
 from tinypipe.common.errors import InputError  # noqa: E402
 from tinypipe.policy.lora import LoraSpec  # noqa: E402
@@ -45,7 +45,7 @@ def parse(*argv: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
     return ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(SEQ * MBS * MB), "--lr", str(LR),
-                          "--seed", str(SEED), *argv])
+                          "--lr-schedule", "constant", "--warmup-ratio", "0", "--seed", str(SEED), *argv])
 
 
 def policy_file(tmp: Path, **fields: object) -> str:
