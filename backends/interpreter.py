@@ -337,7 +337,7 @@ class Interpreter:
 
     # ---- accounting -----------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        """Bytes of the tensors this rank holds on its device (weights, activations, gradients)."""
+        """Bytes of the tensors this rank holds on its device (weights, activations, gradients; LoRA adapters)."""
         seen: set[int] = set()
         total = 0
         pools: list[Any] = [w for _, w in self.weights.values()] + list(self.grads.values())
@@ -347,7 +347,7 @@ class Interpreter:
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
                 total += s.nbytes()
-        return total
+        return total + (self.adapters.device_bytes() if self.adapters is not None else 0)
 
     def leftovers(self) -> list[str]:
         """What is still held at the end of a step that should not be (for checks)."""

@@ -91,6 +91,24 @@ def read_adapter(path: str) -> dict[str, torch.Tensor]:
     return load_file(str(where))
 
 
+def build_with_adapter(base: str, adapter: str, lora: LoraSpec, *, seed: int) -> LayerStack:
+    """The whole model `base` with the peft adapter directory `adapter` in its blocks (peft's modules, the saved
+    values): what `PeftModel.from_pretrained` computes, as a LayerStack (e.g. for `LayerStack.logits`)."""
+    from .hf import build_model
+    from .lora import inject, peft_name
+
+    stack = build_model(base, seed=seed)
+    layers = list(range(len(stack.layers)))
+    _, initial = inject(stack, lora, layers, seed=seed)
+    state = read_adapter(adapter)
+    with torch.no_grad():
+        for i, own in initial.items():
+            params = dict(stack._layer(i).named_parameters())
+            for n in own:
+                params[n].copy_(state[peft_name(stack, i, n)])
+    return stack
+
+
 def lora_host_state(job: Any, stack: LayerStack, layers: list[int], device: torch.device) -> FrozenHostState:
     """The frozen host state of a rank of `job` (a `worker.Job` whose schedule trains LoRA)."""
     lora = job.schedule.lora
