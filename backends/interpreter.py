@@ -28,6 +28,7 @@ from tinypipe.ir.schedule import Action, Schedule, owned_layers
 from .comm import Comm, Handle
 from .compiled import LayerCaller
 from .hoststate import HostState
+from .lora import Adapters, frozen_bwd, with_adapters
 from .parking import ParkingLot
 
 Key = tuple[int, int, int]  # (step, layer, microbatch)
@@ -59,7 +60,7 @@ class Interpreter:
         Kind.LOAD: "_load", Kind.EVICT: "_evict", Kind.FWD: "_fwd", Kind.BWD: "_bwd",
         Kind.SEND_F: "_send", Kind.SEND_B: "_send", Kind.RECV_F: "_recv", Kind.RECV_B: "_recv",
         Kind.OFFLOAD_ACT: "_offload", Kind.FETCH_ACT: "_fetch",
-        Kind.GRAD_OUT: "_grad_out", Kind.OPT_STEP: "_opt_step",
+        Kind.GRAD_OUT: "_grad_out", Kind.OPT_STEP: "_opt_step", Kind.ADAPT_STEP: "_adapt_step",
     }
 
     def __init__(self, *, rank: int, schedule: Schedule, layers: list[nn.Module | None], host: HostState,
@@ -98,6 +99,8 @@ class Interpreter:
         self.pending_loads: dict[tuple[int, int], int] = {}  # (layer, step) -> LOADs of the window not yet run
         self.use: Callable[[torch.Tensor], None] = lambda t: None  # CUDA: record_stream on the current stream
         self.streams: dict[str, Any] = {}  # CUDA: one stream per resource, kept across windows
+        # LoRA (`Schedule.lora`): the adapters on this device, beside a frozen base (backends/lora.py)
+        self.adapters: Adapters | None = getattr(host, "adapters", None) if schedule.lora is not None else None
 
     # ---- dispatch ----------------------------------------------------------------------------------
     def dispatch(self, a: Action, step: int) -> Done:
@@ -113,8 +116,9 @@ class Interpreter:
         return ExecutionError(f"rank {self.rank}: action {a.id} ({a}): {why}")
 
     def want_version(self, step: int) -> int:
-        """Optimizer steps the weights used by `step` include: step under sync, step - 1 under async."""
-        return max(0, step - self.staleness)
+        """Optimizer steps the weights used by `step` include: step under sync, step - 1 under async; 0 for a
+        frozen base, which no step changes."""
+        return 0 if self.adapters is not None else max(0, step - self.staleness)
 
     # ---- weights -------------------------------------------------------------------------------------
     def _load(self, a: Action, step: int) -> Done:
@@ -182,13 +186,16 @@ class Interpreter:
         L, m = a.layer, a.microbatch
         assert L is not None and m is not None
         weights = self._weights(a, step)
+        if self.adapters is not None:  # a frozen base: its adapters compute beside it, and only they are leaves
+            weights = with_adapters(self, L, weights)
         x, extra = self._inputs(a, step)
         if self.schedule.recomputes(L):
             with torch.no_grad():
                 out = self._call(L, weights, x, extra)
         else:
             xin = x.detach().requires_grad_() if L > 0 else None
-            leaves = {n: w.detach().requires_grad_() for n, w in weights.items()}
+            leaves = ({n: w.detach().requires_grad_() for n, w in weights.items()} if self.adapters is None
+                      else weights)
             with torch.enable_grad():
                 out = self._call(L, leaves, x if xin is None else xin, extra)
             self.graphs[(step, L, m)] = (out, xin, leaves)
@@ -199,6 +206,9 @@ class Interpreter:
         return None
 
     def _bwd(self, a: Action, step: int) -> Done:
+        if self.adapters is not None:
+            frozen_bwd(self, a, step)
+            return None
         L, m = a.layer, a.microbatch
         assert L is not None and m is not None
         dy = None
@@ -267,6 +277,13 @@ class Interpreter:
         self.host.step(a.layer, keep_previous=keep, at_step=step)
         return None
 
+    def _adapt_step(self, a: Action, step: int) -> Done:
+        """The layer's adapters' AdamW on this device, with the gradients its BWDs of `step` accumulated."""
+        if self.adapters is None:
+            raise self.fail(a, "an adapter step, but the schedule trains no LoRA adapters")
+        self.adapters.step(a.layer, at_step=step)
+        return None
+
     def _key(self, a: Action, step: int) -> tuple[int, int, int]:
         """(step, layer, microbatch) of the buffer a per-microbatch action moves."""
         if a.microbatch is None:
@@ -323,7 +340,7 @@ class Interpreter:
 
     # ---- accounting -----------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        """Bytes of the tensors this rank holds on its device (weights, activations, gradients)."""
+        """Bytes of the tensors this rank holds on its device (weights, activations, gradients; LoRA adapters)."""
         seen: set[int] = set()
         total = 0
         pools: list[Any] = [w for _, w in self.weights.values()] + list(self.grads.values())
@@ -333,7 +350,7 @@ class Interpreter:
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
                 total += s.nbytes()
-        return total
+        return total + (self.adapters.device_bytes() if self.adapters is not None else 0)
 
     def leftovers(self) -> list[str]:
         """What is still held at the end of a step that should not be (for checks)."""

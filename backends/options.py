@@ -55,6 +55,11 @@ class RunOptions:
     profile: tuple[str, ...] = ()
     optimizer_state: str | None = None  # the moments' precision (None: the policy's)
     keep_checkpoints: int = 1  # complete checkpoints kept in --out (0: none written)
+    lora: int | None = None  # LoRA's rank (None: every parameter trains); its other options as given
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: str | None = None
+    merge: bool = False
     record: dict[str, Any] | None = None  # the checkpoint's meta.json when resuming
 
     @classmethod

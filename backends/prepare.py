@@ -36,9 +36,11 @@ from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
 from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
+from tinypipe.policy.lora import LoraSpec, lora_from_args
 
 from .hf import ModelSource
 from .hoststate import AdamWConfig
+from .lora_save import lora_files
 from .optim_rules import LRSchedule, default_lr, warmup_steps
 from .options import RunOptions
 from .settings import DEFAULT_MICROBATCH_SIZE, DEFAULT_POLICY, rank_threads
@@ -164,6 +166,9 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                          f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
     say = phase or (lambda text: None)
     profiles = load_profiles(args.profile)  # measured traces (`tinypipe profile`)
+    # `--model` a peft adapter directory: its base model, and its LoraSpec (backends/lora_save.py)
+    files, base, adapter_lora = lora_files(args)
+    args = dataclasses.replace(args, model=base)
     say(f"checking the model {args.model}")
     source = _check_model(args.model)
     spec = source.spec
@@ -172,7 +177,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     data = None if args.data is None or (args.data == ADDITION and not Path(ADDITION).exists()) else args.data
     addition = data is None
     tokenizer = load_tokenizer(source.directory, vocab_size=spec.vocab_size, byte_tokens=addition or args.byte_tokens)
-    policy = _policy(args)
+    policy = _policy(args, adapter_lora)
     if args.record and args.policy is None and isinstance(args.record.get("policy"), dict):
         policy = Policy.from_json(args.record["policy"], where=f"{args.out}: the checkpoint's policy")
     packs = args.record.get("pack_sizes") if args.record else None
@@ -273,7 +278,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
               keep_checkpoints=args.keep_checkpoints,
               threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),
-              compile_blocks=compile_blocks, trace_memory=args.trace_memory)
+              compile_blocks=compile_blocks, trace_memory=args.trace_memory, lora_files=files)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
                    note=note, compiled_policy=compiled)
@@ -332,8 +337,9 @@ def model_dtype(model: str) -> str:
     return SAVE_DTYPES.get(str(given), "fp32")
 
 
-def _policy(args: RunOptions) -> Policy:
-    """--policy (default: the embedded job's preset and microbatch size), --microbatch-size over it."""
+def _policy(args: RunOptions, adapter_lora: LoraSpec | None = None) -> Policy:
+    """--policy (default: the embedded job's preset and microbatch size), --microbatch-size over it; LoRA from
+    --lora, else from the adapter directory `--model` names (`adapter_lora`)."""
     policy = load_policy(args.policy or DEFAULT_POLICY)
     size = args.microbatch_size
     if size is None and not args.policy:
@@ -344,6 +350,12 @@ def _policy(args: RunOptions) -> Policy:
         policy = policy.replace(microbatch_size=size)
     if getattr(args, "optimizer_state", None) is not None:
         policy = policy.replace(optimizer_state=args.optimizer_state)
+    lora = lora_from_args(args) or adapter_lora
+    if lora is not None:
+        if lora.dropout > 0 and policy.recompute:
+            raise InputError(f"--lora-dropout {lora.dropout:g}: needs a policy without recompute (a recomputed "
+                             "forward would draw other dropout masks than the one its input came from)")
+        policy = policy.replace(lora=lora)
     return policy
 
 

@@ -30,13 +30,20 @@ def build_rank_state(job: Any, layers: list[int], device: torch.device,
 
     sched = job.schedule
     rss = {"start": rss_now()}
-    lazy = sched.host_memory == HostMemory.COMPACT
+    lazy = sched.host_memory == HostMemory.COMPACT and sched.lora is None
     stack = build_model(job.model, seed=job.seed, only=set(layers), lazy=lazy)
     rss["model built" + (" (shapes only)" if lazy else "")] = rss_now()
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
-    host = make_host_state(stack.state(), host_memory=sched.host_memory, compute_dtype=DTYPES[sched.compute_dtype],
-                           optim=job.optim, pin=device.type == "cuda", shared_grad=shared,
-                           snapshots=sched.optimizer.staleness > 0, optimizer_state=sched.optimizer_state)
+    host: HostState
+    if sched.lora is not None:  # a frozen base: one compute-dtype copy, adapters on the device
+        from .lora_save import lora_host_state
+
+        host = lora_host_state(job, stack, layers, device)
+    else:
+        host = make_host_state(stack.state(), host_memory=sched.host_memory,
+                               compute_dtype=DTYPES[sched.compute_dtype], optim=job.optim, pin=device.type == "cuda",
+                               shared_grad=shared, snapshots=sched.optimizer.staleness > 0,
+                               optimizer_state=sched.optimizer_state)
     rss["host state made"] = rss_now()
     if lazy:
         assert isinstance(host, CompactHostState) and stack.tensors_of is not None

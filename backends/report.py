@@ -80,6 +80,7 @@ def _host_lines(plan: RunPlan, results: Sequence[RankResult]) -> list[str]:
     its per-rank formula exactly: no pinned memory on the CPU, an fp32 upload copy.)
     """
     from tinypipe.estimate.hostmem import host_bytes
+    from tinypipe.estimate.lora import frozen_host_bytes
 
     spec, sched, sim = plan.spec, plan.schedule, plan.prediction
     n = spec.params
@@ -88,13 +89,16 @@ def _host_lines(plan: RunPlan, results: Sequence[RankResult]) -> list[str]:
     pinned = plan.job.backend == "cuda"
     per_rank = 0
     for r in results:
-        f = host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, layers=tuple(r.layers),
-                       optimizer=plan.policy.optimizer)
+        f = (host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, layers=tuple(r.layers),
+                        optimizer=plan.policy.optimizer) if sched.lora is None
+             else frozen_host_bytes(spec, compute_dtype=sched.compute_dtype, layers=tuple(r.layers)))
         per_rank += f.total_bytes - (0 if pinned else f.pinned_rounding_bytes)
-    whole = host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, optimizer=plan.policy.optimizer)
+    whole = (host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, optimizer=plan.policy.optimizer)
+             if sched.lora is None else frozen_host_bytes(spec, compute_dtype=sched.compute_dtype))
     parts = ", ".join(f"{label} {held[k] / n:.2f}" for k, label in HELD_PARTS if held[k])
     rss = sum(r.peak_rss_bytes for r in results)
-    out = [f"host      state {_mib(total)} = {total / n:.2f} B/param measured ({sched.host_memory}: {parts})",
+    layout = sched.host_memory if sched.lora is None else f"frozen base, LoRA {sched.lora.text()}"
+    out = [f"host      state {_mib(total)} = {total / n:.2f} B/param measured ({layout}: {parts})",
            f"          formula {per_rank / n:.2f} B/param for the layers each of the {len(results)} rank(s) holds "
            f"({whole.bytes_per_param:.2f} for the whole model on one rank); it leaves out the optimizer scratch, "
            f"stale copies ({(held['scratch_bytes'] + held['stale_bytes']) / n:.2f}) and AdamW's step counters"]
@@ -211,6 +215,9 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
         lines.append(f"stopped   after step {at}; checkpoint in {plan.job.out}"
                      + (f", the model in {plan.job.out}/step-{at}" if plan.job.save_model else "")
                      + f"; continue with --resume --out {plan.job.out}")
+    elif plan.job.out and plan.schedule.lora is not None:
+        lines.append(f"saved     {plan.job.out}: a LoRA adapter (peft.PeftModel.from_pretrained(base, DIR) loads it)"
+                     + (f"; the merged model in {plan.job.out}/merged" if plan.job.lora_files.merge else ""))
     elif plan.job.out:
         lines.append(f"saved     {plan.job.out} (AutoModelForCausalLM.from_pretrained loads it)")
     return "\n".join(lines)

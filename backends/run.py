@@ -61,7 +61,7 @@ def run_main(args: argparse.Namespace) -> int:
     after = None
     if plan.addition_task and not interrupted and plan.job.out:
         phase("measuring held-out addition accuracy after training")
-        after = addition_accuracy(plan.job.out, plan.job.seed)
+        after = addition_accuracy(plan.job.out, plan.job.seed, base=plan.job.model if plan.schedule.lora else None)
         if note is not None:
             note.close()
     trace_error = None
@@ -76,13 +76,16 @@ def run_main(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
-def addition_accuracy(model: str, seed: int) -> float:
-    """Held-out addition accuracy of a whole model (a shipped name or a saved directory)."""
+def addition_accuracy(model: str, seed: int, *, base: str | None = None) -> float:
+    """Held-out addition accuracy of a whole model (a shipped name or a saved directory; with `base`, `model` is
+    a peft adapter directory for it)."""
     import torch
 
     from .data.addition import AdditionTask, task_accuracy
     from .hf import build_model
+    from .lora_save import build_with_adapter, read_adapter_config
 
-    stack = build_model(model, seed=seed)
+    stack = (build_model(model, seed=seed) if base is None
+             else build_with_adapter(base, model, read_adapter_config(model)[0], seed=seed))
     with torch.no_grad():
         return task_accuracy(stack.logits, task=AdditionTask(seed=seed))

@@ -8,6 +8,8 @@ import importlib.util
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
     raise ImportError("torch is not installed")
 
+from tinypipe.policy.lora import add_lora_arguments  # noqa: E402 - after the torch check
+
 from .frugal import add_frugal_arguments  # noqa: E402 - after the torch check
 from .optim_rules import SCHEDULES  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
@@ -100,6 +102,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "the first step pays the compilation (default: on for cuda, off for cpu)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of all ranks")
     add_frugal_arguments(p)
+    add_lora_arguments(p)
+    p.add_argument("--merge", action="store_true", help="LoRA: also write the base with the adapters folded in, "
+                   "a Hugging Face model in OUT/merged")
     p.add_argument("--trace-memory", action="store_true",
                    help="CUDA: sample the caching allocator at each action, its bytes in use (the trace's memory "
                         "counter) and its peak while the action is issued (otherData.action_peaks); two statistics "

@@ -41,7 +41,8 @@ DEFAULTS: dict[str, Any] = {
 RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
             "lr", "lr_schedule", "warmup_steps", "warmup_ratio", "decay_all", "betas", "eps", "weight_decay", "seed",
             "backend", "checkpoint_every", "checkpoint_minutes", "byte_tokens", "packing", "epochs", "save_every",
-            "save_dtype", "optimizer_state", "keep_checkpoints")
+            "save_dtype", "optimizer_state", "keep_checkpoints", "lora", "lora_alpha", "lora_dropout",
+            "lora_targets")
 # may differ from the record
 FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype",
                   "keep_checkpoints")

@@ -33,6 +33,7 @@ from .groups import Group
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
 from .interpreter import ExecutionError, Interpreter, StepData
+from .lora_save import LoraFiles, save_outputs
 from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
 from .rank_state import build_rank_state, rss_now
@@ -75,6 +76,7 @@ class Job:
     identity: dict[str, Any] = field(default_factory=dict)  # what a checkpoint must match on --resume
     record: dict[str, Any] = field(default_factory=dict)  # the run's options, recorded for --resume
     timeout_s: float = 600.0
+    lora_files: LoraFiles = LoraFiles()  # LoRA: an adapter directory to continue from; --merge
 
     @property
     def tokens_per_step(self) -> int:
@@ -143,7 +145,6 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
                 host_spans: list[tuple[str, float, float]], settle_heap: Callable[[], None] | None) -> RankResult:
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
-    from .hf_save import save_pretrained
 
     sched = job.schedule
     if sched.num_gpus != world:
@@ -207,8 +208,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         assert job.out is not None
         finish_host_steps()
         where = job.out if at is None else str(Path(job.out) / f"step-{at}")
-        save_pretrained(host.masters(), stack.config, where, rank=rank, world=world, source_dir=stack.source_dir,
-                        dtype=DTYPES[job.save_dtype] if job.save_dtype else None)
+        save_outputs(host, stack, where, sched.lora, job.lora_files, job.model, rank, world, group.barrier,
+                     dtype=DTYPES[job.save_dtype] if job.save_dtype else None)  # LoRA: a peft adapter directory
         group.barrier()  # every rank's shards are written when any rank goes on
 
     step = start

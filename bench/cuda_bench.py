@@ -60,6 +60,13 @@ CASES: dict[str, tuple[int, str]] = {
     "2gpu-preset": (2, "tinypipe"),
     "1gpu-preset-async": (1, "tinypipe-async.json"),
     "1gpu-mobius": (1, "mobius"),
+    # LoRA on a frozen base, with `--extra --lora 16 --lora-alpha 32 --lora-targets all` (bench/device/lora_h200.sh):
+    # the winner of `tinypipe search --model llama-3.1-8b --hardware h200x1 --gpu-mem 24GiB --batch-tokens 65536
+    # --lora 16 --lora-alpha 32 --lora-targets all` (2026-12-02; simulated 11,073 tokens/s, 18.8 GiB GPU, 30.8 GiB
+    # host), and `-lean` that with no resident layers (simulated 11,037 tokens/s, 7.1 GiB GPU, 31.0 GiB host)
+    "1gpu-lora": (1, "h200x1-24g-lora16.json"),
+    "1gpu-lora-lean": (1, "h200x1-24g-lora16-lean.json"),
+    "1gpu-lora-preset": (1, "tinypipe"),  # Qwen3-32B shapes, the whole GPU (simulated: 2,382 tokens/s, 107 GiB)
 }
 
 

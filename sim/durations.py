@@ -2,8 +2,9 @@
 
 `action_costs` is the table sim/engine.py runs from, one entry per action, by its kind's cost class
 (`tinypipe.ir.kinds.KINDS`; docs/schedule-contract.md): compute (FWD / BWD) from the trace
-(`KindProfile.compute_s`, with loop times alone and beside the optimizer and the loop's issue gaps), a
-free kind no time, the optimizer `hostmem.optimizer_step_s` (or, measured by phase,
+(`KindProfile.compute_s`, with loop times alone and beside the optimizer and the loop's issue gaps; a
+frozen base's as `estimate.lora.frozen_trace` scales them), a free kind no time, a GPU optimizer step
+(ADAPT_STEP) `estimate.lora.adapter_step_s`, the optimizer `hostmem.optimizer_step_s` (or, measured by phase,
 `hostmem.optimizer_step_phases_s` and the rank whose compute phase sets its rate), and copies as
 (bytes, latency, the capacities of the route they cross: every directed link and the host's DMA cap).
 """
@@ -17,6 +18,7 @@ from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace
 from tinypipe.estimate.hostmem import optimizer_step_phases_s, optimizer_steps_s
+from tinypipe.estimate.lora import adapter_step_s, frozen_trace
 from tinypipe.ir.kinds import Cost, Direction
 from tinypipe.ir.order import layer_owner
 from tinypipe.ir.schedule import Schedule, resource_gpu
@@ -58,6 +60,8 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
         raise InputError(f"trace was profiled at {trace.tokens_per_microbatch} tokens per microbatch but the "
                          f"schedule uses {schedule.tokens_per_microbatch}; use a trace for this microbatch size "
                          "(ProfileTrace.scaled_to scales one linearly)")
+    if schedule.lora is not None:  # a frozen base: the trace's times as LoRA changes them (estimate/lora.py)
+        trace = frozen_trace(trace, model, schedule.lora)
     cap = link_capacities(hardware)
     routes: dict[tuple[str, str], tuple[float, tuple[str, ...]]] = {}
 
@@ -129,6 +133,12 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
         elif c is Cost.FREE:
             mode.append(TIMED)
             cost.append(0.0)
+        elif c is Cost.DEVICE_OPTIMIZER:  # ADAPT_STEP: a fused AdamW over nbytes / 4 fp32 parameters
+            g = gpu_of.get(a.resource)
+            if g is None:
+                raise ScheduleError(f"`{a}` (action {a.id}) is a device optimizer step and must run on a GPU")
+            mode.append(TIMED)
+            cost.append(adapter_step_s(a.nbytes // 4, hardware.gpus[g]))
         elif c is Cost.UPLOAD or c is Cost.DOWNLOAD or c is Cost.PEER:
             g = gpu_of.get(a.resource)
             if g is None:

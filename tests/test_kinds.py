@@ -40,6 +40,7 @@ def test_the_table_literally() -> None:
         "FETCH_ACT": ("h2d", "backward", "activation", "upload", "FA"),
         "GRAD_OUT": ("d2h", "backward", "gradient", "download", "GO"),
         "OPT_STEP": ("optim", "none", "none", "optimizer", "OPT"),
+        "ADAPT_STEP": ("compute", "none", "none", "device_optimizer", "AS"),
     }
 
 

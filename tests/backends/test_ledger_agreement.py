@@ -32,6 +32,7 @@ from tinypipe.ir.schedule import (  # noqa: E402
     resource_gpu,
 )
 from tinypipe.policy import PRESETS  # noqa: E402
+from tinypipe.policy.lora import LoraSpec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,11 +57,12 @@ def chained(sched: Schedule) -> Schedule:
     return dataclasses.replace(sched, actions=tuple(out), _by_resource=None)
 
 
-@pytest.mark.parametrize("policy", ["tinypipe", "mobius"])
-def test_simulator_and_cpu_backend_ledgers_agree(policy: str) -> None:
+@pytest.mark.parametrize(("policy", "lora"), [("tinypipe", None), ("mobius", None), ("tinypipe", LoraSpec(rank=2))])
+def test_simulator_and_cpu_backend_ledgers_agree(policy: str, lora: LoraSpec | None) -> None:
     """Two GPUs, tiny-llama, 3 iterations: the backend's ledger peak of each rank's GPU equals the
-    simulator's peak of that GPU, and the backend saw no double allocation or stray free."""
-    p = PRESETS[policy].replace(packing=(1, 2, 1, 2), mapping=(0, 1, 0, 1))
+    simulator's peak of that GPU, and the backend saw no double allocation or stray free (LoRA too: its
+    adapters static on their GPU, no gradient accumulator, ADAPT_STEPs on the compute stream)."""
+    p = PRESETS[policy].replace(packing=(1, 2, 1, 2), mapping=(0, 1, 0, 1), lora=lora)
     sched = chained(compiled("tiny-llama", p, 2))
     spec, hw = load_model("tiny-llama"), fixed_cpu_hardware(2)
     trace = analytic_trace(spec, hw.gpus[0], microbatch_size=MBS, seq_len=SEQ, dtype="fp32")

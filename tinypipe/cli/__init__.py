@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from tinypipe.common.errors import InputError, TinypipeError
 from tinypipe.common.progress import CLEAR
+from tinypipe.policy.lora import add_lora_arguments
 
 from .inspect import cmd_inspect
 from .simulate import cmd_search, cmd_simulate
@@ -38,6 +39,7 @@ def _common_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=3, help="iterations compiled and simulated (default 3)")
     _dtype_option(p)
     _profile_option(p)
+    add_lora_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
 
 
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--seq-len", type=int, default=2048)
     im.add_argument("--microbatch-size", type=int, default=1)
     im.add_argument("--hardware", action="append", help="check fit on this hardware (default: every preset)")
+    add_lora_arguments(im)
     im.add_argument("--json", action="store_true")
     icov = isub.add_parser("coverage", help="the largest model each server can fully fine-tune, by host memory, "
                            "per optimizer-state precision, beside RoundPipe and ZeRO-Offload")
@@ -112,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "numerics, so only when asked)")
     _dtype_option(se)
     _profile_option(se)
+    add_lora_arguments(se)
     se.add_argument("--json", action="store_true")
 
     from tinypipe.replay.runner import add_replay_arguments

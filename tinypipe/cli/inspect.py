@@ -18,6 +18,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from tinypipe.cli.inspection import model_report
         from tinypipe.describe.hardware import load_hardware, shipped_hardware
         from tinypipe.describe.hfconfig import load_model, shipped_models
+        from tinypipe.policy.lora import lora_from_args
 
         if args.name is None:
             return print_list("models", shipped_models(), args.json)
@@ -29,7 +30,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if args.seq_len > model.max_seq_len:
             raise InputError(f"--seq-len {args.seq_len}: {model.name} handles at most {model.max_seq_len:,} positions")
         hws = [load_hardware(h) for h in (args.hardware or shipped_hardware())]
-        rep = model_report(model, seq_len=args.seq_len, microbatch_size=args.microbatch_size, hardware=hws)
+        rep = model_report(model, seq_len=args.seq_len, microbatch_size=args.microbatch_size, hardware=hws,
+                           lora=lora_from_args(args))
         if args.json:
             return print_json(rep)
         print(f"{rep['model']} ({rep['family']}): {rep['params']:,} parameters, {rep['blocks']} blocks, "
@@ -53,12 +55,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(table.render(["host memory", "bytes/param", "total"], rows, align="lrr"))
         print(f"\nCan it be trained at all? (needs >= {table.gib(rep['min_gpu_bytes'])} per GPU: the largest "
               "layer's backward, with its weights, gradient, activations and workspace)")
+        lo = rep["lora"]
+        print(f"\nLoRA on a frozen base (r={lo['rank']}, alpha={lo['alpha']:g}, targets {','.join(lo['targets'])}; "
+              f"--lora R sets them): {lo['adapter_params']:,} adapter parameters, which stay on the GPUs with "
+              f"their AdamW state; the host holds one bf16 copy of the base, {table.gib(lo['host_bytes'])} "
+              f"(2 bytes/param); a GPU needs >= {table.gib(lo['min_gpu_bytes'])}")
         rows = [[f["hardware"], f["gpus"], table.gib(f["gpu_bytes"]), table.gib(f["host_bytes"]), f["gpu_fits"],
                  f["host_fits_replicated"], f["host_fits_compact"], f["host_fits_compact-bf16"],
-                 f["host_fits_compact-8bit"], f["resident_fits"]] for f in rep["fit"]]
+                 f["host_fits_compact-8bit"], f["resident_fits"], f["lora_fits"]] for f in rep["fit"]]
         print(table.render(["hardware", "GPUs", "GPU mem", "host DRAM", "GPU ok", "host ok (replicated)",
-                            "host ok (compact)", "(bf16 state)", "(8bit state)", "all-resident ok"], rows,
-                           align="lrrrllllll"))
+                            "host ok (compact)", "(bf16 state)", "(8bit state)", "all-resident ok", "LoRA ok"], rows,
+                           align="lrrrlllllll"))
         return 0
     if args.what == "coverage":
         return cmd_inspect_coverage(args)

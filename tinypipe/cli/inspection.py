@@ -10,8 +10,10 @@ from tinypipe.describe.model import LayerSpec, ModelSpec
 from tinypipe.describe.trace import ProfileTrace, analytic_trace
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.hostmem import host_bytes
+from tinypipe.estimate.lora import frozen_host_bytes, model_adapter_params
 from tinypipe.estimate.plan import Plan, base_plan
 from tinypipe.partition.packing import per_gpu, uniform
+from tinypipe.policy.lora import ADAPTER_STATE_BYTES_PER_PARAM, LoraSpec
 from tinypipe.policy.modes import HostMemory, OptimizerState, ResidentMode, SwapMode
 from tinypipe.policy.policy import Policy
 
@@ -70,10 +72,11 @@ HOST_VARIANTS: dict[str, tuple[HostMemory, OptimizerState]] = {
 
 
 def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
-                 hardware: list[Hardware]) -> dict[str, Any]:
+                 hardware: list[Hardware], lora: LoraSpec | None = None) -> dict[str, Any]:
     """Everything `inspect model` shows, as plain data (the `--json` form). GPU bytes come from the
     GPU-memory formula over the analytic trace's sizes (the same on every GPU), the packs' on the first
-    hardware's GPUs."""
+    hardware's GPUs. `lora` (default: peft's LoraConfig defaults) sizes LoRA on a frozen base beside them."""
+    lora = lora or LoraSpec()
     if not hardware:
         raise InputError("inspect model: name at least one hardware preset to size the model against")
     host = {name: host_bytes(model, lay, optimizer_state=st) for name, (lay, st) in HOST_VARIANTS.items()}
@@ -81,6 +84,9 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
     packs = [{"layers": k, "gpu_bytes": pack_footprint(model, hardware[0], trace, k)} for k in (1, 2, 4, 8, 16)
              if k <= model.num_blocks]
     min_gpu = gpumem.least_peak_bytes(_plan(model, hardware[0], trace))
+    lora_host = frozen_host_bytes(model).total_bytes
+    lora_gpu = gpumem.least_peak_bytes(_plan(model, hardware[0], trace, lora=lora))
+    lora_state = model_adapter_params(model, lora) * ADAPTER_STATE_BYTES_PER_PARAM
     fit = []
     for hw in hardware:
         gpu_mem = min(g.memory_bytes for g in hw.gpus)
@@ -89,6 +95,8 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
             "gpu_fits": min_gpu <= gpu_mem,
             **{f"host_fits_{name}": host[name].total_bytes <= hw.host.memory_bytes for name in HOST_VARIANTS},
             "resident_fits": max(_resident_bytes(model, hw, trace)) <= gpu_mem,
+            # every GPU holds its layers' adapters (fp32, with gradients and moments) on top of a backward
+            "lora_fits": (lora_gpu + lora_state // len(hw.gpus) <= gpu_mem and lora_host <= hw.host.memory_bytes),
         })
     return {
         "model": model.name, "family": model.family, "source": model.source, "params": model.params,
@@ -100,6 +108,8 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
         "host": {lay: {"total_bytes": h.total_bytes, "bytes_per_param": h.bytes_per_param,
                        "parts": dict(h.rows())} for lay, h in host.items()},
         "fit": fit,
+        "lora": {**lora.to_json(), "adapter_params": model_adapter_params(model, lora), "host_bytes": lora_host,
+                 "min_gpu_bytes": lora_gpu},
     }
 
 

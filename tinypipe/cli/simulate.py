@@ -11,7 +11,7 @@ from typing import Any
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.progress import Progress
-from tinypipe.policy.modes import OptimizerMode, OptimizerState
+from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState
 
 from .util import LIMITS, at_most, check_outputs, plot_to, positive, print_json, workloads, write_new
 
@@ -93,6 +93,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.describe.hardware import load_hardware
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import find_trace, load_profiles
+    from tinypipe.policy.lora import lora_from_args
     from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
 
@@ -113,8 +114,11 @@ def cmd_search(args: argparse.Namespace) -> int:
                      profiles=load_profiles(args.profile or ()), dtype=args.dtype)
     states = (tuple(OptimizerState) if args.optimizer_state == "auto"
               else (OptimizerState.parse(args.optimizer_state, "--optimizer-state"),))
+    lora = lora_from_args(args)
     space = SearchSpace(optimizers=tuple(OptimizerMode) if args.allow_async else (OptimizerMode.SYNC,),
-                        optimizer_state=states[0])
+                        optimizer_state=states[0], lora=lora)
+    if lora is not None:  # a frozen base has one host layout
+        space = dataclasses.replace(space, host_memories=(HostMemory.COMPACT,))
     measured = sorted({t.microbatch_size for t in w.profiles
                        if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
     if w.profiles and not measured:

@@ -32,6 +32,7 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import trace_for
     from tinypipe.policy import load_policy
+    from tinypipe.policy.lora import lora_from_args
 
     for flag in ("seq_len", "iterations", "microbatches", "microbatch_size"):
         v = getattr(args, flag, None)
@@ -47,6 +48,9 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
                if getattr(args, k, None)}
     if changes:
         policy = policy.replace(**changes)
+    lora = lora_from_args(args)
+    if lora is not None:
+        policy = policy.replace(lora=lora)
     batch_tokens = getattr(args, "batch_tokens", None)
     if batch_tokens is not None:  # one workload for every policy: its microbatch count follows
         per_mb = policy.microbatch_size * args.seq_len

@@ -58,6 +58,14 @@ def make_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     return base.with_packs(sizes, mapping, kept=kept, pinned=pinned)
 
 
+def gpu_static_bytes(plan: Plan) -> tuple[tuple[str, int], ...]:
+    """(device, bytes) each GPU holds all run: the adapters and AdamW state of its LoRA layers (none otherwise)."""
+    per: dict[int, int] = {}
+    for layer, g in enumerate(plan.owner):
+        per[g] = per.get(g, 0) + plan.gpu_state_bytes[layer]
+    return tuple((f"g{g}", b) for g, b in sorted(per.items()) if b)
+
+
 def compile_schedule(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
                      iterations: int = 3, cost: CostModel | None = None) -> Schedule:
     """Compile `policy` for `model` on `hardware` with timings from `trace` into a Schedule.
@@ -72,5 +80,6 @@ def compile_schedule(policy: Policy, model: ModelSpec, hardware: Hardware, trace
         tokens_per_microbatch=trace.tokens_per_microbatch, recompute=plan.recompute,
         pack_layers=plan.pack_layers, pack_gpu=plan.pack_gpu, host_memory=plan.host_memory,
         optimizer=plan.optimizer, optimizer_state=plan.optimizer_state,
-        compute_dtype=trace.dtype, static_bytes=((HOST, plan.host_static_bytes),),
+        compute_dtype=trace.dtype, lora=plan.lora,
+        static_bytes=((HOST, plan.host_static_bytes), *gpu_static_bytes(plan)),
         meta=(("model", model.name), ("hardware", hardware.name), ("policy", policy.name)))

@@ -9,7 +9,7 @@ from tinypipe.ir.schedule import Action, Mem, gpu_resource
 FWD, BWD, LOAD, EVICT = Kind.FWD, Kind.BWD, Kind.LOAD, Kind.EVICT
 SEND_F, SEND_B, RECV_F, RECV_B = Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B
 OFFLOAD, FETCH = Kind.OFFLOAD_ACT, Kind.FETCH_ACT
-GRAD_OUT, OPT_STEP = Kind.GRAD_OUT, Kind.OPT_STEP
+GRAD_OUT, OPT_STEP, ADAPT_STEP = Kind.GRAD_OUT, Kind.OPT_STEP, Kind.ADAPT_STEP
 ON_HOST = -1  # the `gpu` of an op that runs on the host (OPT_STEP, on `host.optim`); not a device name
 
 

@@ -3,7 +3,7 @@ tied embeddings, the compact layout's gradient ring); docs/schedule-contract.md.
 
 from __future__ import annotations
 
-from tinypipe.compiler.ops import GRAD_OUT, LOAD, ON_HOST, OPT_STEP, Op, _splice
+from tinypipe.compiler.ops import ADAPT_STEP, BWD, GRAD_OUT, LOAD, ON_HOST, OPT_STEP, Op, _splice
 from tinypipe.estimate.plan import Plan
 from tinypipe.policy.modes import HostMemory
 
@@ -30,6 +30,8 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     on an H200 host): the optimizer runs behind the backward, and the embedding's
     update, which the next forward waits for, finishes that much later.
     """
+    if plan.lora is not None:
+        return adapter_pass(plan, ops)
     pos = {op: i for i, op in enumerate(ops)}
     grad_out: dict[tuple[int, int], Op] = {}
     first_load: dict[tuple[int, int], Op] = {}
@@ -81,6 +83,27 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     if plan.host_memory == HostMemory.COMPACT:
         _ring_deps(out, plan.ring_slots, {o: grad_out[o.layer, o.it].gpu for o in opt.values()})
     return out
+
+
+def adapter_pass(plan: Plan, ops: list[Op]) -> list[Op]:
+    """LoRA on a frozen base: ADAPT_STEP L (the adapters' fused AdamW, `nbytes` their fp32 weights) on the
+    owner GPU's compute stream right after L's last BWD of the iteration, for each layer with adapters.
+
+    The stream's order is the whole dependency: the step follows the backward that made its last
+    gradient and precedes the next iteration's FWD of the layer, so every optimizer mode reads the
+    adapters of the previous step (nothing is left for an asynchronous step to hide; no host step
+    exists). No LOAD waits for it: the base does not change.
+    """
+    last: dict[tuple[int, int], Op] = {}
+    for op in ops:
+        if op.kind is BWD:
+            last[op.layer, op.it] = op
+    after: dict[Op, list[Op]] = {}
+    for (lay, it), b in last.items():
+        if plan.master_bytes[lay] > 0:
+            after.setdefault(b, []).append(Op(ADAPT_STEP, b.gpu, lay, b.pack, None, it, plan.master_bytes[lay],
+                                              deps=[b]))
+    return _splice(ops, {}, after)
 
 
 def _ring_deps(ops: list[Op], slots: int, gpu_of_step: dict[Op, int]) -> None:

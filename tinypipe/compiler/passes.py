@@ -226,8 +226,11 @@ def transfer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
 def gradient_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     """GRAD_OUT L (gr.L{L} to the host, on the owner's d2h) right after L's last BWD of the iteration.
 
-    The first BWD of L in the next iteration (which allocates gr.L{L} again) waits for it.
+    The first BWD of L in the next iteration (which allocates gr.L{L} again) waits for it. A frozen base
+    (LoRA) has no gradient to hand out: none (the optimizer pass steps its adapters on the GPU).
     """
+    if plan.lora is not None:
+        return ops
     first: dict[tuple[int, int], Op] = {}
     last: dict[tuple[int, int], Op] = {}
     for op in ops:
@@ -255,7 +258,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     cache: dict[tuple[int, str, int, int | None], tuple[Mem, ...]] = {}
     devs = {g: (HOST if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
     sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
-             "gr": plan.weight_bytes, "ws": plan.layer_workspace_bytes,
+             "gr": plan.grad_acc_bytes, "ws": plan.layer_workspace_bytes,
              "ws.acc": plan.accumulate_workspace_bytes, "wr": plan.weight_bytes, "act": plan.input_bytes,
              "gring": plan.host_grad_bytes}
     n = plan.num_layers

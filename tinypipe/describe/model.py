@@ -76,6 +76,9 @@ class LayerSpec:
     attn_flops_per_token_per_ctx: float
     saved_act_bytes_per_token: int  # what autograd keeps for backward without recompute
     boundary_bytes_per_token: int  # the activation handed to the next layer (also what recompute keeps)
+    # a block's linears a LoRA may wrap: (roles it plays, in features, out features); a fused q/k/v
+    # projection (GPT-2, GPT-NeoX) plays `q+k+v` (`tinypipe.policy.lora.ROLES`)
+    linears: tuple[tuple[str, int, int], ...] = ()
 
     def fwd_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token at sequence length `seq_len` (causal attention)."""
@@ -236,12 +239,16 @@ def layer_specs(s: Shape) -> tuple[LayerSpec, ...]:
         boundary_bytes_per_token=boundary,
     )
     block_saved = _block_saved_act_bytes_per_token(s)
+    attn: tuple[tuple[str, int, int], ...] = (
+        (("q+k+v", h, q + 2 * kv),) if s.layer_norm else (("q", h, q), ("k", h, kv), ("v", h, kv)))
+    mlp = (("gate", h, i), ("up", h, i), ("down", i, h)) if s.gated_mlp else (("up", h, i), ("down", i, h))
+    linears = (*attn, ("o", q, h), *mlp)
     blocks = [
         LayerSpec(
             index=1 + k, kind=LayerKind.BLOCK, name=f"block.{k}", params=block_params,
             gpu_params=block_params, linear_flops_per_token=float(2 * (attn_weights + mlp_weights)),
             attn_flops_per_token_per_ctx=float(4 * q),  # QK^T and AV: 2 * q FLOPs each per position
-            saved_act_bytes_per_token=block_saved, boundary_bytes_per_token=boundary,
+            saved_act_bytes_per_token=block_saved, boundary_bytes_per_token=boundary, linears=linears,
         )
         for k in range(s.layers)
     ]

@@ -50,7 +50,11 @@ class MemoryInputs(Protocol):
     """What the formula reads: a `tinypipe.estimate.plan.Plan` has it."""
 
     @property
-    def weight_bytes(self) -> tuple[int, ...]: ...  # w.L and gr.L
+    def weight_bytes(self) -> tuple[int, ...]: ...  # w.L
+    @property
+    def grad_acc_bytes(self) -> tuple[int, ...]: ...  # gr.L (0 for a frozen base)
+    @property
+    def gpu_state_bytes(self) -> tuple[int, ...]: ...  # held on the owner GPU all run (LoRA adapters)
     @property
     def input_bytes(self) -> tuple[int, ...]: ...  # x.L.m and dx.L.m
     @property
@@ -121,10 +125,11 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
             pinned: frozenset[int] = frozenset()) -> dict[str, tuple[int, ...]]:
     """The per-layer byte vectors the terms read (each layer l):
 
-    w: weights (and its gradient); pinned_w: w of pinned layers; kept_w: w of kept ones (held from
-    forward to backward; in the window on the GPU's last pack); graph_w: w of the other layers that do
-    not recompute (their graph holds the forward's copy until the backward, which loads another);
-    win / win_n: window weights / 1 of layers neither pinned nor kept, win_last / win_last_n: not
+    w: weights; gr: its gradient accumulator (0 for a frozen base); static: what stays on the owner GPU
+    for the whole run (a LoRA layer's adapters and their AdamW state); pinned_w: w of pinned layers;
+    kept_w: w of kept ones (held from forward to backward; in the window on the GPU's last pack); graph_w: w
+    of the other layers that do not recompute (their graph holds the forward's copy until the backward, which
+    loads another); win / win_n: window weights / 1 of layers neither pinned nor kept, win_last / win_last_n: not
     pinned (the last pack's forward);
     x: input; a: saved activations kept from forward (no recompute); X: x (activations on the GPU, or
     a layer that keeps its graph, which holds its input) + a; T: a backward's transient, workspace +
@@ -139,7 +144,7 @@ def vectors(m: MemoryInputs, *, kept: frozenset[int] = frozenset(),
     held = [i in pinned or i in kept for i in range(n)]
     rest = [(m.saved_bytes[i] if redo[i] else 0) + x[i] + (x[i + 1] if i + 1 < n else 0) for i in range(n)]
     return {
-        "w": w, "ws": ws, "x": x, "a": a,
+        "w": w, "ws": ws, "x": x, "a": a, "gr": m.grad_acc_bytes, "static": m.gpu_state_bytes,
         "pinned_w": tuple(w[i] if i in pinned else 0 for i in range(n)),
         "kept_w": tuple(w[i] if i in kept and i not in pinned else 0 for i in range(n)),
         "graph_w": tuple(0 if redo[i] or held[i] else w[i] for i in range(n)),
@@ -171,7 +176,7 @@ def moments(mapping: tuple[int, ...], num_gpus: int, microbatches: int, activati
     for g, packs in enumerate(gpu_packs(mapping, num_gpus)):
         k = len(packs)
         for i, s in enumerate(packs):
-            held: tuple[Term, ...] = (Term(UPTO, k - 1, "pinned_w", gpu=g),)
+            held: tuple[Term, ...] = (Term(UPTO, k - 1, "pinned_w", gpu=g), Term(UPTO, k - 1, "static", gpu=g))
             if min(i, k - 2) >= 0:  # kept layers outside the last pack are held from forward to backward
                 held += (Term(UPTO, min(i, k - 2), "kept_w", gpu=g),)
             base = held + (Term(UPTO, i, "X", big_m, gpu=g),)
@@ -184,14 +189,14 @@ def moments(mapping: tuple[int, ...], num_gpus: int, microbatches: int, activati
             x_in = ((Term(SUM, s, "x"),) if host else ()) + (graph_f if turn else (Term(UPTO, i, "graph_w", gpu=g),))
             gone = (Term(SUM, s, "X", -1),)
             out.append(Moment(g, f"backward of pack {s}, first op", base, x_in + (
-                Term(LAST, s, "w"), Term(LAST, s, "T")), anchor))
+                Term(LAST, s, "gr"), Term(LAST, s, "T")), anchor))
             out.append(Moment(g, f"backward of pack {s}, first layer of microbatch 0", base, x_in + gone + (
-                Term(SUM, s, "w"), Term(FIRST, s, "X"), Term(FIRST, s, "T")), anchor))
+                Term(SUM, s, "gr"), Term(FIRST, s, "X"), Term(FIRST, s, "T")), anchor))
             if big_m > 1:
                 out.append(Moment(g, f"backward of pack {s}, microbatch 1", base, x_in + gone + (
-                    Term(SUM, s, "w"), Term(LAST, s, "Ta")), anchor))
+                    Term(SUM, s, "gr"), Term(LAST, s, "Ta")), anchor))
                 out.append(Moment(g, f"backward of pack {s}, first layer of microbatch 1", base, x_in + (
-                    Term(SUM, s, "X", -2), Term(SUM, s, "w"), Term(FIRST, s, "X"), Term(FIRST, s, "Ta")), anchor))
+                    Term(SUM, s, "X", -2), Term(SUM, s, "gr"), Term(FIRST, s, "X"), Term(FIRST, s, "Ta")), anchor))
     return tuple(out)
 
 
@@ -352,4 +357,5 @@ def least_peak_bytes(m: MemoryInputs) -> int:
     (its weights and gradient, input, saved activations, the moment's transient T), for the layer
     where that is largest. Every schedule has these buffers at once, so no GPU can peak below this."""
     v = vectors(m)
-    return max((2 * v["w"][i] + v["x"][i] + v["a"][i] + v["T"][i] for i in range(len(v["w"]))), default=0)
+    return max((v["w"][i] + v["gr"][i] + v["static"][i] + v["x"][i] + v["a"][i] + v["T"][i]
+                for i in range(len(v["w"]))), default=0)

@@ -12,9 +12,11 @@ from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import Hardware
 from tinypipe.describe.model import DTYPE_BYTES, ModelSpec
 from tinypipe.describe.trace import ProfileTrace
+from tinypipe.estimate import lora as lora_
 from tinypipe.estimate.calibration import CostModel
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_steps_s
 from tinypipe.ir.schedule import recomputes
+from tinypipe.policy.lora import LoraSpec
 from tinypipe.policy.modes import (
     ActivationHome,
     HostMemory,
@@ -81,6 +83,12 @@ class Plan:
     # buffers, and torch converts a GPU -> host copy across dtypes on the GPU first: twice the bytes in
     # bf16 (on an H200, a Qwen3-1.7B block's GRAD_OUT took 4.65 ms replicated, 2.0 ms compact)
     grad_out_bytes: tuple[int, ...] = ()
+    # LoRA on a frozen base (`estimate/lora.py`): no base gradient (gr.L{l} is 0 bytes, no GRAD_OUT, no host
+    # OPT_STEP); each layer's adapters and their AdamW state stay on its GPU (`gpu_state_bytes`), and
+    # `master_bytes` / `opt_s` are their fp32 weights and their step on that GPU
+    lora: LoraSpec | None = None
+    grad_acc_bytes: tuple[int, ...] = ()  # gr.L{l}; () = weight_bytes
+    gpu_state_bytes: tuple[int, ...] = ()  # held on the owner GPU all run; () = none
 
     num_layers: int = field(init=False)
     owner: tuple[int, ...] = field(init=False, repr=False, compare=False)  # GPU of each layer
@@ -95,11 +103,16 @@ class Plan:
             object.__setattr__(self, "accumulate_workspace_bytes", self.layer_workspace_bytes)
         if not self.grad_out_bytes:
             object.__setattr__(self, "grad_out_bytes", self.weight_bytes)
+        if not self.grad_acc_bytes:
+            object.__setattr__(self, "grad_acc_bytes", self.weight_bytes)
+        if not self.gpu_state_bytes:
+            object.__setattr__(self, "gpu_state_bytes", (0,) * n)
         coerce_modes(self, "plan")
         if isinstance(self.resident, str):
             object.__setattr__(self, "resident", ResidentMode.parse(self.resident, "plan: resident"))
         for name in ("fwd_s", "bwd_s", "input_bytes", "saved_bytes", "layer_workspace_bytes", "host_grad_bytes",
-                     "master_bytes", "opt_s", "accumulate_workspace_bytes", "grad_out_bytes"):
+                     "master_bytes", "opt_s", "accumulate_workspace_bytes", "grad_out_bytes", "grad_acc_bytes",
+                     "gpu_state_bytes"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"plan: {name} has {len(getattr(self, name))} layers, weight_bytes {n}")
         owner: list[int] = []
@@ -153,6 +166,8 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
               iterations: int = 1, cost: CostModel | None = None) -> Plan:
     """Flatten model, trace, hardware and policy into the numbers the estimates and passes use (no packs yet)."""
     cost = cost or CostModel.calibrated()
+    if policy.lora is not None:
+        trace = lora_.frozen_trace(trace, model, policy.lora)
     dt = trace.dtype
     if dt not in DTYPE_BYTES:
         raise InputError(f"trace: unknown dtype {dt!r}")
@@ -186,9 +201,18 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
             g * DEFAULT_GRAD_RING_SLOTS * max(grad_fp32, default=0))
     else:
         dyn = 0
+    lora_fields: dict[str, Any] = {}
+    if policy.lora is not None:
+        hb, ring, dyn = lora_.frozen_host_bytes(model, compute_dtype=dt), 0, 0
+        lora_fields = dict(
+            lora=policy.lora, grad_acc_bytes=(0,) * len(model.layers), grad_out_bytes=(0,) * len(model.layers),
+            gpu_state_bytes=tuple(lora_.adapter_state_bytes(x, policy.lora) for x in model.layers),
+            master_bytes=tuple(lora_.adapter_weight_bytes(x, policy.lora) for x in model.layers),
+            opt_s=tuple(lora_.adapter_step_s(lora_.adapter_params(x, policy.lora), hardware.gpus[0])
+                        for x in model.layers))
     if policy.activation_home.on_host:
         dyn += policy.microbatches * sum(b for i, b in enumerate(inp) if recomputes(policy.recompute, i, len(inp)))
-    return Plan(
+    fields_: dict[str, Any] = dict(
         microbatches=policy.microbatches, iterations=iterations, fwd_s=tuple(fwd), bwd_s=tuple(bwd),
         weight_bytes=tuple(layer.param_bytes(dt) for layer in model.layers), input_bytes=tuple(inp),
         saved_bytes=tuple(saved), layer_workspace_bytes=tuple(ws), accumulate_workspace_bytes=tuple(ws_acc),
@@ -206,3 +230,4 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         activation_home=policy.activation_home, optimizer=policy.optimizer, host_memory=policy.host_memory,
         optimizer_state=policy.optimizer_state,
         recompute=policy.recompute, tied=model.tied_embeddings, cost=cost)
+    return Plan(**{**fields_, **lora_fields})

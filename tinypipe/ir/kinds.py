@@ -33,6 +33,7 @@ class Kind(str, Enum):
     FETCH_ACT = "FETCH_ACT"
     GRAD_OUT = "GRAD_OUT"
     OPT_STEP = "OPT_STEP"
+    ADAPT_STEP = "ADAPT_STEP"  # a LoRA layer's adapters' AdamW step, on its GPU's compute stream
 
     info: KindInfo  # this kind's row of `KINDS` (set below: a plain attribute, read in hot loops)
 
@@ -62,6 +63,7 @@ class Cost(str, Enum):
     DOWNLOAD = "download"  # a copy of `nbytes` GPU -> host
     PEER = "peer"  # one half of a GPU -> GPU copy; the pair moves the SEND's `nbytes` once both are ready
     OPTIMIZER = "optimizer"  # the layer's parameters at the host optimizer's rate
+    DEVICE_OPTIMIZER = "device_optimizer"  # a fused AdamW over `nbytes` / 4 parameters on the GPU (estimate/lora.py)
     FREE = "free"  # takes no time
 
 
@@ -105,6 +107,7 @@ KINDS: dict[Kind, KindInfo] = {
     Kind.FETCH_ACT: KindInfo("h2d", _B, _A, Cost.UPLOAD, "FA", "#c49c94", True),
     Kind.GRAD_OUT: KindInfo("d2h", _B, _G, Cost.DOWNLOAD, "GO", "#d62728", False),
     Kind.OPT_STEP: KindInfo("optim", _N, _X, Cost.OPTIMIZER, "OPT", "#e377c2", False),
+    Kind.ADAPT_STEP: KindInfo("compute", _N, _X, Cost.DEVICE_OPTIMIZER, "AS", "#17becf", False),
 }
 
 GPU_STREAMS = ("compute", "h2d", "d2h", "send", "recv")  # the streams of each GPU, in display order

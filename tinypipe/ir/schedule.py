@@ -23,6 +23,7 @@ What each kind does:
 - OFFLOAD_ACT / FETCH_ACT: a saved activation GPU -> host after FWD, host -> GPU before BWD.
 - GRAD_OUT L: layer L's accumulated gradients GPU -> host (fp32 or compute dtype, see nbytes).
 - OPT_STEP L: the CPU optimizer step for layer L.
+- ADAPT_STEP L: the AdamW step of layer L's LoRA adapters, on its GPU's compute stream (a frozen base).
 
 Text form, one action per line (round-trips exactly through `Schedule.dumps` / `Schedule.loads`):
 `12 g0.compute FWD L3 P1 m2 i0 B=1024 >g1 deps=3,7 +g0:act.L3.m2=1024 -g0:x.L2.m2=512`
@@ -40,6 +41,7 @@ from tinypipe.ir.kinds import GPU_STREAMS as GPU_STREAMS
 from tinypipe.ir.kinds import HOST_OPTIM as HOST_OPTIM
 from tinypipe.ir.kinds import KIND_STREAM as KIND_STREAM
 from tinypipe.ir.kinds import Kind as Kind
+from tinypipe.policy.lora import LoraSpec
 from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState, coerce_modes
 
 
@@ -201,6 +203,7 @@ class Schedule:
     compute_dtype: str = "bf16"
     static_bytes: tuple[tuple[str, int], ...] = ()  # (device, bytes)
     meta: tuple[tuple[str, str], ...] = ()  # free-form provenance: model, hardware, policy name
+    lora: LoraSpec | None = None  # adapters on a frozen base: what the backend builds and trains
     _by_resource: dict[str, tuple[int, ...]] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -252,7 +255,8 @@ class Schedule:
             f"microbatches={self.microbatches} tokens_per_microbatch={self.tokens_per_microbatch} "
             f"recompute={int(self.recompute)} host_memory={self.host_memory} optimizer={self.optimizer} "
             f"compute_dtype={self.compute_dtype}"
-            + ("" if self.optimizer_state.exact else f" optimizer_state={self.optimizer_state}"),
+            + ("" if self.optimizer_state.exact else f" optimizer_state={self.optimizer_state}")
+            + (f" lora={self.lora.text()}" if self.lora else ""),
             "# packs=" + ";".join(",".join(map(str, p)) for p in self.pack_layers),
             "# pack_gpu=" + ",".join(map(str, self.pack_gpu)),
             "# static=" + ",".join(f"{d}={b}" for d, b in self.static_bytes),
@@ -292,6 +296,7 @@ class Schedule:
                 optimizer_state=OptimizerState.parse(hdr.get("optimizer_state", "fp32"), f"{where}: optimizer_state"),
                 compute_dtype=hdr["compute_dtype"],
                 static_bytes=static, meta=tuple(meta),
+                lora=LoraSpec.parse(hdr["lora"], f"{where}: lora") if "lora" in hdr else None,
             )
         except (KeyError, ValueError) as exc:
             raise InputError(f"{where}: bad or missing header field {exc}") from None

@@ -11,6 +11,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.jsonio import Fields, load_json
+from tinypipe.policy.lora import LoraSpec
 from tinypipe.policy.modes import (
     MAPPERS,
     PACKERS,
@@ -42,6 +43,8 @@ class Policy:
       soon, the last pack's forward then backward, when memory allows) or explicit layer indices.
     optimizer_state: how the host holds AdamW's moments: `fp32`, `bf16` or `8bit` (block-wise
       quantised); the low-precision ones need the compact host layout (the chunked step on the planes).
+    lora: adapters on a frozen base: the host holds one compute-dtype copy of the base, no gradient
+      leaves the GPU, and the adapters with their AdamW state stay on the GPU that owns their layer.
     """
 
     name: str = "custom"
@@ -59,6 +62,7 @@ class Policy:
     optimizer: OptimizerMode = OptimizerMode.SYNC
     activation_home: ActivationHome = ActivationHome.GPU
     optimizer_state: OptimizerState = OptimizerState.FP32
+    lora: LoraSpec | None = None  # train low-rank adapters on a frozen base (None: every parameter)
 
     def __post_init__(self) -> None:
         def bad(field_: str, why: str) -> InputError:
@@ -97,6 +101,8 @@ class Policy:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise bad(name, f"must be an integer >= {lo}; got {v!r}")
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise bad("lora", "must be a LoraSpec or none")
         if not isinstance(self.recompute, bool):
             raise bad("recompute", "must be true or false")
         if not self.optimizer_state.exact and self.host_memory != HostMemory.COMPACT:
@@ -116,6 +122,7 @@ class Policy:
                 d[k] = list(v)
             elif isinstance(v, Enum):
                 d[k] = v.value
+        d["lora"] = self.lora.to_json() if self.lora is not None else None
         return d
 
     def dumps(self) -> str:
@@ -133,7 +140,9 @@ class Policy:
             if not f.has(name):
                 continue
             v = f.raw(name)
-            if name in _MODE_FIELDS:
+            if name == "lora":
+                v = None if v is None else LoraSpec.from_json(v, f"{where}: lora")
+            elif name in _MODE_FIELDS:
                 v = _MODE_FIELDS[name].parse(f.str(name), f"{where}: {name}")
             elif _with_list(tp) and isinstance(v, list):
                 if any(isinstance(x, bool) or not isinstance(x, int) for x in v):

@@ -30,9 +30,11 @@ from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.estimate.gpumem import least_peak_bytes
 from tinypipe.estimate.hostmem import host_bytes, optimizer_steps_s
+from tinypipe.estimate.lora import frozen_host_bytes, frozen_trace
 from tinypipe.estimate.plan import base_plan
 from tinypipe.ir.schedule import recomputes
 from tinypipe.policy import Policy
+from tinypipe.policy.lora import LoraSpec
 from tinypipe.policy.modes import (
     ActivationHome,
     HostMemory,
@@ -115,6 +117,7 @@ class SearchSpace:
     # How the host holds AdamW's moments, for every candidate: fp32 unless a user asks (it changes the
     # numerics); a low-precision one keeps only the compact layout (the only one that holds it).
     optimizer_state: OptimizerState = OptimizerState.FP32
+    lora: LoraSpec | None = None  # every candidate trains these adapters on a frozen base
 
     def __post_init__(self) -> None:
         modes: dict[str, type[Mode]] = {"swaps": SwapMode, "activation_homes": ActivationHome,
@@ -186,7 +189,7 @@ def stage1(w: SearchTarget, space: SearchSpace) -> list[Policy]:
                                           swap=swap, recompute=rc, activation_home=home, mapping=space.mappings[0],
                                           prefetch_depth=1, resident=space.residents[0],
                                           host_memory=space.host_memories[0], optimizer=space.optimizers[-1],
-                                          optimizer_state=space.optimizer_state, **pk))
+                                          optimizer_state=space.optimizer_state, lora=space.lora, **pk))
     return out
 
 
@@ -223,6 +226,9 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     hw, model = w.hardware, w.model
     trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len, dtype=w.dtype,
                       profiles=w.profiles)
+    raw = trace
+    if p.lora is not None:  # a frozen base: LoRA's times, no host step, one compute-dtype copy on the host
+        trace = frozen_trace(trace, model, p.lora)
     compute = 0.0
     for layer in model.layers:
         kp = trace.layer(layer)
@@ -232,15 +238,17 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
     uploads = 0.0 if p.resident == ResidentMode.ALL else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
-    steps = optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True,
-                              optimizer_state=p.optimizer_state)
+    steps = (optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True,
+                               optimizer_state=p.optimizer_state)
+             if p.lora is None else (0.0,))
     optim = max(sum(steps) / len(hw.gpus), max(steps, default=0.0))
     why = ""
-    hb = host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer,
-                    optimizer_state=p.optimizer_state).total_bytes
+    hb = (host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer,
+                     optimizer_state=p.optimizer_state) if p.lora is None
+          else frozen_host_bytes(model, compute_dtype=w.dtype)).total_bytes
     if hb > w.host_limit:
         why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} host_memory, limit {w.host_limit:,}"
-    least = least_peak_bytes(base_plan(p, model, hw, trace))
+    least = least_peak_bytes(base_plan(p, model, hw, raw))
     if least > w.gpu_limit:
         why = why or (f"GPU memory: a layer's backward holds at least {least:,} bytes (its weights, gradient, "
                       f"activations and workspace), limit {w.gpu_limit:,}")
