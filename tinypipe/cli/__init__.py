@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--top", type=int, default=10, help="candidates listed (default 10)")
     se.add_argument("--out", help="write the winning policy JSON here (simulate and run accept it)")
     se.add_argument("--plot", help="write the Pareto front as a PNG")
+    se.add_argument("--prefer", choices=("footprint", "speed"), default="footprint",
+                    help="footprint (default): among candidates within the simulator's 2%% error band of the fastest, "
+                         "the least GPU memory, then the least host memory; speed: the fastest predicted")
     se.add_argument("--allow-async", action="store_true",
                     help="also consider the async optimizer (staleness 1: changes the training semantics)")
     _dtype_option(se)

@@ -92,7 +92,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.describe.hardware import load_hardware
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import find_trace, load_profiles
-    from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, search
+    from tinypipe.search.policy_search import Prefer, SearchSpace, SearchTarget, describe, search
     from tinypipe.sim.evaluate import SimEvaluator
 
     for flag in ("seq_len", "batch_tokens", "top"):
@@ -124,7 +124,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         bar.phase(f"search: {model.name} on {hw.name}, {workers} worker process(es)")
     evaluate = SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes, profiles=w.profiles,
                             dtype=w.dtype)
-    result = search(w, evaluate, space=space, workers=workers, progress=bar)
+    prefer = Prefer(args.prefer)
+    result = search(w, evaluate, space=space, workers=workers, progress=bar, prefer=prefer)
     if bar is not None:
         bar.close()
     if args.out and result.winner is not None:
@@ -136,10 +137,12 @@ def cmd_search(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot} (Pareto front)", file=sys.stderr)
     if args.json:
         print_json({"model": model.name, "hardware": hw.name, "seq_len": w.seq_len,
-                            "batch_sequences": w.batch_sequences, "considered": result.considered,
+                            "batch_sequences": w.batch_sequences, "prefer": str(prefer), "band": result.band,
+                            "rule": prefer.rule(result.band), "considered": result.considered,
                             "pruned": result.pruned, "rejected_by_memory_bound": result.rejected,
                             "simulated": len(result.ranked) - result.rejected,
                             "winner": result.winner.to_json() if result.winner else None,
+                            "fastest": result.fastest.to_json() if result.fastest else None,
                             "top": [e.to_json() for e in result.ranked[:args.top]],
                             "pareto": [e.to_json() for e in result.pareto()], "advice": result.advice})
         if result.winner is None:
@@ -159,25 +162,23 @@ def cmd_search(args: argparse.Namespace) -> int:
                  describe(e.policy)] for i, e in enumerate(evals)]
 
     top = alike_groups([e for e in result.ranked if e.fits])[:args.top]
-    best = top[0][0].tokens_per_s
-    print("top candidates (alike: how many candidates the simulator predicts the same, options apart that make "
-          "no difference here):")
-    print(table.render(["#", "tokens/s", "vs #1", "peak GPU", "peak host", "alike", "policy"],
+    fastest = result.fastest
+    best = fastest.tokens_per_s if fastest is not None else top[0][0].tokens_per_s
+    print(prefer.rule(result.band))
+    print("top candidates, #1 the pick (alike: how many candidates the simulator predicts the same, options apart "
+          "that make no difference here):")
+    print(table.render(["#", "tokens/s", "vs fastest", "peak GPU", "peak host", "alike", "policy"],
                        [r[:2] + [f"{100 * (g[0].tokens_per_s / best - 1):+.1f}%"] + r[2:4] + [len(g)] + r[4:]
                         for r, g in zip(rows([g[0] for g in top]), top)], align="rrrrrrl"))
-    if len(top) > 1 and top[1][0].tokens_per_s > best * (1 - CLOSE):
-        print(f"note: candidates within {100 * CLOSE:.0f}% of #1 are closer than the simulator's errors and one run's "
-              "spread on the H200s (docs/fidelity.md): expect them to run alike")
+    near = sum(1 for g in top if g[0].tokens_per_s >= best * (1 - result.band))
+    if near > 1:
+        print(f"note: {near} of these are within {100 * result.band:g}% of the fastest, closer than the simulator's "
+              "errors and one run's spread on the H200s (docs/fidelity.md): expect them to run alike")
     print("\nPareto front (tokens/s vs peak GPU vs peak host):")
     print(table.render(["#", "tokens/s", "peak GPU", "peak host", "policy"], rows(result.pareto()), align="rrrrl"))
     if args.out:
         print(f"\nwrote the winner to {args.out}")
     return 0
-
-
-# Predictions closer than this are not an order (bench/results/fidelity.jsonl: median |error| 2.2% over 29
-# H200 configurations; one policy's runs on one machine spread 1.6%: docs/fidelity.md).
-CLOSE = 0.02
 
 
 def alike_groups(evals: list[Any]) -> list[list[Any]]:
