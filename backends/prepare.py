@@ -35,6 +35,7 @@ from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unma
 from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
 
+from .hostfit import check_host_fits, run_host_limit
 from .hoststate import AdamWConfig
 from .settings import DEFAULTS, rank_threads
 from .worker import Job
@@ -192,6 +193,8 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
     note = unmatched_note(profiles, trace, spec, compiled=compile_blocks)
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
     compiled = pinned
+    check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, getattr(args, "host_mem", None)),
+                    lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem))
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
         raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
@@ -242,6 +245,15 @@ def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Profile
              iterations: int, gpu_mem: int | None = None) -> tuple[Schedule, SimResult]:
     schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
     return schedule, simulate(schedule, spec, hardware, trace, gpu_mem_bytes=gpu_mem, on_capacity="record")
+
+
+def _host_peak(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace, iterations: int,
+               gpu_mem: int | None) -> int | None:
+    """`policy`'s predicted host peak, None when it does not compile here."""
+    try:
+        return int(_compile(policy, spec, hardware, trace, iterations, gpu_mem)[1].peak_host_bytes)
+    except InputError:
+        return None
 
 
 def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,

@@ -26,6 +26,7 @@ if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only wh
 
 from .cpustat import NOTABLE_STEAL  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
+from .trust_options import add_machine_arguments  # noqa: E402 - after the torch check
 
 SPARK = "▁▂▃▄▅▆▇█"
 # a prediction from an analytic trace this many times off the measured step (either way) prints how to
@@ -93,6 +94,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="append", default=None, metavar="DIR_OR_FILE",
                    help="measured traces (`tinypipe profile --out DIR`) for the schedule and the prediction: a "
                         "directory or a trace JSON, repeatable; a matching one is used before the shipped ones")
+    add_machine_arguments(p)
 
 
 def run_main(args: argparse.Namespace) -> int:

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per optimizer step for every policy (each policy's microbatch count is set to "
                           "match; default: each policy's own, shown in the tokens/step column)")
     sim.add_argument("--gpu-mem", help="limit per GPU, e.g. 24GiB (default: the hardware's)")
-    sim.add_argument("--host-mem", help="host DRAM limit, e.g. 256GiB (default: the hardware's)")
+    sim.add_argument("--host-mem", help="host DRAM limit, e.g. 256GiB, or `here`: this machine's MemAvailable or "
+                     "cgroup limit (default: `here` when the hardware's GPUs are this machine's, else the hardware's)")
     sim.add_argument("--trace", help="write a Chrome trace (Perfetto) of the first policy")
     sim.add_argument("--plot", help="write a PNG timeline of the first policy")
 
@@ -91,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--seq-len", type=int, default=2048)
     se.add_argument("--batch-tokens", type=int, default=65536, help="tokens per optimizer step (default 65536)")
     se.add_argument("--gpu-mem", help="tighter limit per GPU, e.g. 20GiB")
-    se.add_argument("--host-mem", help="tighter host DRAM limit, e.g. 128GiB")
+    se.add_argument("--host-mem", help="tighter host DRAM limit, e.g. 128GiB, or `here`: this machine's "
+                    "MemAvailable or cgroup limit (default: `here` when the hardware's GPUs are this machine's, "
+                    "else the hardware's)")
     se.add_argument("--workers", type=int, default=None, help="processes evaluating candidates (default: all cores)")
     se.add_argument("--top", type=int, default=10, help="candidates listed (default 10)")
     se.add_argument("--out", help="write the winning policy JSON here (simulate and run accept it)")

@@ -12,7 +12,7 @@ from tinypipe.common.errors import InputError
 from tinypipe.common.progress import Progress
 from tinypipe.policy.modes import OptimizerMode
 
-from .util import check_outputs, plot_to, positive, print_json, workloads, write_new
+from .util import check_outputs, host_limit, plot_to, positive, print_json, workloads, write_new
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -23,7 +23,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     names = args.policy or ["resident", "mobius", "tinypipe"]
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
-    host_mem = parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None
     if args.batch_tokens is not None:
         positive("--batch-tokens", args.batch_tokens)
         if args.microbatches is not None:
@@ -32,6 +31,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_outputs(trace=args.trace, plot=args.plot)
     bar = None if args.json else Progress("simulate")
     loads = workloads(args, names)
+    host_mem, host_note = host_limit(args.host_mem, loads[0][1])
+    if host_note:
+        print(host_note, file=sys.stderr)
     rows: list[dict[str, Any]] = []
     first = None
     for i, (model, hw, policy, trace) in enumerate(loads):
@@ -92,7 +94,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.describe.hardware import load_hardware
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import find_trace, load_profiles
-    from tinypipe.search.policy_search import Prefer, SearchSpace, SearchTarget, describe, search
+    from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, search
+    from tinypipe.search.prefer import Prefer
     from tinypipe.sim.evaluate import SimEvaluator
 
     for flag in ("seq_len", "batch_tokens", "top"):
@@ -104,9 +107,12 @@ def cmd_search(args: argparse.Namespace) -> int:
     check_outputs(out=args.out, plot=args.plot)
     model = load_model(args.model)
     hw = load_hardware(args.hardware)
+    host_mem, host_note = host_limit(args.host_mem, hw)
+    if host_note:
+        print(host_note, file=sys.stderr)
     w = SearchTarget(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
                      gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
-                     host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
+                     host_mem_bytes=host_mem,
                      profiles=load_profiles(args.profile or ()), dtype=args.dtype)
     space = SearchSpace(optimizers=tuple(OptimizerMode) if args.allow_async else (OptimizerMode.SYNC,))
     measured = sorted({t.microbatch_size for t in w.profiles

@@ -55,6 +55,20 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
     return model, hw, policy, trace
 
 
+def host_limit(value: str | None, hw: Any) -> tuple[int | None, str | None]:
+    """`--host-mem`: bytes, or `here` (this machine's, `describe.thismachine`); unset, this machine's when `hw`
+    describes it (its GPU model is here), else the hardware's own (None). With a note saying which."""
+    from tinypipe.common.units import parse_bytes
+    from tinypipe.describe.thismachine import host_limit_here, host_memory_here, is_here
+
+    if value is not None and value != "here":
+        return parse_bytes(value, "--host-mem"), None
+    if value == "here" or is_here(hw):
+        limit, said = host_limit_here(hw, host_memory_here())
+        return limit, f"note: host memory limit {said}: {hw.name} is this machine (--host-mem to plan for another)"
+    return None, None
+
+
 def positive(flag: str, v: int) -> None:
     if v < 1:
         raise InputError(f"{flag}: must be >= 1, got {v}")

@@ -1,0 +1,13 @@
+"""`tinypipe run`'s options for the machine it runs on: the host memory it may take (and, with them, calibration)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_machine_arguments(p: argparse.ArgumentParser) -> None:
+    """Register the options on `p` (run's subparser); none is recorded in a checkpoint."""
+    p.add_argument("--host-mem", default=None, metavar="BYTES",
+                   help="host memory the run may take, e.g. 100GiB: a policy whose predicted host peak exceeds it "
+                        "is refused before training (default: this machine's MemAvailable or its cgroup's memory "
+                        "limit, whichever is smaller, and no more than the hardware description's)")
