@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tinypipe.sim import SimResult, simulate
+from tinypipe.sim import SimResult
+from tinypipe.sim.guard import simulate_policy
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.table import gib
 from tinypipe.common.units import MIB, parse_bytes
-from tinypipe.compiler import WINDOW_ITERATIONS, compile_schedule
+from tinypipe.compiler import WINDOW_ITERATIONS
 from tinypipe.describe.hardware import GPU, HOST, Hardware, Host, Link, load_hardware, shipped_hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
@@ -243,8 +244,8 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
 
 def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
              iterations: int, gpu_mem: int | None = None) -> tuple[Schedule, SimResult]:
-    schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
-    return schedule, simulate(schedule, spec, hardware, trace, gpu_mem_bytes=gpu_mem, on_capacity="record")
+    schedule, result = simulate_policy(policy, spec, hardware, trace, iterations=iterations, gpu_mem_bytes=gpu_mem)
+    return schedule, result
 
 
 def _host_peak(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace, iterations: int,

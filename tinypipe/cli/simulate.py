@@ -18,8 +18,7 @@ from .util import check_outputs, host_limit, plot_to, positive, print_json, work
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tinypipe.common import table
     from tinypipe.common.units import parse_bytes
-    from tinypipe.compiler import compile_schedule
-    from tinypipe.sim import simulate
+    from tinypipe.sim.guard import simulate_policy
 
     names = args.policy or ["resident", "mobius", "tinypipe"]
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
@@ -40,8 +39,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.phase(f"simulating {policy.name} ({i + 1}/{len(loads)})")
         # a policy that cannot run this model on this hardware is a mistake (InputError, exit 2), not a row
-        sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
-        res = simulate(sched, model, hw, trace, gpu_mem_bytes=gpu_mem, host_mem_bytes=host_mem, on_capacity="record")
+        sched, res = simulate_policy(policy, model, hw, trace, iterations=args.iterations, gpu_mem_bytes=gpu_mem,
+                                     host_mem_bytes=host_mem)
         rows.append({"policy": policy.name, "tokens_per_step": policy.microbatches * policy.microbatch_size
                      * args.seq_len, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
                      "peak_gpu_bytes": res.peak_gpu_bytes, "peak_host_bytes": res.peak_host_bytes,
