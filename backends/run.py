@@ -26,6 +26,7 @@ if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only wh
 
 from .cpustat import NOTABLE_STEAL  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
+from .steady import steady_summary  # noqa: E402 - after the torch check
 from .trust_options import add_machine_arguments  # noqa: E402 - after the torch check
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -355,7 +356,7 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
         losses.update(r.losses)
     curve = [losses[k] for k in sorted(losses)]
     tl = timeline(plan, results)
-    iteration_s = tl.steady_iteration_s()
+    iteration_s, how = steady_summary(tl)
     tokens = plan.batch_tokens
     measured_tps = tokens / iteration_s if iteration_s > 0 else 0.0
     wall = max(r.wall_s for r in results)
@@ -368,7 +369,7 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
                      f"(steps {min(losses) + 1}..{max(losses) + 1})")
     if before is not None or after is not None:
         lines.append(f"accuracy  held-out addition: {_pct(before)} before -> {_pct(after)} after")
-    lines.append(f"speed     {measured_tps:,.0f} tokens/s measured (steady step {iteration_s * 1e3:.1f} ms; "
+    lines.append(f"speed     {measured_tps:,.0f} tokens/s measured (step {iteration_s * 1e3:.1f} ms, {how}; "
                  f"{tokens * steps_run / max(wall, 1e-9):,.0f} tokens/s over {steps_run} steps in {wall:.1f} s)")
     lines.append(f"          {sim.tokens_per_s:,.0f} tokens/s predicted by the simulator "
                  f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, "
