@@ -14,8 +14,6 @@ from contextlib import contextmanager
 from itertools import accumulate
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from tinypipe.common.units import GIB
 from tinypipe.estimate import gpumem
@@ -169,6 +167,9 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     (the full problem finds no feasible point in seconds there); it is exact whenever the best
     partition lies within the window.
     """
+    from scipy.optimize import Bounds, LinearConstraint, milp  # ~1 s to import: only when a MILP is solved
+    from scipy.sparse import coo_matrix
+
     n, m, s_n = w.num_layers, w.microbatches, num_packs
     if s_n == 1:
         return (0.0, (n,))

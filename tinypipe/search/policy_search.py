@@ -208,12 +208,13 @@ def stage1(w: SearchTarget, space: SearchSpace) -> list[Policy]:
     return out
 
 
-def stage2(best: Sequence[Policy], space: SearchSpace) -> list[Policy]:
-    """Secondary choices around each of the best structural candidates."""
+def stage2(best: Sequence[Policy], space: SearchSpace, gpus: int = 2) -> list[Policy]:
+    """Secondary choices around each of the best structural candidates (on one GPU every mapping is the
+    same: only the candidate's own)."""
     out: list[Policy] = []
     seen: set[str] = set()
     for p in best:
-        for m in space.mappings:
+        for m in (space.mappings if gpus > 1 else (p.mapping,)):
             for d in space.prefetch_depths:
                 for r in space.residents:
                     for lay in space.host_memories:
@@ -289,7 +290,7 @@ def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = 
             else:
                 top = [e.policy for e in sorted(evals, key=Evaluation.key) if e.fits][:beam]
                 small = [e.policy for e in rank(evals, prefer, band) if e.fits][:beam]
-                cands = stage2(list({p.dumps(): p for p in top + small}.values()), space)
+                cands = stage2(list({p.dumps(): p for p in top + small}.values()), space, len(w.hardware.gpus))
                 done = {e.policy.dumps() for e in evals}
                 cands = [c for c in cands if c.dumps() not in done]
             considered += len(cands)
