@@ -36,6 +36,7 @@ from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unma
 from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
 
+from .calibrate import calibrate_run
 from .hostfit import check_host_fits, run_host_limit
 from .hoststate import AdamWConfig
 from .settings import DEFAULTS, rank_threads
@@ -60,6 +61,7 @@ class RunPlan:
     addition_task: bool  # the data is the embedded addition task (accuracy is measured)
     note: str | None = None  # a choice made for the user, shown under the header
     compiled_policy: Policy | None = None  # what `schedule` was compiled from (packs pinned on --resume)
+    calibration: str | None = None  # the host rates the plan took from this machine, and when (None: --calibrate off)
 
 
 def _rate(fn: Any, work: float, repeat: int = 3) -> float:
@@ -187,11 +189,16 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
     if len(hardware.gpus) > args.gpus:
         hardware = _first_gpus(hardware, args.gpus)
     compile_blocks = args.backend == "cuda" if args.compile is None else args.compile
-    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
+    asked = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
+                      compiled=compile_blocks)
+    note = unmatched_note(profiles, asked, spec, compiled=compile_blocks)
+    hardware, planning, calibration = calibrate_run(
+        getattr(args, "calibrate", None) or "auto", args.backend, hardware, profiles, say=say, dtype=dtype,
+        threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1))
+    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=planning,
                       compiled=compile_blocks)
     iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
-    note = unmatched_note(profiles, trace, spec, compiled=compile_blocks)
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
     compiled = pinned
     check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, getattr(args, "host_mem", None)),
@@ -239,7 +246,7 @@ def make_run_plan(args: Any, *, phase: Callable[[str], None] | None = None) -> R
               compile_blocks=compile_blocks, trace_memory=bool(getattr(args, "trace_memory", False)))
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
-                   note=note, compiled_policy=compiled)
+                   note=note, compiled_policy=compiled, calibration=calibration)
 
 
 def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,

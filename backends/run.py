@@ -24,6 +24,7 @@ from tinypipe.policy.modes import HostMemory
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
     raise ImportError("torch is not installed")
 
+from .calibrate import calibration_lines  # noqa: E402 - after the torch check
 from .cpustat import NOTABLE_STEAL  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
 from .steady import steady_summary  # noqa: E402 - after the torch check
@@ -383,6 +384,7 @@ def summary(plan: Any, results: list[Any], before: float | None, after: float | 
     pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != HOST)
     lines.append(f"device    peak {dev} measured; {planned} by the schedule's ledger as it ran; {pred} predicted")
     lines += _host_lines(plan, results)
+    lines += calibration_lines(plan)
     lines += _steal_lines(results)
     if trace_path:
         lines.append(f"trace     {trace_path} (open in Perfetto)")

@@ -38,12 +38,20 @@ def _common_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=3, help="iterations compiled and simulated (default 3)")
     _dtype_option(p)
     _profile_option(p)
+    _calibration_option(p)
     p.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
 
 
 def _dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="compute dtype of the workload, which a --profile trace must match (default bf16)")
+
+
+def _calibration_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calibration", metavar="here|FILE",
+                   help="plan with a host's measured optimizer and copy rates: `here`, this machine's as `tinypipe "
+                        "run` cached them (younger than 6 h), or a `tinypipe profile` rates.json (or its directory); "
+                        "the traces' host optimizer steps are scaled to them, as `run` does")
 
 
 def _profile_option(p: argparse.ArgumentParser) -> None:
@@ -106,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also consider the async optimizer (staleness 1: changes the training semantics)")
     _dtype_option(se)
     _profile_option(se)
+    _calibration_option(se)
     se.add_argument("--json", action="store_true")
 
     from tinypipe.replay.runner import add_replay_arguments

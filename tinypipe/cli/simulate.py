@@ -12,7 +12,7 @@ from tinypipe.common.errors import InputError
 from tinypipe.common.progress import Progress
 from tinypipe.policy.modes import OptimizerMode
 
-from .util import check_outputs, host_limit, plot_to, positive, print_json, workloads, write_new
+from .util import calibrated, check_outputs, host_limit, plot_to, positive, print_json, workloads, write_new
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -106,17 +106,20 @@ def cmd_search(args: argparse.Namespace) -> int:
     check_outputs(out=args.out, plot=args.plot)
     model = load_model(args.model)
     hw = load_hardware(args.hardware)
+    user_profiles = load_profiles(args.profile or ())
+    calibrated_hw, profiles = calibrated(args, user_profiles)
+    hw = calibrated_hw or hw
     host_mem, host_note = host_limit(args.host_mem, hw)
     if host_note:
         print(host_note, file=sys.stderr)
     w = SearchTarget(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
                      gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                      host_mem_bytes=host_mem,
-                     profiles=load_profiles(args.profile or ()), dtype=args.dtype)
+                     profiles=profiles, dtype=args.dtype)
     space = SearchSpace(optimizers=tuple(OptimizerMode) if args.allow_async else (OptimizerMode.SYNC,))
-    measured = sorted({t.microbatch_size for t in w.profiles
+    measured = sorted({t.microbatch_size for t in user_profiles
                        if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
-    if w.profiles and not measured:
+    if user_profiles and not measured:
         print(f"note: no --profile trace is for {hw.gpus[0].model} / {model.name} / seq {w.seq_len} / {w.dtype}; "
               "the search uses the shipped or analytic traces", file=sys.stderr)
     elif measured and tuple(measured) != space.microbatch_sizes:  # measured and analytic times do not compare

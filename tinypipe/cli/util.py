@@ -18,7 +18,8 @@ def workloads(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[A
     from tinypipe.describe.trace import load_profiles, unmatched_note
 
     profiles = load_profiles(args.profile or ())
-    out = [workload(args, name, profiles) for name in policy_names]
+    hw, planning = calibrated(args, profiles)
+    out = [workload(args, name, planning, hw) for name in policy_names]
     notes = dict.fromkeys(unmatched_note(profiles, trace, model) for model, _, _, trace in out)
     for note in notes:
         if note is not None:
@@ -26,8 +27,21 @@ def workloads(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[A
     return out
 
 
-def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple[Any, Any, Any, Any]:
-    """Model, hardware, policy (with CLI overrides) and trace (`profiles` first) for one policy name."""
+def calibrated(args: argparse.Namespace, profiles: Any) -> tuple[Any, Any]:
+    """`--calibration`: the hardware and profiles to plan with (None and `profiles` without it); a note on stderr."""
+    if not getattr(args, "calibration", None):
+        return None, profiles
+    from tinypipe.describe.hardware import load_hardware
+    from tinypipe.estimate.hostcal import calibrate, load_rates
+
+    hw, planning, line = calibrate(load_hardware(args.hardware), load_rates(args.calibration), profiles)
+    print(f"note: calibrated to {args.calibration}: {line}", file=sys.stderr)
+    return hw, planning
+
+
+def workload(args: argparse.Namespace, policy_name: str, profiles: Any, hw: Any = None) -> tuple[Any, Any, Any, Any]:
+    """Model, hardware (`hw`, else `--hardware`), policy (with CLI overrides) and trace (`profiles` first) for one
+    policy name."""
     from tinypipe.describe.hardware import load_hardware
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import trace_for
@@ -38,7 +52,7 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
         if v is not None:
             positive("--" + flag.replace("_", "-"), v)
     model = load_model(args.model)
-    hw = load_hardware(args.hardware)
+    hw = hw or load_hardware(args.hardware)
     policy = load_policy(policy_name)
     changes = {k: getattr(args, k) for k in ("microbatches", "microbatch_size") if getattr(args, k, None)}
     if changes:

@@ -12,6 +12,9 @@ initialisation): search and simulate call a hardware preset *local* when its GPU
 
 from __future__ import annotations
 
+import hashlib
+import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,3 +107,22 @@ def host_limit_here(hw: Hardware, here: HostMemoryHere | None) -> tuple[int, str
     if here is None or here.bytes >= hw.host.memory_bytes:
         return hw.host.memory_bytes, f"{hw.host.memory_bytes / 2**30:.1f} GiB ({hw.name}'s host memory)"
     return here.bytes, here.describe()
+
+
+def _first_line(path: str, prefix: str = "") -> str:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(prefix):
+                return line.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def fingerprint() -> str:
+    """A short name for this machine as booted now: host name, boot id, CPU model and count, MemTotal and GPU
+    models. A calibration cached under it is never read on another machine, a new VM, or after a reboot."""
+    parts = [platform.node(), _first_line("/proc/sys/kernel/random/boot_id"),
+             _first_line("/proc/cpuinfo", "model name"), str(os.cpu_count()), _first_line(str(MEMINFO), "MemTotal"),
+             *gpu_models_here()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -326,6 +326,11 @@ def _measured() -> tuple[ProfileTrace, ...]:
     return tuple(load_trace(name) for name in shipped_traces())
 
 
+def measured_traces() -> tuple[ProfileTrace, ...]:
+    """The shipped measured traces (`traces/profiles/`), read once."""
+    return _measured()
+
+
 def find_trace(traces: Iterable[ProfileTrace], model: ModelSpec, gpu_model: str, microbatch_size: int,
                seq_len: int, dtype: str, compiled: bool | None = None) -> ProfileTrace | None:
     """The first of `traces` for this GPU model (case-insensitively), microbatch size, sequence length and
