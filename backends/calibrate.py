@@ -5,8 +5,11 @@ Before planning, the run measures what varies between machines of one kind and m
 count, and the copy rates (`profile.rates.measure_rates`, with a small budget); the schedule is planned
 and predicted with them. `--calibrate`:
 - `auto` (default): on CUDA, this machine's cached rates when younger than `hostcal.MAX_AGE_S`, else
-  measured now and cached; on the CPU backend measured now (a fraction of a second), never cached;
-- `now`: measured now (and cached on CUDA);
+  measured now and cached; on the CPU backend the rates `prepare.cpu_hardware` measured at start-up
+  (GEMM, copies, AdamW) as they are: the small budget's layout rates swung 10x between two calls on a
+  loaded 2-core machine (compact step 0.55 and 6.9 M params/s) and put the default job's prediction
+  at 6x its measurement, where without them it was within 10%;
+- `now`: measured now (and cached on CUDA; on the CPU backend, never cached);
 - `off`: the hardware description and traces as they are.
 """
 
@@ -44,6 +47,8 @@ def calibrate_run(mode: str, backend: str, hardware: Hardware, profiles: tuple[P
     """The hardware and profiles to plan with under `--calibrate mode`, and the summary's line (None: off)."""
     if mode == "off":
         return hardware, profiles, None
+    if mode == "auto" and backend == "cpu":
+        return hardware, profiles, f"at start-up (the CPU backend's own measurement): {hardware.source}"
     path = cache_file(backend, threads, dtype)
     rates = read_cached(path) if (mode == "auto" and backend == "cuda") else None
     how = f"cached {path} ({rates.get('when', '?')})" if rates is not None else "measured now"

@@ -36,10 +36,14 @@ def _rates(adam: float, when_s: float) -> dict[str, object]:
 
 
 def test_a_cpu_run_measures_now_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default the plan takes the host's optimizer layouts' rates measured at start-up (a fraction of a
-    second) and the summary says so; --calibrate off plans with the hardware description's rates."""
+    """--calibrate now: the plan takes the host optimizer layouts' rates measured before planning and the
+    summary says so; by default the CPU backend's start-up measurement stands and is named; --calibrate off
+    plans with the hardware description's rates."""
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: fixed_cpu_hardware(workers))
-    plan = make_run_plan(_parse("--out", str(tmp_path / "a")))
+    auto = make_run_plan(_parse("--out", str(tmp_path / "c")))
+    assert auto.hardware == fixed_cpu_hardware(2) and auto.calibration is not None
+    assert auto.calibration.startswith("at start-up (the CPU backend's own measurement): fixed numbers")
+    plan = make_run_plan(_parse("--out", str(tmp_path / "a"), "--calibrate", "now"))
     assert plan.calibration is not None and plan.calibration.startswith("measured now: host optimizer")
     assert plan.hardware.host.compact_params_per_s is not None
     assert calibration_lines(plan)[0].startswith("calibrated measured now: host optimizer")

@@ -278,7 +278,7 @@ def test_simulate_search_and_run_take_the_profile(profiled: tuple[Path, Path, st
                           "--calibrate", "off"])
     plan = make_run_plan(args)
     assert plan.trace == trace and plan.note is None
-    args.calibrate = "auto"  # the same profile, its host optimizer steps scaled to this host as measured now
+    args.calibrate = "now"  # the same profile, its host optimizer steps scaled to this host as measured now
     plan = make_run_plan(args)
     assert plan.trace.source.startswith(trace.source) and "calibrated to this host" in plan.trace.source
     assert plan.trace.kinds["block"].fwd_s == trace.kinds["block"].fwd_s and plan.note is None

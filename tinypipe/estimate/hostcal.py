@@ -169,13 +169,17 @@ def calibrated_profiles(traces: Sequence[ProfileTrace], factor: Mapping[HostMemo
     return tuple(out)
 
 
+def _rate(per_s: float) -> str:
+    return f"{per_s / 1e9:.2f} G params/s" if per_s >= 1e9 else f"{per_s / 1e6:.1f} M params/s"
+
+
 def calibrate(base: Hardware, rates: Mapping[str, Any],
               traces: Sequence[ProfileTrace] = ()) -> tuple[Hardware, tuple[ProfileTrace, ...], str]:
     """The hardware and profiles to plan with on the host `rates` describe, and a line saying what changed."""
     here = with_rates(base, rates)
     factor = slowdown(base.host, here.host)
-    line = (f"host optimizer {rates['adam_params_per_s'] / 1e9:.2f} G params/s AdamW, compact step "
-            f"{rates['compact_params_per_s'] / 1e9:.2f}, replicated {rates['replicated_params_per_s'] / 1e9:.2f} on "
+    line = (f"host optimizer {_rate(rates['adam_params_per_s'])} AdamW, compact step "
+            f"{_rate(rates['compact_params_per_s'])}, replicated {_rate(rates['replicated_params_per_s'])} on "
             f"{rates['threads']} thread(s) (steps x{factor[HostMemory.COMPACT]:.2f} compact, "
             f"x{factor[HostMemory.REPLICATED]:.2f} replicated against {base.name}); copies H2D "
             f"{rates['h2d_gbps']:.1f}, D2H {rates['d2h_gbps']:.1f}, both {rates['bidir_gbps']:.1f} GB/s")
