@@ -52,8 +52,11 @@ def peft_config(lora: LoraSpec) -> Any:
     """peft's LoraConfig for `lora` (causal LM, no bias, plain scaling)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=[PEFT_MODULES[t] for t in lora.targets], bias="none", task_type="CAUSAL_LM")
+    # peft annotates lora_alpha as int but scales by alpha / r, so a fractional alpha works as it does in peft
+    kw: dict[str, Any] = {"r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+                          "target_modules": [PEFT_MODULES[t] for t in lora.targets], "bias": "none",
+                          "task_type": "CAUSAL_LM"}
+    return LoraConfig(**kw)
 
 
 def inject(stack: LayerStack, lora: LoraSpec, layers: list[int], *, seed: int

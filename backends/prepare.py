@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tinypipe.sim import SimResult, simulate
+from tinypipe.sim import SimResult
+from tinypipe.sim.guard import simulate_policy
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.table import gib
 from tinypipe.common.units import MIB, parse_bytes
-from tinypipe.compiler import WINDOW_ITERATIONS, compile_schedule
+from tinypipe.compiler import WINDOW_ITERATIONS
 from tinypipe.describe.hardware import GPU, HOST, Hardware, Host, Link, load_hardware, shipped_hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
@@ -38,7 +39,9 @@ from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
 from tinypipe.policy.lora import LoraSpec, lora_from_args
 
+from .calibrate import calibrate_run
 from .hf import ModelSource
+from .hostfit import check_host_fits, run_host_limit
 from .hoststate import AdamWConfig
 from .lora_save import lora_files
 from .optim_rules import LRSchedule, default_lr, warmup_steps
@@ -65,6 +68,7 @@ class RunPlan:
     addition_task: bool  # the data is the embedded addition task (accuracy is measured)
     note: str | None = None  # a choice made for the user, shown under the header
     compiled_policy: Policy | None = None  # what `schedule` was compiled from (packs pinned on --resume)
+    calibration: str | None = None  # the host rates the plan took from this machine, and when (None: --calibrate off)
 
 
 def _rate(fn: Callable[[], object], work: float, repeat: int = 3) -> float:
@@ -219,13 +223,20 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     if len(hardware.gpus) > args.gpus:
         hardware = _first_gpus(hardware, args.gpus)
     compile_blocks = args.backend == "cuda" if args.compile is None else args.compile
-    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
+    asked = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
+                      compiled=compile_blocks)
+    note = unmatched_note(profiles, asked, spec, compiled=compile_blocks)
+    hardware, planning, calibration = calibrate_run(
+        getattr(args, "calibrate", None) or "auto", args.backend, hardware, profiles, say=say, dtype=dtype,
+        threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1))
+    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=planning,
                       compiled=compile_blocks)
     iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
-    note = unmatched_note(profiles, trace, spec, compiled=compile_blocks)
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
     compiled = pinned
+    check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, getattr(args, "host_mem", None)),
+                    lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem))
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
         raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
@@ -281,13 +292,22 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
               compile_blocks=compile_blocks, trace_memory=args.trace_memory, lora_files=files)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
-                   note=note, compiled_policy=compiled)
+                   note=note, compiled_policy=compiled, calibration=calibration)
 
 
 def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
              iterations: int, gpu_mem: int | None = None) -> tuple[Schedule, SimResult]:
-    schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
-    return schedule, simulate(schedule, spec, hardware, trace, gpu_mem_bytes=gpu_mem, on_capacity="record")
+    schedule, result = simulate_policy(policy, spec, hardware, trace, iterations=iterations, gpu_mem_bytes=gpu_mem)
+    return schedule, result
+
+
+def _host_peak(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace, iterations: int,
+               gpu_mem: int | None) -> int | None:
+    """`policy`'s predicted host peak, None when it does not compile here."""
+    try:
+        return int(_compile(policy, spec, hardware, trace, iterations, gpu_mem)[1].peak_host_bytes)
+    except InputError:
+        return None
 
 
 def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,

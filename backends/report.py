@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 from tinypipe.ir.timeline import Timeline
 from tinypipe.policy.modes import HostMemory
 
+from .calibrate import calibration_lines
 from .cpustat import NOTABLE_STEAL
 from .runtrace import timeline
+from .steady import steady_summary
 
 if TYPE_CHECKING:
     from .prepare import RunPlan
@@ -180,7 +182,7 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
         return "\n".join([done, f"saved     {plan.job.out} at step {plan.job.steps}, nothing left to train "
                                 f"(AutoModelForCausalLM.from_pretrained loads it)"])
     tl = timeline(plan, list(results))
-    iteration_s = tl.steady_iteration_s()
+    iteration_s, how = steady_summary(tl)
     tokens = plan.batch_tokens
     measured_tps = tokens / iteration_s if iteration_s > 0 else 0.0
     wall = max(r.wall_s for r in results)
@@ -193,7 +195,7 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
                      f"(steps {min(losses) + 1}..{max(losses) + 1})")
     if before is not None or after is not None:
         lines.append(f"accuracy  held-out addition: {_pct(before)} before -> {_pct(after)} after")
-    lines.append(f"speed     {measured_tps:,.0f} tokens/s measured (steady step {iteration_s * 1e3:.1f} ms; "
+    lines.append(f"speed     {measured_tps:,.0f} tokens/s measured (step {iteration_s * 1e3:.1f} ms, {how}; "
                  f"{tokens * steps_run / max(wall, 1e-9):,.0f} tokens/s over {steps_run} steps in {wall:.1f} s)")
     lines.append(f"          {sim.tokens_per_s:,.0f} tokens/s predicted by the simulator "
                  f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, "
@@ -207,6 +209,7 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
     pred = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(sim.peak_bytes.items()) if d != HOST)
     lines.append(f"device    peak {dev} measured; {planned} by the schedule's ledger as it ran; {pred} predicted")
     lines += _host_lines(plan, results)
+    lines += calibration_lines(plan)
     lines += _steal_lines(results)
     if trace_path:
         lines.append(f"trace     {trace_path} (open in Perfetto)")

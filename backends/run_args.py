@@ -13,6 +13,7 @@ from tinypipe.policy.lora import add_lora_arguments  # noqa: E402 - after the to
 from .frugal import add_frugal_arguments  # noqa: E402 - after the torch check
 from .optim_rules import SCHEDULES  # noqa: E402 - after the torch check
 from .settings import DEFAULT_BETAS, DEFAULTS  # noqa: E402 - after the torch check
+from .trust_options import add_machine_arguments  # noqa: E402 - after the torch check
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +103,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "the first step pays the compilation (default: on for cuda, off for cpu)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (Perfetto) of all ranks")
     add_frugal_arguments(p)
+    add_machine_arguments(p)
     add_lora_arguments(p)
     p.add_argument("--merge", action="store_true", help="LoRA: also write the base with the adapters folded in, "
                    "a Hugging Face model in OUT/merged")

@@ -52,6 +52,7 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
         _py("calibrate_cost", "results/calibrate_cost.json", "docs/performance.md: Pack size (the calibration)"),
         _py("search_bench", "results/search.json", "docs/performance.md: The search"),
         _py("sim_policies", "results/sim_policies.json", "docs/performance.md: Simulated comparisons"),
+        _py("cli_speed", "results/cli_speed.json", "docs/trust.md: how fast simulate and search are, before and after"),
     )),
     "cpu": ("the default job on this machine's CPU", (
         _py("default_run", "results/default_run.json", "README.md: Try it"),
@@ -70,6 +71,8 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
         _sh("profile_h200", "$OUT/p8, $OUT/pq, a run's trace and replay", "profiles for --profile"),
         _sh("frugal_h200", "$OUT/frugal_h200.jsonl, host_optim_precision_h200.json",
             "docs/memory.md: 8B with low-precision state, checkpoints on a 64 GiB disk"),
+        _sh("trust_h200", "$OUT/trust_h200.json, search.json, runs' summaries and traces",
+            "docs/trust.md: predicted vs measured on a fresh machine (DRY=1: tiny-llama on the CPU)"),
         _py("fidelity", "results/fidelity.jsonl", "README.md and docs/fidelity.md: prediction error"),
     )),
     "test": ("the bench code's own tests (pytest)", (

@@ -11,12 +11,11 @@ import os
 import time
 
 from _common import write_json
-from tinypipe.sim import simulate
 from tinypipe.sim.evaluate import SimEvaluator
+from tinypipe.sim.guard import simulate_policy
 
 from tinypipe.common.errors import TinypipeError
 from tinypipe.common.table import render
-from tinypipe.compiler import compile_schedule
 from tinypipe.describe.hardware import load_hardware, shipped_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.trace import trace_for
@@ -28,10 +27,9 @@ def _preset(name: str, model, hw, seq_len: int, batch: int) -> dict:
     p = PRESETS[name].replace(microbatches=batch)
     trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=seq_len)
     try:
-        sched = compile_schedule(p, model, hw, trace, iterations=3)
+        _, r = simulate_policy(p, model, hw, trace, iterations=3)
     except TinypipeError as exc:
         return {"fits": False, "why": str(exc), "tokens_per_s": 0.0}
-    r = simulate(sched, model, hw, trace, on_capacity="record")
     return {"fits": r.fits, "why": r.violation or "", "tokens_per_s": r.tokens_per_s,
             "peak_gpu_bytes": r.peak_gpu_bytes, "peak_host_bytes": r.peak_host_bytes}
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinypipe.sim.engine import simulate
+from tinypipe.sim.guard import simulate_policy
 
 from tinypipe.common.errors import TinypipeError
-from tinypipe.compiler import compile_schedule
 from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, trace_for
@@ -32,11 +31,10 @@ class SimEvaluator:
         trace = trace_for(self.model, self.hardware.gpus[0], microbatch_size=policy.microbatch_size,
                           seq_len=self.seq_len, dtype=self.dtype, profiles=self.profiles)
         try:
-            sched = compile_schedule(policy, self.model, self.hardware, trace, iterations=self.iterations)
+            _, res = simulate_policy(policy, self.model, self.hardware, trace, iterations=self.iterations,
+                                     gpu_mem_bytes=self.gpu_mem_bytes, host_mem_bytes=self.host_mem_bytes)
         except TinypipeError as exc:
             return Evaluation(policy, False, why=str(exc))
-        res = simulate(sched, self.model, self.hardware, trace, gpu_mem_bytes=self.gpu_mem_bytes,
-                       host_mem_bytes=self.host_mem_bytes, on_capacity="record")
         gpu_short = max((res.peak_bytes[d] - res.capacity_bytes[d] for d in res.peak_bytes if d != HOST),
                         default=0)
         host_short = res.peak_bytes.get(HOST, 0) - res.capacity_bytes.get(HOST, 0)

@@ -164,19 +164,29 @@ def test_inspect_model_flops_are_not_rounded_away(capsys: pytest.CaptureFixture[
 
 def test_search_groups_alike_candidates(capsys: pytest.CaptureFixture[str]) -> None:
     """`search`'s top candidates: one row per outcome the simulator predicts (tokens/s, peak GPU, peak host),
-    with how many candidates share it and its gap to #1, and a note when #2 is within `CLOSE` of #1."""
-    from tinypipe.cli.simulate import CLOSE, alike_groups
+    with how many candidates share it and its gap to the fastest, the ranking rule above, and a note when
+    another is within the band of the fastest."""
+    from tinypipe.cli.simulate import alike_groups
+    from tinypipe.search.policy_search import BAND
 
     assert main(["search", "--model", "tiny-llama", "--hardware", "h200x1", "--workers", "1", "--seq-len", "512",
                  "--batch-tokens", "4096", "--top", "4"]) == 0
     out = capsys.readouterr().out
+    assert "rule: among candidates within 2% of the fastest" in out
     top = out.split("top candidates")[1].split("\n\n")[0].splitlines()
-    assert top[1].split()[:7] == ["#", "tokens/s", "vs", "#1", "peak", "GPU", "peak"] and "alike" in top[1]
+    assert top[1].split()[:7] == ["#", "tokens/s", "vs", "fastest", "peak", "GPU", "peak"] and "alike" in top[1]
     rows = [line.split() for line in top[3:] if line[:1].isdigit()]
-    assert len(rows) == 4 and rows[0][2] == "+0.0%"
+    assert len(rows) == 4 and float(rows[0][2].rstrip("%")) / 100 >= -BAND
     assert len({(r[1], r[3], r[5]) for r in rows}) == 4  # one row per predicted outcome
-    gap = float(rows[1][2].rstrip("%")) / 100
-    assert ("note: candidates within" in top[-1]) == (gap > -CLOSE)
+    near = sum(1 for r in rows if float(r[2].rstrip("%")) / 100 >= -BAND)
+    assert ("note: " in top[-1]) == (near > 1)
+
+    assert main(["search", "--model", "tiny-llama", "--hardware", "h200x1", "--workers", "1", "--seq-len", "512",
+                 "--batch-tokens", "4096", "--top", "4", "--prefer", "speed"]) == 0
+    out = capsys.readouterr().out
+    assert "rule: the fastest predicted tokens/s (--prefer speed)" in out
+    first = out.split("top candidates")[1].split("\n\n")[0].splitlines()[3].split()
+    assert first[2] == "+0.0%"
 
     class E:
         def __init__(self, rate: float, gpu: int) -> None:

@@ -13,7 +13,7 @@ from tinypipe.describe.looptimes import LoopTimes
 from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.describe.trace import trace_for
 from tinypipe.estimate.floor import schedule_floor
-from tinypipe.estimate.hostmem import optimizer_step_s, optimizer_time_factor
+from tinypipe.estimate.hostmem import optimizer_s_per_param, optimizer_step_s, optimizer_time_factor
 from tinypipe.ir.schedule import Kind
 from tinypipe.policy import PRESETS
 
@@ -38,11 +38,13 @@ def test_floor_terms_are_the_work_of_one_iteration(hw_name: str, recompute: bool
     assert total / gpus <= f.compute_s * (1 + 1e-9) and f.compute_s <= total * (1 + 1e-9)
     if gpus == 1:
         assert f.compute_s == pytest.approx(total)
-    factor = optimizer_time_factor(policy.host_memory)
+    per_param = optimizer_s_per_param(hw.host, policy.host_memory)  # the measured layout rate, else the factor
+    if hw.host.compact_params_per_s is None:
+        assert per_param == pytest.approx(optimizer_time_factor(policy.host_memory) / hw.host.adam_params_per_s)
     per_rank = [sum(spec.layers[x].params for p, g in enumerate(sched.pack_gpu) if g == rank
                     for x in sched.pack_layers[p]) for rank in range(gpus)]
     assert sum(per_rank) == spec.params and (gpus == 1 or max(per_rank) < spec.params)
-    assert f.optimizer_s == pytest.approx(max(per_rank) * factor / hw.host.adam_params_per_s)
+    assert f.optimizer_s == pytest.approx(max(per_rank) * per_param)
     up = [sum(a.nbytes for a in sched.actions if a.kind in (Kind.LOAD, Kind.FETCH_ACT) and a.resource == f"g{g}.h2d")
           for g in range(gpus)]
     assert f.h2d_s == pytest.approx(max(up) / 3 / 55e9)

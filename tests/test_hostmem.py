@@ -62,7 +62,7 @@ def test_optimizer_rate_is_the_measured_one_where_the_hardware_has_it() -> None:
     from tinypipe.describe.hardware import Hardware, load_hardware
     from tinypipe.estimate.hostmem import optimizer_s_per_param, optimizer_time_factor
 
-    hw = load_hardware("h200x1")
+    hw = load_hardware("h200x2")  # no measured layout rates
     assert optimizer_s_per_param(hw.host, "compact") == optimizer_time_factor("compact") / hw.host.adam_params_per_s
     measured = dataclasses.replace(hw, host=dataclasses.replace(hw.host, compact_params_per_s=2e9,
                                                                 replicated_params_per_s=4e9))

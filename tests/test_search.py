@@ -5,7 +5,17 @@ from __future__ import annotations
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.policy import Policy
-from tinypipe.search.policy_search import Evaluation, SearchSpace, SearchTarget, lower_bound, search, stage1
+from tinypipe.search.policy_search import (
+    BAND,
+    Evaluation,
+    Prefer,
+    SearchSpace,
+    SearchTarget,
+    lower_bound,
+    rank,
+    search,
+    stage1,
+)
 
 
 def _w(**kw: object) -> SearchTarget:
@@ -52,10 +62,10 @@ def test_lower_bound_is_compute_upload_or_optimizer() -> None:
 
 
 def test_search_is_deterministic_and_ranks_by_throughput() -> None:
-    """Two runs give the same ranking; the winner is the fastest fitting candidate."""
+    """Two runs give the same ranking; under --prefer speed the winner is the fastest fitting candidate."""
     w = _w()
-    a = search(w, FakeEvaluator(w), space=SMALL)
-    b = search(w, FakeEvaluator(w), space=SMALL)
+    a = search(w, FakeEvaluator(w), space=SMALL, prefer=Prefer.SPEED)
+    b = search(w, FakeEvaluator(w), space=SMALL, prefer=Prefer.SPEED)
     assert [e.policy for e in a.ranked] == [e.policy for e in b.ranked]
     assert a.winner is not None and a.winner.fits
     fits = [e for e in a.ranked if e.fits]
@@ -105,3 +115,39 @@ def test_simulated_search_is_the_same_serial_and_parallel() -> None:
     parallel = search(w, SimEvaluator(model, hw, 64), space=space, workers=2)
     assert serial.winner is not None
     assert [e.to_json() for e in serial.ranked] == [e.to_json() for e in parallel.ranked]
+
+
+def _e(name: str, rate: float, gpu: int, host: int, fits: bool = True) -> Evaluation:
+    return Evaluation(Policy(name=name), fits, tokens_per_s=rate, iteration_s=1 / rate, peak_gpu_bytes=gpu,
+                      peak_host_bytes=host)
+
+
+def test_rank_picks_the_smallest_footprint_within_the_band() -> None:
+    """Within BAND of the fastest: least GPU memory first, then least host memory; outside the band (or not
+    fitting) by speed after them. --prefer speed keeps the fastest first."""
+    fast = _e("fast", 100.0, 21, 160)
+    small_gpu_big_host = _e("a", 99.8, 8, 160)
+    small_gpu_small_host = _e("b", 99.0, 8, 106)
+    slow_tiny = _e("slow", 100.0 * (1 - BAND) - 0.1, 4, 50)
+    broken = _e("broken", 500.0, 1, 1, fits=False)
+    evals = [slow_tiny, fast, broken, small_gpu_big_host, small_gpu_small_host]
+    assert [e.policy.name for e in rank(evals)] == ["b", "a", "fast", "slow", "broken"]
+    assert [e.policy.name for e in rank(evals, Prefer.SPEED)] == ["fast", "a", "b", "slow", "broken"]
+    assert [e.policy.name for e in rank(evals, band=0.05)] == ["slow", "b", "a", "fast", "broken"]
+    assert rank([broken]) == [broken]
+
+
+def test_search_prefers_footprint_among_equals() -> None:
+    """By default the winner is within BAND of the fastest candidate and holds no more GPU memory than the
+    fastest; the speed winner is the fastest. The rule says both."""
+    w = _w()
+    foot = search(w, FakeEvaluator(w), space=SMALL)
+    speed = search(w, FakeEvaluator(w), space=SMALL, prefer=Prefer.SPEED)
+    assert foot.winner is not None and speed.winner is not None and foot.fastest is not None
+    assert speed.winner.policy == speed.fastest.policy if speed.fastest else False
+    assert foot.winner.tokens_per_s >= foot.fastest.tokens_per_s * (1 - BAND)
+    assert foot.winner.peak_gpu_bytes <= speed.winner.peak_gpu_bytes
+    near = [e for e in foot.ranked if e.fits and e.tokens_per_s >= foot.fastest.tokens_per_s * (1 - BAND)]
+    assert foot.winner.peak_gpu_bytes == min(e.peak_gpu_bytes for e in near)
+    assert "2%" in Prefer.FOOTPRINT.rule() and "least peak GPU memory" in Prefer.FOOTPRINT.rule()
+    assert "fastest" in Prefer.SPEED.rule()

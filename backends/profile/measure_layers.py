@@ -40,6 +40,7 @@ from itertools import count
 
 import torch
 
+from tinypipe.describe.layershape import model_shapes
 from tinypipe.describe.model import LayerKind, ModelSpec, head_workspace_bytes, head_workspace_fixed_bytes
 from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.describe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
@@ -122,7 +123,7 @@ def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model
     return ProfileTrace(gpu_model=gpu_model, dtype=dtype, microbatch_size=microbatch_size, seq_len=seq_len,
                         kinds={k: kind_profile(by_kind[k], spec, (optimizer or {}).get(k))
                                for k in (x.value for x in LayerKind)},
-                        analytic=False, source=source, model=spec.name, compiled=compiled)
+                        analytic=False, source=source, model=spec.name, compiled=compiled, layers=model_shapes(spec))
 
 
 class _Clock:

@@ -27,20 +27,20 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from tinypipe.common.units import MIB
-from tinypipe.describe.hardware import Hardware, Host
+from tinypipe.describe.hardware import Hardware
+from tinypipe.estimate.hostcal import FORMAT, with_rates
 from tinypipe.estimate.hostmem import optimizer_time_factor
 from tinypipe.policy.modes import HostMemory
 
 from ..host_states import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
 
-FORMAT = "tinypipe-host-rates-v1"
 COPY_BYTES = 256 * MIB  # large enough to reach the link's rate (>= 16 MiB on the H200 host)
 CPU_COPY_BYTES = 64 * MIB  # host memcpy: past the last-level cache, a fraction of a second on 2 cores
 SMALL_COPY_BYTES = 4 << 10
@@ -87,35 +87,8 @@ class HostRates:
                           "with tinypipe.estimate.hostmem's constants"}
 
     def hardware(self, base: Hardware) -> Hardware:
-        """`base` with these rates: each GPU's own PCIe link at min(H2D, D2H) with the measured fixed cost,
-        the host's AdamW rate, and (one-GPU presets) the host DMA cap and memory links at the measured
-        two-way total; a preset of several GPUs keeps its DMA cap unless this one GPU exceeded it.
-        GEMM rates, memory sizes and GPU <-> GPU links stay the preset's (not measured here)."""
-        gpus = {g.name for g in base.gpus}
-        one = len(base.gpus) == 1
-        dma = self.bidir_gbps if one else max(base.host.dma_gbps, self.bidir_gbps)
-        link = min(self.h2d_gbps, self.d2h_gbps)
-        links = []
-        for x in base.links:
-            if x.kind == "pcie" and (x.a in gpus or x.b in gpus):
-                x = replace(x, gbps=link, latency_s=self.copy_latency_s)
-            elif x.kind == "mem":
-                x = replace(x, gbps=dma if one else max(x.gbps, dma))
-            links.append(x)
-        host = Host(memory_bytes=base.host.memory_bytes, dma_gbps=dma, cpu_cores=base.host.cpu_cores,
-                    adam_params_per_s=self.adam_params_per_s, replicated_params_per_s=self.replicated_params_per_s,
-                    compact_params_per_s=self.compact_params_per_s)
-        source = (f"{base.name} with rates measured by `tinypipe profile` on {self.device}, {self.when}: GPU "
-                  f"links {link:.1f} GB/s (min of H2D {self.h2d_gbps:.1f}, D2H {self.d2h_gbps:.1f}, pinned, "
-                  f"{self.copy_bytes // MIB} MiB copies) with a {self.copy_latency_s * 1e6:.1f} us fixed cost; both "
-                  f"directions at once {self.bidir_gbps:.1f} GB/s -> host DMA cap {dma:.1f} GB/s; fused AdamW "
-                  f"{self.adam_params_per_s / 1e9:.3g} G params/s on {self.threads} threads (compact step "
-                  f"{self.factors()[HostMemory.COMPACT]:.2f} x, replicated "
-                  f"{self.factors()[HostMemory.REPLICATED]:.2f} x its time; "
-                  f"the simulator takes these measured layouts' rates). Not measured, kept from the preset: GEMM "
-                  f"rates, memory sizes, GPU <-> GPU links. The preset: {base.source}")
-        return Hardware(name=f"{base.name}-measured", provenance="measured", source=source, host=host,
-                        gpus=base.gpus, switches=base.switches, links=tuple(links), gpu_p2p=base.gpu_p2p)
+        """`base` with these rates (`tinypipe.estimate.hostcal.with_rates`, which says what changes)."""
+        return with_rates(base, self.to_json())
 
 
 def _median(fn: Callable[[], float], repeat: int) -> float:

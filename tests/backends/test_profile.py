@@ -274,9 +274,14 @@ def test_simulate_search_and_run_take_the_profile(profiled: tuple[Path, Path, st
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
     args = ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(4 * SEQ), "--microbatch-size", "2",
-                          "--steps", "2", "--out", str(out.parent / "run"), "--profile", str(out)])
+                          "--steps", "2", "--out", str(out.parent / "run"), "--profile", str(out),
+                          "--calibrate", "off"])
     plan = make_run_plan(args)
     assert plan.trace == trace and plan.note is None
+    args.calibrate = "now"  # the same profile, its host optimizer steps scaled to this host as measured now
+    plan = make_run_plan(args)
+    assert plan.trace.source.startswith(trace.source) and "calibrated to this host" in plan.trace.source
+    assert plan.trace.kinds["block"].fwd_s == trace.kinds["block"].fwd_s and plan.note is None
 
 
 def test_host_rates_rewrite_a_preset(profiled: tuple[Path, Path, str]) -> None:

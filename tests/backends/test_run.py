@@ -477,5 +477,5 @@ def test_a_policy_that_does_not_fit_host_memory_is_refused(tmp_path: Path, monke
     small = fixed_cpu_hardware(2)
     small = dataclasses.replace(small, host=dataclasses.replace(small.host, memory_bytes=1 << 20))
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: small)
-    with pytest.raises(InputError, match="does not fit.*host"):
+    with pytest.raises(InputError, match="needs .* of host memory at its predicted peak, more than the 1.0 MiB"):
         make_run_plan(parse("--gpus", "2", "--out", str(tmp_path)))

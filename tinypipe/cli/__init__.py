@@ -40,12 +40,20 @@ def _common_workload(p: argparse.ArgumentParser) -> None:
     _dtype_option(p)
     _profile_option(p)
     add_lora_arguments(p)
+    _calibration_option(p)
     p.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
 
 
 def _dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="compute dtype of the workload, which a --profile trace must match (default bf16)")
+
+
+def _calibration_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calibration", metavar="here|FILE",
+                   help="plan with a host's measured optimizer and copy rates: `here`, this machine's as `tinypipe "
+                        "run` cached them (younger than 6 h), or a `tinypipe profile` rates.json (or its directory); "
+                        "the traces' host optimizer steps are scaled to them, as `run` does")
 
 
 def _profile_option(p: argparse.ArgumentParser) -> None:
@@ -89,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per optimizer step for every policy (each policy's microbatch count is set to "
                           "match; default: each policy's own, shown in the tokens/step column)")
     sim.add_argument("--gpu-mem", help="limit per GPU, e.g. 24GiB (default: the hardware's)")
-    sim.add_argument("--host-mem", help="host DRAM limit, e.g. 256GiB (default: the hardware's)")
+    sim.add_argument("--host-mem", help="host DRAM limit, e.g. 256GiB, or `here`: this machine's MemAvailable or "
+                     "cgroup limit (default: `here` when the hardware's GPUs are this machine's, else the hardware's)")
     sim.add_argument("--optimizer-state", choices=("fp32", "bf16", "8bit"), default=None,
                      help="hold AdamW's moments as fp32, bf16 or 8-bit blocks in every policy (default: each "
                           "policy's own, fp32)")
@@ -102,11 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--seq-len", type=int, default=2048)
     se.add_argument("--batch-tokens", type=int, default=65536, help="tokens per optimizer step (default 65536)")
     se.add_argument("--gpu-mem", help="tighter limit per GPU, e.g. 20GiB")
-    se.add_argument("--host-mem", help="tighter host DRAM limit, e.g. 128GiB")
+    se.add_argument("--host-mem", help="tighter host DRAM limit, e.g. 128GiB, or `here`: this machine's "
+                    "MemAvailable or cgroup limit (default: `here` when the hardware's GPUs are this machine's, "
+                    "else the hardware's)")
     se.add_argument("--workers", type=int, default=None, help="processes evaluating candidates (default: all cores)")
     se.add_argument("--top", type=int, default=10, help="candidates listed (default 10)")
     se.add_argument("--out", help="write the winning policy JSON here (simulate and run accept it)")
     se.add_argument("--plot", help="write the Pareto front as a PNG")
+    se.add_argument("--prefer", choices=("footprint", "speed"), default="footprint",
+                    help="footprint (default): among candidates within the simulator's 2%% error band of the fastest, "
+                         "the least GPU memory, then the least host memory; speed: the fastest predicted")
     se.add_argument("--allow-async", action="store_true",
                     help="also consider the async optimizer (staleness 1: changes the training semantics)")
     se.add_argument("--optimizer-state", choices=("fp32", "bf16", "8bit", "auto"), default="fp32",
@@ -116,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _dtype_option(se)
     _profile_option(se)
     add_lora_arguments(se)
+    _calibration_option(se)
     se.add_argument("--json", action="store_true")
 
     from tinypipe.replay.runner import add_replay_arguments

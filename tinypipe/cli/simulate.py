@@ -13,18 +13,27 @@ from tinypipe.common.errors import InputError
 from tinypipe.common.progress import Progress
 from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState
 
-from .util import LIMITS, at_most, check_outputs, plot_to, positive, print_json, workloads, write_new
+from .util import (
+    LIMITS,
+    at_most,
+    calibrated,
+    check_outputs,
+    host_limit,
+    plot_to,
+    positive,
+    print_json,
+    workloads,
+    write_new,
+)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tinypipe.common import table
     from tinypipe.common.units import parse_bytes
-    from tinypipe.compiler import compile_schedule
-    from tinypipe.sim import simulate
+    from tinypipe.sim.guard import simulate_policy
 
     names = args.policy or ["resident", "mobius", "tinypipe"]
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
-    host_mem = parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None
     if args.batch_tokens is not None:
         positive("--batch-tokens", args.batch_tokens)
         at_most("--batch-tokens", args.batch_tokens, LIMITS["batch_tokens"])
@@ -34,14 +43,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_outputs(trace=args.trace, plot=args.plot)
     bar = None if args.json else Progress("simulate")
     loads = workloads(args, names)
+    host_mem, host_note = host_limit(args.host_mem, loads[0][1])
+    if host_note:
+        print(host_note, file=sys.stderr)
     rows: list[dict[str, Any]] = []
     first = None
     for i, (model, hw, policy, trace) in enumerate(loads):
         if bar is not None:
             bar.phase(f"simulating {policy.name} ({i + 1}/{len(loads)})")
         # a policy that cannot run this model on this hardware is a mistake (InputError, exit 2), not a row
-        sched = compile_schedule(policy, model, hw, trace, iterations=args.iterations)
-        res = simulate(sched, model, hw, trace, gpu_mem_bytes=gpu_mem, host_mem_bytes=host_mem, on_capacity="record")
+        sched, res = simulate_policy(policy, model, hw, trace, iterations=args.iterations, gpu_mem_bytes=gpu_mem,
+                                     host_mem_bytes=host_mem)
         rows.append({"policy": policy.name, "tokens_per_step": policy.microbatches * policy.microbatch_size
                      * args.seq_len, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
                      "peak_gpu_bytes": res.peak_gpu_bytes, "peak_host_bytes": res.peak_host_bytes,
@@ -95,6 +107,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.describe.trace import find_trace, load_profiles
     from tinypipe.policy.lora import lora_from_args
     from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, search
+    from tinypipe.search.prefer import Prefer
     from tinypipe.sim.evaluate import SimEvaluator
 
     for flag in ("seq_len", "batch_tokens", "top"):
@@ -108,10 +121,16 @@ def cmd_search(args: argparse.Namespace) -> int:
     check_outputs(out=args.out, plot=args.plot)
     model = load_model(args.model)
     hw = load_hardware(args.hardware)
+    user_profiles = load_profiles(args.profile or ())
+    calibrated_hw, profiles = calibrated(args, user_profiles)
+    hw = calibrated_hw or hw
+    host_mem, host_note = host_limit(args.host_mem, hw)
+    if host_note:
+        print(host_note, file=sys.stderr)
     w = SearchTarget(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
                      gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
-                     host_mem_bytes=parse_bytes(args.host_mem, "--host-mem") if args.host_mem else None,
-                     profiles=load_profiles(args.profile or ()), dtype=args.dtype)
+                     host_mem_bytes=host_mem,
+                     profiles=profiles, dtype=args.dtype)
     states = (tuple(OptimizerState) if args.optimizer_state == "auto"
               else (OptimizerState.parse(args.optimizer_state, "--optimizer-state"),))
     lora = lora_from_args(args)
@@ -119,9 +138,9 @@ def cmd_search(args: argparse.Namespace) -> int:
                         optimizer_state=states[0], lora=lora)
     if lora is not None:  # a frozen base has one host layout
         space = dataclasses.replace(space, host_memories=(HostMemory.COMPACT,))
-    measured = sorted({t.microbatch_size for t in w.profiles
+    measured = sorted({t.microbatch_size for t in user_profiles
                        if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
-    if w.profiles and not measured:
+    if user_profiles and not measured:
         print(f"note: no --profile trace is for {hw.gpus[0].model} / {model.name} / seq {w.seq_len} / {w.dtype}; "
               "the search uses the shipped or analytic traces", file=sys.stderr)
     elif measured and tuple(measured) != space.microbatch_sizes:  # measured and analytic times do not compare
@@ -134,14 +153,15 @@ def cmd_search(args: argparse.Namespace) -> int:
         bar.phase(f"search: {model.name} on {hw.name}, {workers} worker process(es)")
     evaluate = SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes, profiles=w.profiles,
                             dtype=w.dtype)
-    result = search(w, evaluate, space=space, workers=workers, progress=bar)
+    prefer = Prefer(args.prefer)
+    result = search(w, evaluate, space=space, workers=workers, progress=bar, prefer=prefer)
     for state in states[1:]:  # auto: the most precise state for which a policy fits
         if result.winner is not None:
             break
         if bar is not None:
             bar.phase(f"search: nothing fits with {space.optimizer_state} optimizer state; trying {state}")
         space = dataclasses.replace(space, optimizer_state=state, host_memories=SearchSpace().host_memories)
-        result = search(w, evaluate, space=space, workers=workers, progress=bar)
+        result = search(w, evaluate, space=space, workers=workers, progress=bar, prefer=prefer)
     if bar is not None:
         bar.close()
     if len(states) > 1 and result.winner is not None and not args.json:
@@ -155,10 +175,12 @@ def cmd_search(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot} (Pareto front)", file=sys.stderr)
     if args.json:
         print_json({"model": model.name, "hardware": hw.name, "seq_len": w.seq_len,
-                            "batch_sequences": w.batch_sequences, "considered": result.considered,
+                            "batch_sequences": w.batch_sequences, "prefer": str(prefer), "band": result.band,
+                            "rule": prefer.rule(result.band), "considered": result.considered,
                             "pruned": result.pruned, "rejected_by_memory_bound": result.rejected,
                             "simulated": len(result.ranked) - result.rejected,
                             "winner": result.winner.to_json() if result.winner else None,
+                            "fastest": result.fastest.to_json() if result.fastest else None,
                             "top": [e.to_json() for e in result.ranked[:args.top]],
                             "pareto": [e.to_json() for e in result.pareto()], "advice": result.advice})
         if result.winner is None:
@@ -178,25 +200,23 @@ def cmd_search(args: argparse.Namespace) -> int:
                  describe(e.policy)] for i, e in enumerate(evals)]
 
     top = alike_groups([e for e in result.ranked if e.fits])[:args.top]
-    best = top[0][0].tokens_per_s
-    print("top candidates (alike: how many candidates the simulator predicts the same, options apart that make "
-          "no difference here):")
-    print(table.render(["#", "tokens/s", "vs #1", "peak GPU", "peak host", "alike", "policy"],
+    fastest = result.fastest
+    best = fastest.tokens_per_s if fastest is not None else top[0][0].tokens_per_s
+    print(prefer.rule(result.band))
+    print("top candidates, #1 the pick (alike: how many candidates the simulator predicts the same, options apart "
+          "that make no difference here):")
+    print(table.render(["#", "tokens/s", "vs fastest", "peak GPU", "peak host", "alike", "policy"],
                        [r[:2] + [f"{100 * (g[0].tokens_per_s / best - 1):+.1f}%"] + r[2:4] + [len(g)] + r[4:]
                         for r, g in zip(rows([g[0] for g in top]), top)], align="rrrrrrl"))
-    if len(top) > 1 and top[1][0].tokens_per_s > best * (1 - CLOSE):
-        print(f"note: candidates within {100 * CLOSE:.0f}% of #1 are closer than the simulator's errors and one run's "
-              "spread on the H200s (docs/fidelity.md): expect them to run alike")
+    near = sum(1 for g in top if g[0].tokens_per_s >= best * (1 - result.band))
+    if near > 1:
+        print(f"note: {near} of these are within {100 * result.band:g}% of the fastest, closer than the simulator's "
+              "errors and one run's spread on the H200s (docs/fidelity.md): expect them to run alike")
     print("\nPareto front (tokens/s vs peak GPU vs peak host):")
     print(table.render(["#", "tokens/s", "peak GPU", "peak host", "policy"], rows(result.pareto()), align="rrrrl"))
     if args.out:
         print(f"\nwrote the winner to {args.out}")
     return 0
-
-
-# Predictions closer than this are not an order (bench/results/fidelity.jsonl: median |error| 2.2% over 29
-# H200 configurations; one policy's runs on one machine spread 1.6%: docs/fidelity.md).
-CLOSE = 0.02
 
 
 def alike_groups(evals: list[Any]) -> list[list[Any]]:

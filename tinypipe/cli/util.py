@@ -18,7 +18,8 @@ def workloads(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[A
     from tinypipe.describe.trace import load_profiles, unmatched_note
 
     profiles = load_profiles(args.profile or ())
-    out = [workload(args, name, profiles) for name in policy_names]
+    hw, planning = calibrated(args, profiles)
+    out = [workload(args, name, planning, hw) for name in policy_names]
     notes = dict.fromkeys(unmatched_note(profiles, trace, model) for model, _, _, trace in out)
     for note in notes:
         if note is not None:
@@ -26,8 +27,21 @@ def workloads(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[A
     return out
 
 
-def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple[Any, Any, Any, Any]:
-    """Model, hardware, policy (with CLI overrides) and trace (`profiles` first) for one policy name."""
+def calibrated(args: argparse.Namespace, profiles: Any) -> tuple[Any, Any]:
+    """`--calibration`: the hardware and profiles to plan with (None and `profiles` without it); a note on stderr."""
+    if not getattr(args, "calibration", None):
+        return None, profiles
+    from tinypipe.describe.hardware import load_hardware
+    from tinypipe.estimate.hostcal import calibrate, load_rates
+
+    hw, planning, line = calibrate(load_hardware(args.hardware), load_rates(args.calibration), profiles)
+    print(f"note: calibrated to {args.calibration}: {line}", file=sys.stderr)
+    return hw, planning
+
+
+def workload(args: argparse.Namespace, policy_name: str, profiles: Any, hw: Any = None) -> tuple[Any, Any, Any, Any]:
+    """Model, hardware (`hw`, else `--hardware`), policy (with CLI overrides) and trace (`profiles` first) for one
+    policy name."""
     from tinypipe.describe.hardware import load_hardware
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import trace_for
@@ -42,7 +56,7 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
     model = load_model(args.model)
     if args.seq_len > model.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len}: {model.name} handles at most {model.max_seq_len:,} positions")
-    hw = load_hardware(args.hardware)
+    hw = hw or load_hardware(args.hardware)
     policy = load_policy(policy_name)
     changes = {k: getattr(args, k) for k in ("microbatches", "microbatch_size", "optimizer_state")
                if getattr(args, k, None)}
@@ -67,6 +81,20 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any) -> tuple
 # iterations x microbatches x layers actions), so a mistyped number is refused instead of run
 LIMITS = {"seq_len": 1 << 24, "iterations": 64, "microbatches": 4096, "microbatch_size": 65536, "workers": 1024,
           "top": 100_000, "batch_tokens": 1 << 34}
+
+
+def host_limit(value: str | None, hw: Any) -> tuple[int | None, str | None]:
+    """`--host-mem`: bytes, or `here` (this machine's, `describe.thismachine`); unset, this machine's when `hw`
+    describes it (its GPU model is here), else the hardware's own (None). With a note saying which."""
+    from tinypipe.common.units import parse_bytes
+    from tinypipe.describe.thismachine import host_limit_here, host_memory_here, is_here
+
+    if value is not None and value != "here":
+        return parse_bytes(value, "--host-mem"), None
+    if value == "here" or is_here(hw):
+        limit, said = host_limit_here(hw, host_memory_here())
+        return limit, f"note: host memory limit {said}: {hw.name} is this machine (--host-mem to plan for another)"
+    return None, None
 
 
 def positive(flag: str, v: int) -> None:

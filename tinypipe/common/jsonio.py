@@ -52,7 +52,7 @@ class Fields:
         """InputError on a field that is not one of `known` (names starting with `_` are comments)."""
         extra = sorted(k for k in self.obj if k not in known and not str(k).startswith("_"))
         if extra:
-            raise InputError(f"{self._at(str(extra[0]))}: unknown field (known: {', '.join(known)})")
+            raise InputError(f"{self.where}: unknown field {str(extra[0])!r} (known: {', '.join(known)})")
         return self
 
     def has(self, key: str) -> bool:

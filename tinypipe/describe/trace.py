@@ -43,6 +43,7 @@ import tinypipe.traces as shipped
 from tinypipe.common.errors import InputError
 from tinypipe.common.jsonio import Fields, load_json
 from tinypipe.describe.hardware import GPU
+from tinypipe.describe.layershape import Shapes, same_layers, shapes_from_json
 from tinypipe.describe.looptimes import LoopTimes
 from tinypipe.describe.model import (
     DTYPE_BYTES,
@@ -185,6 +186,7 @@ class ProfileTrace:
     source: str
     model: str = ""  # model name the trace was profiled on ("" for analytic traces)
     compiled: bool = False  # measured with the blocks torch.compiled (`profile --compile`, as `run` on CUDA)
+    layers: Shapes | None = None  # each kind's measured layer shape (`describe.layershape`); None: by `model`
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -211,10 +213,11 @@ class ProfileTrace:
                               f"{self.microbatch_size} to {microbatch_size}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "gpu_model": self.gpu_model, "model": self.model, "dtype": self.dtype,
-                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len, "analytic": self.analytic,
-                "compiled": self.compiled, "source": self.source,
-                "kinds": {k: p.to_json() for k, p in self.kinds.items()}}
+        out = {"format": FORMAT, "gpu_model": self.gpu_model, "model": self.model, "dtype": self.dtype,
+               "microbatch_size": self.microbatch_size, "seq_len": self.seq_len, "analytic": self.analytic,
+               "compiled": self.compiled, "source": self.source,
+               "kinds": {k: p.to_json() for k, p in self.kinds.items()}}
+        return out if self.layers is None else out | {"layers": self.layers}
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "trace") -> ProfileTrace:
@@ -231,7 +234,8 @@ class ProfileTrace:
                    dtype=f.str("dtype", choices=tuple(DTYPE_BYTES)),
                    microbatch_size=f.int("microbatch_size", minimum=1), seq_len=f.int("seq_len", minimum=1),
                    kinds={k: KindProfile.from_json(kinds_f.obj_(k)) for k in KIND_NAMES},
-                   analytic=f.bool("analytic"), source=f.str("source"), compiled=f.bool("compiled", False))
+                   analytic=f.bool("analytic"), source=f.str("source"), compiled=f.bool("compiled", False),
+                   layers=shapes_from_json(f.obj.get("layers"), f.where))
 
 
 def _kind_profile(layer: LayerSpec, model: ModelSpec, gpu: GPU, tokens: int, seq_len: int,
@@ -322,14 +326,20 @@ def _measured() -> tuple[ProfileTrace, ...]:
     return tuple(load_trace(name) for name in shipped_traces())
 
 
+def measured_traces() -> tuple[ProfileTrace, ...]:
+    """The shipped measured traces (`traces/profiles/`), read once."""
+    return _measured()
+
+
 def find_trace(traces: Iterable[ProfileTrace], model: ModelSpec, gpu_model: str, microbatch_size: int,
                seq_len: int, dtype: str, compiled: bool | None = None) -> ProfileTrace | None:
-    """The first of `traces` for this GPU model, model name, microbatch size, sequence length and dtype
-    (names compared case-insensitively), with compiled blocks or eager ones as `compiled` says (None:
-    an eager one if there is one, else a compiled one); or None."""
+    """The first of `traces` for this GPU model (case-insensitively), microbatch size, sequence length and
+    dtype that measured the layers `model` has (`layershape.same_layers`: each kind's shape, whatever the
+    model's name), with compiled blocks or eager ones as `compiled` says (None: an eager one if there is
+    one, else a compiled one); or None."""
     found = [t for t in traces
-             if (t.gpu_model.casefold() == gpu_model.casefold() and t.model.casefold() == model.name.casefold()
-                 and t.microbatch_size == microbatch_size and t.seq_len == seq_len and t.dtype == dtype)]
+             if (t.gpu_model.casefold() == gpu_model.casefold() and t.microbatch_size == microbatch_size
+                 and t.seq_len == seq_len and t.dtype == dtype and same_layers(t.model, t.layers, model))]
     for want in ((False, True) if compiled is None else (compiled,)):
         for t in found:
             if t.compiled == want:

@@ -14,8 +14,6 @@ from contextlib import contextmanager
 from itertools import accumulate
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from tinypipe.common.units import GIB
 from tinypipe.estimate import gpumem
@@ -24,7 +22,7 @@ from tinypipe.estimate.plan import Plan
 from tinypipe.policy.modes import ResidentMode
 
 from .mapping import round_robin
-from .packing import Mapper, Partitioner, balanced
+from .packing import Mapper, Partitioner, balanced, uniform
 
 MOBIUS_TIME_LIMIT_S = 2.0  # total MILP time over all pack counts tried; then the best found so far
 MOBIUS_MIP_GAP = 0.02  # stop a MILP within 2% of optimal: the model is no more exact than that
@@ -55,7 +53,10 @@ def mobius(w: Plan, mapper: Mapper, *, counts: Sequence[int] | None = None,
 
     Fallback (stated): when no MILP finds a feasible partition within the time limit (or none
     exists because nothing fits), the balanced-by-time partition into the smallest candidate
-    count is returned.
+    count is returned. The MILP's objective is coarser than the simulator (no wrap-around
+    bubbles, no host DMA cap, HiGHS stops at a 2% gap), so its pick can be slower there than the
+    uniform partitions with the same pack count (`same_count_uniform`); `tinypipe.sim.guard`
+    simulates those beside it and keeps the fastest.
     """
     if time_limit_s is None:
         time_limit_s = MOBIUS_TIME_LIMIT_S
@@ -68,6 +69,16 @@ def mobius(w: Plan, mapper: Mapper, *, counts: Sequence[int] | None = None,
         if len(_MOBIUS_CACHE) > 64:
             _MOBIUS_CACHE.pop(next(iter(_MOBIUS_CACHE)))
     return hit
+
+
+def same_count_uniform(n: int, k: int) -> list[tuple[int, ...]]:
+    """The uniform partitions of `n` layers into exactly `k` packs: `uniform(n, size)` for every size that
+    gives k packs, and the even split (sizes differing by one) with its larger packs first and last."""
+    q, r = divmod(n, k)
+    out = [uniform(n, size) for size in range(1, n + 1) if len(uniform(n, size)) == k]
+    if q:
+        out += [(q + 1,) * r + (q,) * (k - r), (q,) * (k - r) + (q + 1,) * r]
+    return list(dict.fromkeys(out))
 
 
 _MOBIUS_CACHE: dict[tuple[Plan, tuple[tuple[int, ...], ...], float], tuple[int, ...]] = {}
@@ -156,6 +167,9 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     (the full problem finds no feasible point in seconds there); it is exact whenever the best
     partition lies within the window.
     """
+    from scipy.optimize import Bounds, LinearConstraint, milp  # ~1 s to import: only when a MILP is solved
+    from scipy.sparse import coo_matrix
+
     n, m, s_n = w.num_layers, w.microbatches, num_packs
     if s_n == 1:
         return (0.0, (n,))

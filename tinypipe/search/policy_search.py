@@ -12,8 +12,10 @@ simulator's. The search is a branch-and-bound beam search:
 3. Stage 2 refines the best `beam` fitting candidates over the secondary choices (mapping,
    prefetch depth, resident layers, host memory layout, optimizer mode), again pruned by bound.
 
-Ranking: tokens/s (higher first), then peak GPU memory, then peak host memory, then the policy's
-JSON text, so the same inputs give the same answer on every run.
+Ranking (`Prefer.FOOTPRINT`, the default): by tokens/s; then, among the fitting candidates within the
+simulator's error band (`BAND`) of the fastest, the least peak GPU memory, then the least peak host memory:
+at equal speed the promise is the smallest footprint. `Prefer.SPEED` takes the fastest (ties: peak GPU,
+peak host). Last, the policy's JSON text, so the same inputs give the same answer on every run.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from tinypipe.policy.modes import (
     ResidentMode,
     SwapMode,
 )
+from tinypipe.search.prefer import BAND, Prefer
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,13 @@ class Evaluation:
     host_short_bytes: int = 0
 
     def key(self) -> tuple[Any, ...]:
+        """Speed order: fitting first, tokens/s down, then peak GPU, peak host, the policy's text."""
         return (not self.fits, -self.tokens_per_s, self.peak_gpu_bytes, self.peak_host_bytes,
                 json.dumps(self.policy.to_json(), sort_keys=True))
+
+    def footprint_key(self) -> tuple[Any, ...]:
+        """Footprint order among equals: peak GPU, peak host, then speed order."""
+        return (self.peak_gpu_bytes, self.peak_host_bytes) + self.key()
 
     def to_json(self) -> dict[str, Any]:
         return {"policy": self.policy.to_json(), "fits": self.fits, "tokens_per_s": self.tokens_per_s,
@@ -141,10 +149,17 @@ class SearchResult:
     considered: int
     rejected: int = 0  # not simulated: a memory bound showed they cannot fit
     advice: list[str] = field(default_factory=list)
+    prefer: Prefer = Prefer.FOOTPRINT
+    band: float = BAND
 
     @property
     def winner(self) -> Evaluation | None:
         return self.ranked[0] if self.ranked and self.ranked[0].fits else None
+
+    @property
+    def fastest(self) -> Evaluation | None:
+        """The fastest fitting candidate (the winner under `Prefer.SPEED`)."""
+        return min((e for e in self.ranked if e.fits), key=Evaluation.key, default=None)
 
     def pareto(self) -> list[Evaluation]:
         """Fitting evaluations not dominated in (tokens/s up, peak GPU down, peak host down)."""
@@ -158,6 +173,18 @@ class SearchResult:
                 seen.add(k)
                 out.append(e)
         return out
+
+
+def rank(evals: Iterable[Evaluation], prefer: Prefer = Prefer.FOOTPRINT, band: float = BAND) -> list[Evaluation]:
+    """`evals` in the search's order: under `Prefer.FOOTPRINT` the fitting ones within `band` of the fastest
+    first, least peak GPU then peak host memory first, then the rest by speed; under `Prefer.SPEED` by speed."""
+    by_speed = sorted(evals, key=Evaluation.key)
+    if prefer is Prefer.SPEED or not by_speed or not by_speed[0].fits:
+        return by_speed
+    floor = by_speed[0].tokens_per_s * (1 - band)
+    near = [e for e in by_speed if e.fits and e.tokens_per_s >= floor]
+    ids = {id(e) for e in near}
+    return sorted(near, key=Evaluation.footprint_key) + [e for e in by_speed if id(e) not in ids]
 
 
 def _dominates(a: Evaluation, b: Evaluation) -> bool:
@@ -193,12 +220,13 @@ def stage1(w: SearchTarget, space: SearchSpace) -> list[Policy]:
     return out
 
 
-def stage2(best: Sequence[Policy], space: SearchSpace) -> list[Policy]:
-    """Secondary choices around each of the best structural candidates."""
+def stage2(best: Sequence[Policy], space: SearchSpace, gpus: int = 2) -> list[Policy]:
+    """Secondary choices around each of the best structural candidates (on one GPU every mapping is the
+    same: only the candidate's own)."""
     out: list[Policy] = []
     seen: set[str] = set()
     for p in best:
-        for m in space.mappings:
+        for m in (space.mappings if gpus > 1 else (p.mapping,)):
             for d in space.prefetch_depths:
                 for r in space.residents:
                     for lay in space.host_memories:
@@ -258,9 +286,15 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
 # ---- the search ------------------------------------------------------------------------------------
 
 def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = None, beam: int = 3,
-           workers: int = 1, progress: Callable[[int, int], None] | None = None) -> SearchResult:
-    """Find the fastest fitting policy for `w`; see the module docstring for the method."""
+           workers: int = 1, progress: Callable[[int, int], None] | None = None,
+           prefer: Prefer = Prefer.FOOTPRINT, band: float = BAND) -> SearchResult:
+    """Find the best fitting policy for `w` under `prefer`; see the module docstring for the method.
+
+    Under `Prefer.FOOTPRINT` a candidate is pruned only when its bound exceeds the best time found over
+    (1 - band): one within the band may still win on memory. Stage 2 refines the `beam` fastest and the
+    `beam` first in the footprint order."""
     space = space or SearchSpace()
+    slack = 1.0 if prefer is Prefer.SPEED else 1 / (1 - band)
     if w.batch_sequences < 1:
         raise InputError("batch: must hold at least one sequence")
     evals: list[Evaluation] = []
@@ -274,28 +308,30 @@ def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = 
                 cands = stage1(w, space)
             else:
                 top = [e.policy for e in sorted(evals, key=Evaluation.key) if e.fits][:beam]
-                cands = stage2(top, space)
+                small = [e.policy for e in rank(evals, prefer, band) if e.fits][:beam]
+                cands = stage2(list({p.dumps(): p for p in top + small}.values()), space, len(w.hardware.gpus))
                 done = {e.policy.dumps() for e in evals}
                 cands = [c for c in cands if c.dumps() not in done]
             considered += len(cands)
-            new, n_pruned, n_rejected = _evaluate_bounded(w, cands, evaluate, evals, pool, workers, progress)
+            new, n_pruned, n_rejected = _evaluate_bounded(w, cands, evaluate, evals, pool, workers, progress, slack)
             evals += new
             pruned += n_pruned
             rejected += n_rejected
     finally:
         if pool is not None:
             pool.shutdown()
-    ranked = sorted(evals, key=Evaluation.key)
-    result = SearchResult(w, ranked, pruned, considered, rejected)
+    result = SearchResult(w, rank(evals, prefer, band), pruned, considered, rejected, prefer=prefer, band=band)
     if result.winner is None:
-        result.advice = advise(w, ranked)
+        result.advice = advise(w, result.ranked)
     return result
 
 
 def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator, prior: list[Evaluation],
                       pool: ProcessPoolExecutor | None, workers: int,
-                      progress: Callable[[int, int], None] | None) -> tuple[list[Evaluation], int, int]:
-    """Evaluate candidates in order of their lower bound, in batches, pruning once bounds pass the best."""
+                      progress: Callable[[int, int], None] | None,
+                      slack: float = 1.0) -> tuple[list[Evaluation], int, int]:
+    """Evaluate candidates in order of their lower bound, in batches, pruning once bounds pass the best
+    time found times `slack`."""
     bounded = []
     out: list[Evaluation] = []
     for c in cands:
@@ -305,7 +341,7 @@ def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator,
         else:
             bounded.append((lb, c.dumps(), c))
     bounded.sort(key=lambda t: (t[0], t[1]))
-    best = min((e.iteration_s for e in prior + out if e.fits), default=float("inf"))
+    best = slack * min((e.iteration_s for e in prior + out if e.fits), default=float("inf"))
     batch = max(1, workers) * 2
     i = 0
     while i < len(bounded):
@@ -316,7 +352,7 @@ def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator,
         for e in results:
             out.append(e)
             if e.fits:
-                best = min(best, e.iteration_s)
+                best = min(best, slack * e.iteration_s)
         i += batch
         if progress is not None:
             progress(min(i, len(bounded)), len(bounded))
