@@ -55,6 +55,7 @@ class RunOptions:
     profile: tuple[str, ...] = ()
     optimizer_state: str | None = None  # the moments' precision (None: the policy's)
     keep_checkpoints: int = 1  # complete checkpoints kept in --out (0: none written)
+    save: bool = True  # write the fine-tuned model at the end (`--no-save`: not)
     lora: int | None = None  # LoRA's rank (None: every parameter trains); its other options as given
     lora_alpha: float | None = None
     lora_dropout: float | None = None

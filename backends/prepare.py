@@ -269,6 +269,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
 
     save_dtype = args.save_dtype or model_dtype(args.model)
     check_disk(out, spec, schedule, keep=args.keep_checkpoints, checkpoints=True, save_dtype=save_dtype,
+               save_model=args.save or bool(args.save_every),
                model_copies=1 + (args.steps // args.save_every if args.save_every else 0))
     if args.resume:  # the same checks the workers make, before any of them starts
         from . import checkpoint
@@ -280,7 +281,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
-              save_dtype=save_dtype,
+              save_dtype=save_dtype, save_model=args.save,
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),
                                 decay_exempt=not args.decay_all),

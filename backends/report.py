@@ -218,6 +218,8 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
         lines.append(f"stopped   after step {at}; checkpoint in {plan.job.out}"
                      + (f", the model in {plan.job.out}/step-{at}" if plan.job.save_model else "")
                      + f"; continue with --resume --out {plan.job.out}")
+    elif not plan.job.save_model:
+        lines.append("saved     nothing (--no-save)")
     elif plan.job.out and plan.schedule.lora is not None:
         lines.append(f"saved     {plan.job.out}: a LoRA adapter (peft.PeftModel.from_pretrained(base, DIR) loads it)"
                      + (f"; the merged model in {plan.job.out}/merged" if plan.job.lora_files.merge else ""))

@@ -59,7 +59,7 @@ def run_main(args: argparse.Namespace) -> int:
         return 0
     interrupted = any(r.interrupted for r in results)
     after = None
-    if plan.addition_task and not interrupted and plan.job.out:
+    if plan.addition_task and not interrupted and plan.job.out and plan.job.save_model:
         phase("measuring held-out addition accuracy after training")
         after = addition_accuracy(plan.job.out, plan.job.seed, base=plan.job.model if plan.schedule.lora else None)
         if note is not None:

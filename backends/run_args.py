@@ -82,6 +82,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave the gradient norm out of metrics.jsonl: measuring it is one more pass over each "
                         "layer's gradients in the host optimizer (bench/grad_norm_cost.py: 9-23%% of a fused AdamW "
                         "step on one CPU thread)")
+    p.add_argument("--no-save", dest="save", action="store_false",
+                   help="do not write the fine-tuned model at the end (benchmarks; checkpoints as set)")
     p.add_argument("--save-every", type=int, default=None, metavar="N",
                    help="also write the model (Hugging Face format) to OUT/step-N every N steps (default 0: off); "
                         "a run stopped by Ctrl-C writes it to OUT/step-K")
