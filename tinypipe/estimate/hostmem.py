@@ -153,11 +153,17 @@ def optimizer_time_factor(host_memory: HostMemory, optimizer_state: OptimizerSta
 def optimizer_s_per_param(host: Host, host_memory: HostMemory,
                           optimizer_state: OptimizerState = OptimizerState.FP32) -> float:
     """Seconds of host optimizer per parameter under `host_memory`: the measured rate of that layout's step
-    when the hardware has one (`tinypipe profile`, fp32 moments; scaled by STATE_TIME_FACTOR for others),
-    else the fused AdamW rate slowed by the layout's factor. What `optimizer_step_s` falls back to."""
+    when the hardware has one (`tinypipe profile`: per moment precision, or fp32's scaled by
+    STATE_TIME_FACTOR), else the fused AdamW rate slowed by the layout's factor. What `optimizer_step_s`
+    falls back to."""
+    state = OptimizerState(optimizer_state)
+    own = {OptimizerState.BF16: host.compact_bf16_params_per_s, OptimizerState.INT8: host.compact_8bit_params_per_s}
+    rate = own.get(state)
+    if host_memory == HostMemory.COMPACT and rate is not None:  # `tinypipe profile` measured this state
+        return 1.0 / rate
     measured = host.compact_params_per_s if host_memory == HostMemory.COMPACT else host.replicated_params_per_s
     if measured is not None:
-        return STATE_TIME_FACTOR[OptimizerState(optimizer_state)] / measured
+        return STATE_TIME_FACTOR[state] / measured
     return optimizer_time_factor(host_memory, optimizer_state) / host.adam_params_per_s
 
 
