@@ -50,8 +50,9 @@ QUANT_BLOCK_ELEMS = 256
 # variants in turns (bench/host_optim_precision.py -> bench/results/host_optim_precision.json, 2026-12-02):
 # fp32 0.18 G params/s, bf16 0.15, 8bit 0.06 (torch's fused fp32 AdamW 0.45; three runs
 # gave 1.11-1.24 and 2.8-3.1). Its 2-thread figures swung with the other tenants' load. The 8-bit step's
-# four table look-ups dominate it; a compiled kernel would close the gap. Until `tinypipe profile`
-# measures each precision on the host, the simulator scales the fp32 step by these.
+# four table look-ups dominate it; a compiled kernel would close the gap. Where `tinypipe profile` has not
+# measured each precision on the host (Host.compact_bf16/8bit_params_per_s), the simulator scales the fp32
+# step by these.
 STATE_TIME_FACTOR: dict[OptimizerState, float] = {OptimizerState.FP32: 1.0,
                                                   OptimizerState.BF16: 1.24,
                                                   OptimizerState.INT8: 2.99}
