@@ -273,7 +273,7 @@ class Hardware:
         source = f.str("source")
         gpu_p2p = f.bool("gpu_p2p", True)
         h = f.obj_("host").only("memory_bytes", "dma_gbps", "cpu_cores", "adam_params_per_s", "replicated_params_per_s",
-                                "compact_params_per_s")
+                                "compact_params_per_s", "compact_bf16_params_per_s", "compact_8bit_params_per_s")
         host = Host(memory_bytes=h.int("memory_bytes", minimum=1),
                     dma_gbps=h.float("dma_gbps", positive=True), cpu_cores=h.int("cpu_cores", minimum=1),
                     adam_params_per_s=h.float("adam_params_per_s", positive=True),
