@@ -159,16 +159,18 @@ class _Step:
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()  # ranks run as threads in tests: one pool per size, made once
 _LOCAL = threading.local()
 _WORKSPACES: list[torch.Tensor] = []  # every pool thread's workspace (`pool_workspace_bytes`)
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
     """A pool of `threads` threads, each running torch operators on one core (made once per size)."""
-    if threads not in _POOLS:
-        _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tinypipe-moments",
-                                             initializer=torch.set_num_threads, initargs=(1,))
-    return _POOLS[threads]
+    with _POOLS_LOCK:
+        if threads not in _POOLS:
+            _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tinypipe-moments",
+                                                 initializer=torch.set_num_threads, initargs=(1,))
+        return _POOLS[threads]
 
 
 def _on_pool_thread(job: _Step, s: int) -> None:

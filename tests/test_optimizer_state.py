@@ -72,6 +72,24 @@ def test_optimizer_time_scales_by_the_measured_state_factor() -> None:
             base * STATE_TIME_FACTOR[state])
 
 
+def test_a_profiled_host_rate_per_state_is_used_and_round_trips() -> None:
+    """A hardware whose host `tinypipe profile` measured per moment precision: the simulator charges each
+    state its own measured rate (not the factor), and the preset JSON keeps the rates."""
+    import dataclasses
+
+    from tinypipe.describe.hardware import Hardware
+    from tinypipe.estimate.hostmem import optimizer_s_per_param
+
+    hw = load_hardware("rtx4090x1")
+    host = dataclasses.replace(hw.host, compact_params_per_s=4e9, compact_bf16_params_per_s=5e9,
+                               compact_8bit_params_per_s=2e9)
+    measured = Hardware(name="m", provenance="measured", source="test", host=host, gpus=hw.gpus,
+                        switches=hw.switches, links=hw.links, gpu_p2p=hw.gpu_p2p)
+    assert [optimizer_s_per_param(measured.host, "compact", s) for s in ("fp32", "bf16", "8bit")] == [
+        1 / 4e9, 1 / 5e9, 1 / 2e9]
+    assert Hardware.from_json(measured.to_json()).host == host
+
+
 def test_policy_schedule_and_simulator_carry_the_state() -> None:
     """The policy field round-trips through JSON, needs compact; the schedule's text form carries it (and
     leaves it out for fp32, so older schedules read as fp32); the compiled host state shrinks with it."""

@@ -14,7 +14,9 @@ through the run's own code (`HostState.step`, what an OPT_STEP runs), gradients 
 - replicated_params_per_s: the replicated layout's step (that AdamW, then the refresh of the
   compute-dtype upload copy);
 - compact_params_per_s: the compact layout's step (`planes.compact_adamw_step`, chunked join /
-  AdamW / split over the 16-bit planes).
+  AdamW / split over the 16-bit planes);
+- compact_bf16_params_per_s, compact_8bit_params_per_s: the compact step with bf16 / 8-bit moments
+  (`moments.lowp_adamw_step`, `--optimizer-state`).
 Where a trace has no per-kind step (optim.py measures those, on each kind's own tensors and beside
 the device's work), the simulator charges these layouts' rates (`tinypipe.estimate.hostmem.optimizer_s_per_param`;
 `optimizer_time_factor(host_memory)` / adam_params_per_s without them); `factors()` gives the measured
@@ -36,7 +38,7 @@ from tinypipe.common.units import MIB
 from tinypipe.describe.hardware import Hardware
 from tinypipe.estimate.hostcal import FORMAT, with_rates
 from tinypipe.estimate.hostmem import optimizer_time_factor
-from tinypipe.policy.modes import HostMemory
+from tinypipe.policy.modes import HostMemory, OptimizerState
 
 from ..host_states import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
@@ -60,6 +62,8 @@ class HostRates:
     adam_params_per_s: float
     replicated_params_per_s: float
     compact_params_per_s: float
+    compact_bf16_params_per_s: float
+    compact_8bit_params_per_s: float
     copy_bytes: int
     small_copy_bytes: int
     optim_params: int
@@ -173,11 +177,12 @@ def _plain_adam_rate(weights: torch.Tensor, grad: torch.Tensor, repeat: int) -> 
 
 
 def host_state_rate(host_memory: HostMemory, weights: torch.Tensor, grad: torch.Tensor, compute_dtype: str,
-                    repeat: int) -> float:
-    """params/s of `HostState.step` (what an OPT_STEP runs) under `host_memory`: the median of `repeat`
-    steps after one that allocates the moments, each after its GRAD_OUT's gradient delivery."""
+                    repeat: int, optimizer_state: OptimizerState = OptimizerState.FP32) -> float:
+    """params/s of `HostState.step` (what an OPT_STEP runs) under `host_memory` (moments as `optimizer_state`):
+    the median of `repeat` steps after one that allocates the moments, each after its GRAD_OUT's gradient
+    delivery."""
     state = make_host_state({0: {"w": weights.clone()}}, host_memory=host_memory, compute_dtype=DTYPES[compute_dtype],
-                            optim=AdamWConfig())
+                            optim=AdamWConfig(), optimizer_state=optimizer_state)
 
     def step() -> float:
         state.receive_grads(0, {"w": grad})  # what GRAD_OUT delivers before each OPT_STEP
@@ -188,14 +193,16 @@ def host_state_rate(host_memory: HostMemory, weights: torch.Tensor, grad: torch.
     return weights.numel() / _median(step, repeat)
 
 
-def _optimizer_rates(params: int, compute_dtype: str, repeat: int) -> tuple[float, float, float]:
-    """params/s of a plain fused AdamW, the replicated layout's step and the compact one."""
+def _optimizer_rates(params: int, compute_dtype: str, repeat: int) -> tuple[float, ...]:
+    """params/s of a plain fused AdamW, the replicated layout's step and the compact one with fp32, bf16 and
+    8-bit moments."""
     gen = torch.Generator().manual_seed(0)
     weights = torch.randn(params, generator=gen) * 0.02
     grad = (torch.randn(params, generator=gen) * 1e-3).to(DTYPES[compute_dtype])
     return (_plain_adam_rate(weights, grad, repeat),
             host_state_rate(HostMemory.REPLICATED, weights, grad, compute_dtype, repeat),
-            host_state_rate(HostMemory.COMPACT, weights, grad, compute_dtype, repeat))
+            *(host_state_rate(HostMemory.COMPACT, weights, grad, compute_dtype, repeat, optimizer_state=s)
+              for s in (OptimizerState.FP32, OptimizerState.BF16, OptimizerState.INT8)))
 
 
 def measure_rates(device: torch.device, *, threads: int, compute_dtype: str, repeat: int = 5,
@@ -213,10 +220,11 @@ def measure_rates(device: torch.device, *, threads: int, compute_dtype: str, rep
             nbytes = copy_bytes or CPU_COPY_BYTES
             up, down, both, latency = _cpu_copies(nbytes, small_copy_bytes, repeat)
             where = "cpu (host memcpy)"
-        adam, replicated, compact = _optimizer_rates(optim_params, compute_dtype, repeat)
+        adam, replicated, compact, compact_bf16, compact_8bit = _optimizer_rates(optim_params, compute_dtype, repeat)
     finally:
         torch.set_num_threads(before)
     return HostRates(device=where, threads=threads, h2d_gbps=up / 1e9, d2h_gbps=down / 1e9, bidir_gbps=both / 1e9,
                      copy_latency_s=latency, adam_params_per_s=adam, replicated_params_per_s=replicated,
-                     compact_params_per_s=compact, copy_bytes=nbytes, small_copy_bytes=small_copy_bytes,
+                     compact_params_per_s=compact, compact_bf16_params_per_s=compact_bf16,
+                     compact_8bit_params_per_s=compact_8bit, copy_bytes=nbytes, small_copy_bytes=small_copy_bytes,
                      optim_params=optim_params, compute_dtype=compute_dtype, repeat=repeat, when=when)

@@ -287,13 +287,15 @@ def test_simulate_search_and_run_take_the_profile(profiled: tuple[Path, Path, st
 def test_host_rates_rewrite_a_preset(profiled: tuple[Path, Path, str]) -> None:
     """hardware.json is the base preset with the measured rates (`--hardware FILE` loads it): each GPU's own
     link at min(H2D, D2H) with the measured fixed cost, the AdamW rate, and for several GPUs the
-    preset's DMA cap kept unless exceeded; upstream switch links and GPU models are untouched."""
+    preset's DMA cap kept unless exceeded; upstream switch links and GPU models are untouched; the compact
+    step's rate with each moment precision."""
     out, base, _ = profiled
     rates = json.loads((out / "rates.json").read_text())
     hw = load_hardware(str(out / "hardware.json"))
     assert hw.provenance == "measured" and hw.host.adam_params_per_s == rates["adam_params_per_s"] > 0
     assert all(rates[k] > 0 for k in ("h2d_gbps", "d2h_gbps", "bidir_gbps", "replicated_params_per_s",
-                                      "compact_params_per_s"))
+                                      "compact_params_per_s", "compact_bf16_params_per_s", "compact_8bit_params_per_s"))
+    assert hw.host.compact_8bit_params_per_s == rates["compact_8bit_params_per_s"]
     link = hw.link("rc0", "gpu1")
     assert link.gbps == min(rates["h2d_gbps"], rates["d2h_gbps"]) and link.latency_s == rates["copy_latency_s"]
     assert hw.host.dma_gbps == max(10.0, rates["bidir_gbps"])  # the base (2 GPUs) caps at 10 GB/s

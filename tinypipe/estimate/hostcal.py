@@ -126,7 +126,9 @@ def with_rates(base: Hardware, r: Mapping[str, Any]) -> Hardware:
         links.append(x)
     host = Host(memory_bytes=base.host.memory_bytes, dma_gbps=dma, cpu_cores=base.host.cpu_cores,
                 adam_params_per_s=r["adam_params_per_s"], replicated_params_per_s=r["replicated_params_per_s"],
-                compact_params_per_s=r["compact_params_per_s"])
+                compact_params_per_s=r["compact_params_per_s"],
+                compact_bf16_params_per_s=r.get("compact_bf16_params_per_s"),
+                compact_8bit_params_per_s=r.get("compact_8bit_params_per_s"))
     adam = r["adam_params_per_s"]
     source = (f"{base.name} with rates measured on {r.get('device', 'this machine')}, {r.get('when', '')}: GPU links "
               f"{link:.1f} GB/s (min of H2D {r['h2d_gbps']:.1f}, D2H {r['d2h_gbps']:.1f}, "

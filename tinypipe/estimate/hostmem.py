@@ -50,8 +50,9 @@ QUANT_BLOCK_ELEMS = 256
 # variants in turns (bench/host_optim_precision.py -> bench/results/host_optim_precision.json, 2026-12-02):
 # fp32 0.18 G params/s, bf16 0.15, 8bit 0.06 (torch's fused fp32 AdamW 0.45; three runs
 # gave 1.11-1.24 and 2.8-3.1). Its 2-thread figures swung with the other tenants' load. The 8-bit step's
-# four table look-ups dominate it; a compiled kernel would close the gap. Until `tinypipe profile`
-# measures each precision on the host, the simulator scales the fp32 step by these.
+# four table look-ups dominate it; a compiled kernel would close the gap. Where `tinypipe profile` has not
+# measured each precision on the host (Host.compact_bf16/8bit_params_per_s), the simulator scales the fp32
+# step by these.
 STATE_TIME_FACTOR: dict[OptimizerState, float] = {OptimizerState.FP32: 1.0,
                                                   OptimizerState.BF16: 1.24,
                                                   OptimizerState.INT8: 2.99}
@@ -153,11 +154,17 @@ def optimizer_time_factor(host_memory: HostMemory, optimizer_state: OptimizerSta
 def optimizer_s_per_param(host: Host, host_memory: HostMemory,
                           optimizer_state: OptimizerState = OptimizerState.FP32) -> float:
     """Seconds of host optimizer per parameter under `host_memory`: the measured rate of that layout's step
-    when the hardware has one (`tinypipe profile`, fp32 moments; scaled by STATE_TIME_FACTOR for others),
-    else the fused AdamW rate slowed by the layout's factor. What `optimizer_step_s` falls back to."""
+    when the hardware has one (`tinypipe profile`: per moment precision, or fp32's scaled by
+    STATE_TIME_FACTOR), else the fused AdamW rate slowed by the layout's factor. What `optimizer_step_s`
+    falls back to."""
+    state = OptimizerState(optimizer_state)
+    own = {OptimizerState.BF16: host.compact_bf16_params_per_s, OptimizerState.INT8: host.compact_8bit_params_per_s}
+    rate = own.get(state)
+    if host_memory == HostMemory.COMPACT and rate is not None:  # `tinypipe profile` measured this state
+        return 1.0 / rate
     measured = host.compact_params_per_s if host_memory == HostMemory.COMPACT else host.replicated_params_per_s
     if measured is not None:
-        return STATE_TIME_FACTOR[OptimizerState(optimizer_state)] / measured
+        return STATE_TIME_FACTOR[state] / measured
     return optimizer_time_factor(host_memory, optimizer_state) / host.adam_params_per_s
 
 
