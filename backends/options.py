@@ -56,6 +56,8 @@ class RunOptions:
     optimizer_state: str | None = None  # the moments' precision (None: the policy's)
     keep_checkpoints: int = 1  # complete checkpoints kept in --out (0: none written)
     save: bool = True  # write the fine-tuned model at the end (`--no-save`: not)
+    host_mem: str | None = None  # host memory the run may take (None: this machine's, `hostfit.run_host_limit`)
+    calibrate: str | None = None  # auto | now | off (None: auto)
     lora: int | None = None  # LoRA's rank (None: every parameter trains); its other options as given
     lora_alpha: float | None = None
     lora_dropout: float | None = None

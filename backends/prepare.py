@@ -227,7 +227,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                       compiled=compile_blocks)
     note = unmatched_note(profiles, asked, spec, compiled=compile_blocks)
     hardware, planning, calibration = calibrate_run(
-        getattr(args, "calibrate", None) or "auto", args.backend, hardware, profiles, say=say, dtype=dtype,
+        args.calibrate or "auto", args.backend, hardware, profiles, say=say, dtype=dtype,
         threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1))
     trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=planning,
                       compiled=compile_blocks)
@@ -235,7 +235,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     say("compiling and simulating the schedule")
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
     compiled = pinned
-    check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, getattr(args, "host_mem", None)),
+    check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, args.host_mem),
                     lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem))
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
