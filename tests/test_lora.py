@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tinypipe.sim import simulate
 
@@ -130,9 +132,13 @@ def test_simulated_lora_is_faster_and_lighter_than_full() -> None:
 
 
 def test_inspect_shows_lora_fits_one_h200_with_256_gb_host() -> None:
-    """Llama-3.1-70B: neither full layout fits the 1 x H200 box's host, LoRA does (131 GiB of bf16 base)."""
-    rep = model_report(load_model("llama-3.1-70b"), seq_len=2048, microbatch_size=1,
-                       hardware=[load_hardware("h200x1")])
+    """Llama-3.1-70B on a 1 x H200 box with 256 GB of host memory: neither full layout fits its host, LoRA
+    does (131 GiB of bf16 base); on the 125 GiB H200 machine LoRA does not."""
+    hw = load_hardware("h200x1")
+    big = dataclasses.replace(hw, host=dataclasses.replace(hw.host, memory_bytes=256 * 10**9))
+    (small,) = model_report(load_model("llama-3.1-70b"), seq_len=2048, microbatch_size=1, hardware=[hw])["fit"]
+    assert not small["lora_fits"]
+    rep = model_report(load_model("llama-3.1-70b"), seq_len=2048, microbatch_size=1, hardware=[big])
     (fit,) = rep["fit"]
     assert not fit["host_fits_compact"] and not fit["host_fits_replicated"] and fit["lora_fits"]
     assert rep["lora"]["host_bytes"] == 2 * rep["params"]

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--microbatch-size", type=int, default=1)
     im.add_argument("--hardware", action="append", help="check fit on this hardware (default: every preset)")
     add_lora_arguments(im)
+    im.add_argument("--host-mem", metavar="BYTES", help="size each server's host DRAM at this instead, e.g. 256GiB "
+                    "(a machine like the preset with another amount of memory)")
     im.add_argument("--json", action="store_true")
     icov = isub.add_parser("coverage", help="the largest model each server can fully fine-tune, by host memory, "
                            "per optimizer-state precision, beside RoundPipe and ZeRO-Offload")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from tinypipe.common.errors import InputError
+from tinypipe.common.units import parse_bytes
 
 from .util import check_outputs, positive, print_json, print_list, workloads, write_new
 
@@ -30,6 +32,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if args.seq_len > model.max_seq_len:
             raise InputError(f"--seq-len {args.seq_len}: {model.name} handles at most {model.max_seq_len:,} positions")
         hws = [load_hardware(h) for h in (args.hardware or shipped_hardware())]
+        if args.host_mem:
+            host_bytes = parse_bytes(args.host_mem, "--host-mem")
+            hws = [dataclasses.replace(hw, name=f"{hw.name} ({table.gib(host_bytes)} host)",
+                                       host=dataclasses.replace(hw.host, memory_bytes=host_bytes)) for hw in hws]
         rep = model_report(model, seq_len=args.seq_len, microbatch_size=args.microbatch_size, hardware=hws,
                            lora=lora_from_args(args))
         if args.json:
