@@ -37,6 +37,7 @@ from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unma
 from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
 from tinypipe.policy.lora import LoraSpec, lora_from_args
+from tinypipe.policy.modes import HostMemory
 
 from .hf import ModelSource
 from .hoststate import AdamWConfig
@@ -224,7 +225,10 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
     note = unmatched_note(profiles, trace, spec, compiled=compile_blocks)
-    schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
+    clip = args.max_grad_norm is not None
+    if clip:
+        _check_clip(policy, spec)
+    schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip)
     compiled = pinned
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
@@ -232,7 +236,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                          f"{prediction.violation}")
     used = sorted(set(schedule.pack_gpu))
     if used != list(range(args.gpus)):
-        spread = _on_every_gpu(policy, spec, hardware, trace, iterations)
+        spread = _on_every_gpu(policy, spec, hardware, trace, iterations, grad_clip=clip)
         why = (f"policy {policy.name!r} puts packs on GPUs {used}, but the run has --gpus {args.gpus}: every GPU "
                "needs at least one pack" + (f" ({spec.name} ties its LM head to its token embedding, so the head's "
                                             "pack runs on the first pack's GPU)" if spec.tied_embeddings else ""))
@@ -269,6 +273,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
+              max_grad_norm=args.max_grad_norm,
               save_dtype=save_dtype,
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),
@@ -285,13 +290,13 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
 
 
 def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-             iterations: int, gpu_mem: int | None = None) -> tuple[Schedule, SimResult]:
-    schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations)
+             iterations: int, gpu_mem: int | None = None, *, grad_clip: bool = False) -> tuple[Schedule, SimResult]:
+    schedule = compile_schedule(policy, spec, hardware, trace, iterations=iterations, grad_clip=grad_clip)
     return schedule, simulate(schedule, spec, hardware, trace, gpu_mem_bytes=gpu_mem, on_capacity="record")
 
 
 def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-                  iterations: int) -> tuple[Policy, tuple[Schedule, SimResult]] | None:
+                  iterations: int, *, grad_clip: bool = False) -> tuple[Policy, tuple[Schedule, SimResult]] | None:
     """`policy` with its layers in more, balanced packs dealt round-robin, the fewest packs that put
     at least one on every GPU and fit; None when none does. (A tied model's head shares the first
     pack's GPU, so it needs a pack more than there are GPUs.)"""
@@ -299,12 +304,28 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
     for k in range(gpus + (1 if spec.tied_embeddings else 0), len(spec.layers) + 1):
         cand = policy.replace(packing="balanced", num_packs=k, mapping="round-robin")
         try:
-            schedule, prediction = _compile(cand, spec, hardware, trace, iterations)
+            schedule, prediction = _compile(cand, spec, hardware, trace, iterations, grad_clip=grad_clip)
         except InputError:
             continue
         if prediction.fits and sorted(set(schedule.pack_gpu)) == list(range(gpus)):
             return cand, (schedule, prediction)
     return None
+
+
+def _check_clip(policy: Policy, spec: ModelSpec) -> None:
+    """--max-grad-norm needs every gradient of a step on the host before any layer's step: the compact
+    layout's gradient ring frees a slot only when its layer has stepped, and a tied matrix's two shares
+    are summed only by its step."""
+    if policy.host_memory == HostMemory.COMPACT:
+        raise InputError(f"--max-grad-norm: policy {policy.name!r} keeps the compact host layout, whose gradient "
+                         "ring frees a slot only after its layer's optimizer step, but clipping needs every gradient "
+                         "of a step first; use a policy with \"host_memory\": \"replicated\"")
+    if policy.lora is not None:
+        raise InputError("--max-grad-norm: with --lora the adapters step on the device; clipping them is not "
+                         "supported yet")
+    if spec.tied_embeddings:
+        raise InputError(f"--max-grad-norm: {spec.name} ties its LM head to the embedding; clipping such a model "
+                         "is not supported yet")
 
 
 def check_rank_files(directory: Path, ranks: int) -> None:

@@ -70,6 +70,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                       help="steps of linear warmup from lr 0 (default: --warmup-ratio)")
     warm.add_argument("--warmup-ratio", type=float, default=None, metavar="R",
                       help=f"warmup as a share of the run's steps, rounded up (default {d['warmup_ratio']})")
+    p.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+                   help="clip by the global gradient norm over all ranks, as torch.nn.utils.clip_grad_norm_ "
+                        "(default: off). Every layer's optimizer step then waits for the step's last gradient: "
+                        "the schedule says so and the prediction includes it; needs the replicated host layout")
     p.add_argument("--decay-all", action="store_true", default=None,
                    help="apply --weight-decay to every parameter (default: not to norms, biases and the embedding)")
     p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),

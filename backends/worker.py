@@ -32,7 +32,7 @@ from .executor import Carried, RunLog, run_actions
 from .groups import Group
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
-from .interpreter import ExecutionError, Interpreter, StepData
+from .interpreter import ExecutionError, GradClip, Interpreter, StepData
 from .lora_save import LoraFiles, save_outputs
 from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
@@ -65,6 +65,7 @@ class Job:
     progress: bool = True
     write_metrics: bool = True  # OUT/metrics.jsonl (and TensorBoard), by rank 0
     grad_norm: bool = True  # each step's global gradient norm for the metrics (`--no-grad-norm`)
+    max_grad_norm: float | None = None  # clip by the global gradient norm (the schedule must have grad_clip)
     save_every: int = 0  # also save the model to OUT/step-N every N steps (0: off)
     save_dtype: str | None = None  # the saved weights' dtype (DTYPES key; None: fp32, the masters')
     save_model: bool = True
@@ -132,16 +133,18 @@ def step_data(batches: Any, step: int) -> StepData:
 
 
 def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
-               stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
-    """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
+               stop: threading.Event | None = None, local_rank: int = 0, norms: Group | None = None) -> RankResult:
+    """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw. `norms`: the
+    collective the optimizer thread sums the gradient norm over (a schedule that clips)."""
     host_spans: list[tuple[str, float, float]] = []  # RankResult.host
     with host_settings(), gc_pauses(host_spans), settled_heap(host_spans) as settle_heap:
-        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, host_spans=host_spans,
+        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, norms=norms,
+                           host_spans=host_spans,
                            settle_heap=settle_heap if settle_heap_enabled(job.compile_blocks, job.backend) else None)
 
 
 def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
-                stop: threading.Event | None, local_rank: int,
+                stop: threading.Event | None, local_rank: int, norms: Group | None,
                 host_spans: list[tuple[str, float, float]], settle_heap: Callable[[], None] | None) -> RankResult:
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
@@ -162,7 +165,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
                            microbatches=sched.microbatches, seed=job.seed, packing=job.packing)
     interp = Interpreter(rank=rank, schedule=sched, layers=stack.layers, host=host, comm=comm, device=device,
                          hidden_size=stack.spec.hidden_size, tied=stack.tied,
-                         caller=LayerCaller(compile_blocks=job.compile_blocks, backend=job.compile_backend))
+                         caller=LayerCaller(compile_blocks=job.compile_blocks, backend=job.compile_backend),
+                         clip=None if job.max_grad_norm is None else GradClip(job.max_grad_norm, norms, host))
     actions = rank_actions(sched, rank)
     by_prefix: dict[int, list[Any]] = {}  # n -> this rank's actions of iterations 0..n-1
     ledger = Ledger(sched.static_bytes, buffers=True)
