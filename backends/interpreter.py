@@ -93,6 +93,9 @@ class Interpreter:
         if schedule.grad_clip != (clip is not None):
             raise ExecutionError("the schedule's grad_clip and the run's --max-grad-norm disagree")
         self.clip = clip
+        # an evaluation window (worker.evaluate): the schedule's actions run, but GRAD_OUT drops the gradients
+        # and OPT_STEP does nothing, so the head's FWD gives the held-out loss and the host state is untouched
+        self.evaluating = False
         self.rank = rank
         self.schedule = schedule
         self.layers = layers
@@ -287,6 +290,8 @@ class Interpreter:
             raise self.fail(a, "no accumulated gradients (no BWD of this layer in this step)")
         for g in grads.values():
             self.use(g)
+        if self.evaluating:  # an evaluation window: the gradients go nowhere
+            return None
         if self.tied is not None and a.layer == self.last_layer:
             share = grads.pop(self.tied[0])
             self.host.receive_grads(0, {self.tied[1]: share}, non_blocking=self.device.type == "cuda")
@@ -294,6 +299,8 @@ class Interpreter:
         return None
 
     def _opt_step(self, a: Action, step: int) -> Done:
+        if self.evaluating:
+            return None
         if self.host.version(a.layer) != step:
             raise self.fail(a, f"the host holds version {self.host.version(a.layer)} of the layer, "
                                f"step {step}'s update needs {step}")

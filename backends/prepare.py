@@ -39,6 +39,8 @@ from tinypipe.policy import Policy, load_policy
 from tinypipe.policy.lora import LoraSpec, lora_from_args
 from tinypipe.policy.modes import HostMemory
 
+from .data.batches import Batches
+from .data.tokenizers import Tokenizer
 from .hf import ModelSource
 from .hoststate import AdamWConfig
 from .lora_save import lora_files
@@ -192,10 +194,14 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     if data is not None:
         say(f"reading and tokenizing {data}")
     batches = make_batches(data, tokenizer=tokenizer, seq_len=args.seq_len, microbatch_size=policy.microbatch_size,
-                           microbatches=policy.microbatches, seed=args.seed, packing=args.packing)
+                           microbatches=policy.microbatches, seed=args.seed, packing=args.packing,
+                           hold_out=0.0 if args.eval_data else (args.eval_fraction or 0.0))
     if args.epochs is not None and not args.resume and isinstance(batches.source, PackedSequences):
         args = dataclasses.replace(args, steps=max(1, math.ceil(args.epochs * len(batches.source)
                                                                 * args.seq_len / args.batch_tokens)))
+    evaluating = bool(args.eval_data or args.eval_fraction)
+    if evaluating:
+        _check_eval(args, policy, batches, tokenizer)
     first = int(args.record["step"]) if args.record else 0
     try:
         step_data(batches, first)
@@ -273,7 +279,8 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
-              max_grad_norm=args.max_grad_norm,
+              max_grad_norm=args.max_grad_norm, eval_data=args.eval_data, eval_fraction=args.eval_fraction or 0.0,
+              eval_every=(args.eval_every or max(1, args.steps // 10)) if evaluating else 0,
               save_dtype=save_dtype,
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),
@@ -310,6 +317,27 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
         if prediction.fits and sorted(set(schedule.pack_gpu)) == list(range(gpus)):
             return cand, (schedule, prediction)
     return None
+
+
+def _check_eval(args: RunOptions, policy: Policy, train: Batches, tokenizer: Tokenizer) -> None:
+    """The held-out data: read, at least one step of it, and a synchronous optimizer."""
+    from .data.batches import make_batches
+    from .evaluation import eval_steps
+
+    if policy.lora is not None:
+        raise InputError("--eval-data/--eval-fraction: not with --lora yet (an evaluation window's backward would "
+                         "reach the adapters, which step on the device)")
+    if policy.optimizer.is_async:
+        raise InputError(f"--eval-data/--eval-fraction: policy {policy.name!r} has the asynchronous optimizer, whose "
+                         "uploads lag the updates; evaluate with a policy whose \"optimizer\" is \"sync\"")
+    held = make_batches(args.eval_data or args.data, tokenizer=tokenizer, seq_len=args.seq_len,
+                        microbatch_size=train.microbatch_size, microbatches=train.microbatches, seed=args.seed,
+                        packing=args.packing, hold_out=0.0 if args.eval_data else (args.eval_fraction or 0.0),
+                        part="eval")
+    need = train.microbatches * train.microbatch_size
+    if eval_steps(held) < 1:
+        raise InputError(f"{args.eval_data or '--eval-fraction'}: {len(held.source)} held-out sequence(s) of "  # type: ignore[arg-type]
+                         f"{args.seq_len} tokens, fewer than one step's {need}; give more held-out data")
 
 
 def _check_clip(policy: Policy, spec: ModelSpec) -> None:

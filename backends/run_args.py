@@ -32,6 +32,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="training data: JSON Lines of {\"text\"}, {\"prompt\", \"completion\"} or {\"messages\"} "
                         "(chat template, loss on assistant turns) records, or plain text; the format is read from "
                         "the content (default: the embedded synthetic addition task)")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--eval-data", default=None, metavar="FILE",
+                      help="held-out data (any --data format): its loss every --eval-every steps and at the end, in "
+                           "the summary and metrics.jsonl")
+    held.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+                      help="hold out the last F of --data's sequences (at least one) for the same evaluation")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="evaluate every N steps as well as at the end (default: 10 times a run); each held-out "
+                        "step costs a training step's device work, without the optimizer")
     p.add_argument("--byte-tokens", action="store_true", default=None,
                    help="train on UTF-8 byte ids when the model has no tokenizer files (default: such a model is an "
                         "error with --data)")

@@ -125,6 +125,8 @@ if HAVE_TORCH:
         "--lr-schedule": st.sampled_from(["constant", "linear", "cosine", "step"]),
         "--warmup-steps": INTS, "--warmup-ratio": FLOATS, "--epochs": FLOATS, "--byte-tokens": None,
         "--no-packing": None, "--no-grad-norm": None, "--save-every": INTS, "--max-grad-norm": FLOATS,
+        "--eval-data": st.sampled_from(["DATA_OK", "DATA_BAD", "NO_DIR/x"]), "--eval-fraction": FLOATS,
+        "--eval-every": INTS,
         "--save-dtype": st.sampled_from(["fp32", "bf16", "fp16", "int4"]),
         "--decay-all": None,
     }

@@ -22,6 +22,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         positive("--seq-len", args.seq_len)  # checked even when only the names are listed: never ignored
         positive("--microbatch-size", args.microbatch_size)
+        given = [load_hardware(h) for h in args.hardware or ()]
         if args.name is None:
             return print_list("models", shipped_models(), args.json)
         if not args.name.strip():
@@ -29,7 +30,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         model = load_model(args.name)
         if args.seq_len > model.max_seq_len:
             raise InputError(f"--seq-len {args.seq_len}: {model.name} handles at most {model.max_seq_len:,} positions")
-        hws = [load_hardware(h) for h in (args.hardware or shipped_hardware())]
+        hws = given or [load_hardware(h) for h in shipped_hardware()]
         rep = model_report(model, seq_len=args.seq_len, microbatch_size=args.microbatch_size, hardware=hws,
                            lora=lora_from_args(args))
         if args.json:
