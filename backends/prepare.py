@@ -37,12 +37,10 @@ from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unma
 from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
 from tinypipe.policy.lora import LoraSpec, lora_from_args
-from tinypipe.policy.modes import HostMemory
 
-from .data.batches import Batches
-from .data.tokenizers import Tokenizer
 from .hf import ModelSource
 from .hoststate import AdamWConfig
+from .inputs import check_clip, check_eval, check_rank_files
 from .lora_save import lora_files
 from .optim_rules import LRSchedule, default_lr, warmup_steps
 from .options import RunOptions
@@ -201,7 +199,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                                                                 * args.seq_len / args.batch_tokens)))
     evaluating = bool(args.eval_data or args.eval_fraction)
     if evaluating:
-        _check_eval(args, policy, batches, tokenizer)
+        check_eval(args, policy, batches, tokenizer)
     first = int(args.record["step"]) if args.record else 0
     try:
         step_data(batches, first)
@@ -233,7 +231,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     note = unmatched_note(profiles, trace, spec, compiled=compile_blocks)
     clip = args.max_grad_norm is not None
     if clip:
-        _check_clip(policy, spec)
+        check_clip(policy, spec)
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip)
     compiled = pinned
     if not prediction.fits:
@@ -317,60 +315,6 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
         if prediction.fits and sorted(set(schedule.pack_gpu)) == list(range(gpus)):
             return cand, (schedule, prediction)
     return None
-
-
-def _check_eval(args: RunOptions, policy: Policy, train: Batches, tokenizer: Tokenizer) -> None:
-    """The held-out data: read, at least one step of it, and a synchronous optimizer."""
-    from .data.batches import make_batches
-    from .evaluation import eval_steps
-
-    if policy.lora is not None:
-        raise InputError("--eval-data/--eval-fraction: not with --lora yet (an evaluation window's backward would "
-                         "reach the adapters, which step on the device)")
-    if policy.optimizer.is_async:
-        raise InputError(f"--eval-data/--eval-fraction: policy {policy.name!r} has the asynchronous optimizer, whose "
-                         "uploads lag the updates; evaluate with a policy whose \"optimizer\" is \"sync\"")
-    held = make_batches(args.eval_data or args.data, tokenizer=tokenizer, seq_len=args.seq_len,
-                        microbatch_size=train.microbatch_size, microbatches=train.microbatches, seed=args.seed,
-                        packing=args.packing, hold_out=0.0 if args.eval_data else (args.eval_fraction or 0.0),
-                        part="eval")
-    need = train.microbatches * train.microbatch_size
-    if eval_steps(held) < 1:
-        raise InputError(f"{args.eval_data or '--eval-fraction'}: {len(held.source)} held-out sequence(s) of "  # type: ignore[arg-type]
-                         f"{args.seq_len} tokens, fewer than one step's {need}; give more held-out data")
-
-
-def _check_clip(policy: Policy, spec: ModelSpec) -> None:
-    """--max-grad-norm needs every gradient of a step on the host before any layer's step: the compact
-    layout's gradient ring frees a slot only when its layer has stepped, and a tied matrix's two shares
-    are summed only by its step."""
-    if policy.host_memory == HostMemory.COMPACT:
-        raise InputError(f"--max-grad-norm: policy {policy.name!r} keeps the compact host layout, whose gradient "
-                         "ring frees a slot only after its layer's optimizer step, but clipping needs every gradient "
-                         "of a step first; use a policy with \"host_memory\": \"replicated\"")
-    if policy.lora is not None:
-        raise InputError("--max-grad-norm: with --lora the adapters step on the device; clipping them is not "
-                         "supported yet")
-    if spec.tied_embeddings:
-        raise InputError(f"--max-grad-norm: {spec.name} ties its LM head to the embedding; clipping such a model "
-                         "is not supported yet")
-
-
-def check_rank_files(directory: Path, ranks: int) -> None:
-    """InputError unless the checkpoint holds complete files for each of `ranks` ranks (`ckpt_format`: the
-    JSON beside a safetensors file whose header's tensors all lie within it; a truncated file does not)."""
-    from . import ckpt_format
-
-    files = sorted(directory.glob(f"rank*{ckpt_format.TENSORS}"))
-    for r in range(ranks):
-        f = directory / f"rank{r}{ckpt_format.TENSORS}"
-        if not f.is_file() or not (directory / f"rank{r}{ckpt_format.SKELETON}").is_file():
-            raise InputError(f"{f}: missing; the checkpoint holds {len(files)} rank file(s), this run has "
-                             f"{ranks} ranks")
-        try:
-            ckpt_format.read_tensors(f)
-        except (OSError, ckpt_format.FormatError, KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"{f}: truncated or corrupt ({exc})") from None
 
 
 SAVE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
