@@ -18,15 +18,19 @@ class Group(Protocol):
 
     def gather(self, obj: Any) -> list[Any] | None: ...
 
+    def all_sum(self, x: float) -> float: ...
+
 
 class DistGroup:
     """Control collectives over a gloo group (also under NCCL, which needs CUDA tensors)."""
 
-    def __init__(self, rank: int, world: int, backend: str) -> None:
+    def __init__(self, rank: int, world: int, backend: str, *, own_group: bool = False) -> None:
+        """`own_group`: a gloo group of its own even under gloo (for use beside the default group from
+        another thread); every rank creates it, in the same order."""
         import torch.distributed as dist
 
         self.dist, self.rank, self.world = dist, rank, world
-        self.group = dist.new_group(backend="gloo") if backend != "gloo" else None
+        self.group = dist.new_group(backend="gloo") if backend != "gloo" or own_group else None
 
     def barrier(self) -> None:
         self.dist.barrier(group=self.group)
@@ -40,6 +44,11 @@ class DistGroup:
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         self.dist.gather_object(obj, out, dst=0, group=self.group)
         return out
+
+    def all_sum(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, group=self.group)
+        return float(t.item())
 
 
 class LocalGroup:
@@ -74,3 +83,6 @@ class _LocalView:
     def gather(self, obj: Any) -> list[Any] | None:
         out = self._exchange(obj)
         return out if self.rank == 0 else None
+
+    def all_sum(self, x: float) -> float:
+        return float(sum(self._exchange(x)))  # the same order on every rank: the same float

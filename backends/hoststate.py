@@ -43,6 +43,7 @@ import torch
 from tinypipe.policy.modes import HostMemory
 
 from .adamw import AdamWConfig as AdamWConfig  # the settings a HostState steps with, importable with it
+from .gradnorm import GradSquares
 from .pinned import PinnedSlab, Request
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -157,10 +158,7 @@ class HostState:
         self._reads: dict[int, list[Any]] = {}
         self._slabs: list[PinnedSlab] = []  # the pinned slab, then any the layout adds later
         self._opt: dict[int, torch.optim.Optimizer] = {}
-        # per training step: (layers stepped, sum of their squared gradient entries), for the step's global
-        # gradient norm (backends/metrics.py); `take_grad_sq` hands over the steps all layers have done
-        self._grad_sq: dict[int, tuple[int, float]] = {}
-        self._grad_sq_lock = threading.Lock()
+        self.grad_squares = GradSquares(len(self.layers))  # per step, this rank's share of the gradient norm
         self.measure_grad_norm = True  # one more pass over each layer's gradients (bench/grad_norm_cost.py)
 
     def _views(self, layer: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -277,12 +275,14 @@ class HostState:
         raise NotImplementedError
 
     # ---- OPT_STEP --------------------------------------------------------------------------------
-    def step(self, layer: int, *, keep_previous: bool = False, at_step: int | None = None) -> None:
+    def step(self, layer: int, *, keep_previous: bool = False, at_step: int | None = None,
+             grad_scale: float = 1.0) -> None:
         """One AdamW step of `layer` with the gradients its GRAD_OUT delivered.
 
         `keep_previous`: a LOAD may still ask for the version before this step (asynchronous
         optimizer, and that LOAD has not run yet); keep it uploadable until `drop_stale`.
         `at_step`: the training step this update belongs to, for the learning-rate schedule.
+        `grad_scale`: the gradients are multiplied by it first (clipping by the global norm).
         """
         if at_step is not None:
             for group in self._opt[layer].param_groups:
@@ -296,10 +296,9 @@ class HostState:
         if layer == self.shared_grad:
             self._add_second_share(layer, grads)  # its copy ended before the step was called
         if at_step is not None and self.measure_grad_norm:
-            sq = float(torch.linalg.vector_norm(grads[: self._numel[layer]], dtype=torch.float32)) ** 2
-            with self._grad_sq_lock:
-                n, total = self._grad_sq.get(at_step, (0, 0.0))
-                self._grad_sq[at_step] = (n + 1, total + sq)
+            self.grad_squares.add(at_step, self._sq(grads, layer))
+        if grad_scale != 1.0:
+            grads[: self._numel[layer]].mul_(grad_scale)
         ready = threading.Event()
         with self._locks[layer]:
             self._writing[layer] = ready
@@ -311,14 +310,16 @@ class HostState:
                 del self._writing[layer]
             ready.set()
 
+    def _sq(self, flat: torch.Tensor, layer: int) -> float:
+        return float(torch.linalg.vector_norm(flat[: self._numel[layer]], dtype=torch.float32)) ** 2
+
     def take_grad_sq(self) -> dict[int, float]:
-        """Per training step whose every layer here has been stepped since the last call: the sum of the
-        squares of those layers' gradients (this rank's share of the step's global gradient norm)."""
-        with self._grad_sq_lock:
-            done = {k: t for k, (n, t) in self._grad_sq.items() if n == len(self.layers)}
-            for k in done:
-                del self._grad_sq[k]
-        return done
+        """Per step all layers here have stepped since the last call: the sum of their gradients' squares."""
+        return self.grad_squares.take()
+
+    def landed_grad_sq(self, layer: int) -> float:
+        """The sum of squares of `layer`'s gradients now on the host (its GRAD_OUT done, its step not yet)."""
+        return self._sq(self._grads_of(layer), layer)
 
     def _take_grads(self, layer: int) -> torch.Tensor:
         """`layer`'s gradients for its step (an error if its GRAD_OUT has not delivered them)."""

@@ -1,4 +1,4 @@
-"""A model directory's weights checked before any worker starts: the index, every shard's header and size.
+"""`tinypipe run`'s inputs checked before any worker starts: weights, checkpoint files, evaluation, clipping.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the data. `check_weights` reads only the headers: a shard that is
@@ -15,6 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from tinypipe.common.errors import InputError
+from tinypipe.describe.model import ModelSpec
+from tinypipe.policy import Policy
+from tinypipe.policy.modes import HostMemory
+
+from .data.batches import Batches
+from .data.tokenizers import Tokenizer
+from .options import RunOptions
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
@@ -74,3 +81,57 @@ def check_weights(directory: Path, needed: Iterable[str]) -> None:
     if missing:
         raise InputError(f"{directory}: the weights lack {len(missing)} tensor(s) the model needs, e.g. "
                          f"{', '.join(map(repr, missing[:3]))}")
+
+
+def check_eval(args: RunOptions, policy: Policy, train: Batches, tokenizer: Tokenizer) -> None:
+    """The held-out data: read, at least one step of it, and a synchronous optimizer."""
+    from .data.batches import make_batches
+    from .evaluation import eval_steps
+
+    if policy.lora is not None:
+        raise InputError("--eval-data/--eval-fraction: not with --lora yet (an evaluation window's backward would "
+                         "reach the adapters, which step on the device)")
+    if policy.optimizer.is_async:
+        raise InputError(f"--eval-data/--eval-fraction: policy {policy.name!r} has the asynchronous optimizer, whose "
+                         "uploads lag the updates; evaluate with a policy whose \"optimizer\" is \"sync\"")
+    held = make_batches(args.eval_data or args.data, tokenizer=tokenizer, seq_len=args.seq_len,
+                        microbatch_size=train.microbatch_size, microbatches=train.microbatches, seed=args.seed,
+                        packing=args.packing, hold_out=0.0 if args.eval_data else (args.eval_fraction or 0.0),
+                        part="eval")
+    need = train.microbatches * train.microbatch_size
+    if eval_steps(held) < 1:
+        raise InputError(f"{args.eval_data or '--eval-fraction'}: {len(held.source)} held-out sequence(s) of "  # type: ignore[arg-type]
+                         f"{args.seq_len} tokens, fewer than one step's {need}; give more held-out data")
+
+
+def check_clip(policy: Policy, spec: ModelSpec) -> None:
+    """--max-grad-norm needs every gradient of a step on the host before any layer's step: the compact
+    layout's gradient ring frees a slot only when its layer has stepped, and a tied matrix's two shares
+    are summed only by its step."""
+    if policy.host_memory == HostMemory.COMPACT:
+        raise InputError(f"--max-grad-norm: policy {policy.name!r} keeps the compact host layout, whose gradient "
+                         "ring frees a slot only after its layer's optimizer step, but clipping needs every gradient "
+                         "of a step first; use a policy with \"host_memory\": \"replicated\"")
+    if policy.lora is not None:
+        raise InputError("--max-grad-norm: with --lora the adapters step on the device; clipping them is not "
+                         "supported yet")
+    if spec.tied_embeddings:
+        raise InputError(f"--max-grad-norm: {spec.name} ties its LM head to the embedding; clipping such a model "
+                         "is not supported yet")
+
+
+def check_rank_files(directory: Path, ranks: int) -> None:
+    """InputError unless the checkpoint holds complete files for each of `ranks` ranks (`ckpt_format`: the
+    JSON beside a safetensors file whose header's tensors all lie within it; a truncated file does not)."""
+    from . import ckpt_format
+
+    files = sorted(directory.glob(f"rank*{ckpt_format.TENSORS}"))
+    for r in range(ranks):
+        f = directory / f"rank{r}{ckpt_format.TENSORS}"
+        if not f.is_file() or not (directory / f"rank{r}{ckpt_format.SKELETON}").is_file():
+            raise InputError(f"{f}: missing; the checkpoint holds {len(files)} rank file(s), this run has "
+                             f"{ranks} ranks")
+        try:
+            ckpt_format.read_tensors(f)
+        except (OSError, ckpt_format.FormatError, KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{f}: truncated or corrupt ({exc})") from None

@@ -15,6 +15,7 @@ the modules are structure only and the tensors on the device are exactly what LO
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +28,7 @@ from tinypipe.ir.schedule import Action, Schedule, owned_layers
 
 from .comm import Comm, Handle
 from .compiled import LayerCaller
+from .groups import Group
 from .hoststate import HostState
 from .lora import Adapters, frozen_bwd, with_adapters
 from .parking import ParkingLot
@@ -53,6 +55,27 @@ class StepData:
     documents: list[torch.Tensor] | None = None
 
 
+class GradClip:
+    """Clipping by the global gradient norm, as torch.nn.utils.clip_grad_norm_: every gradient of step k is
+    multiplied by min(1, max_norm / (norm + 1e-6)), norm the L2 norm over all ranks' gradients of step k.
+
+    Run by the optimizer thread at a step's first OPT_STEP, which the schedule (`grad_clip`) makes wait
+    for every GRAD_OUT of the step: this rank's landed gradients give its share, `norms.all_sum` the total.
+    """
+
+    def __init__(self, max_norm: float, norms: Group | None, host: HostState) -> None:
+        self.max_norm, self.norms, self.host = max_norm, norms, host
+        self._coef: dict[int, float] = {}
+
+    def coefficient(self, step: int) -> float:
+        if step not in self._coef:
+            local = sum(self.host.landed_grad_sq(layer) for layer in self.host.layers)
+            total = local if self.norms is None else self.norms.all_sum(local)
+            self._coef = {k: v for k, v in self._coef.items() if k > step - 4}
+            self._coef[step] = min(1.0, self.max_norm / (math.sqrt(total) + 1e-6))
+        return self._coef[step]
+
+
 class Interpreter:
     """Device-side state of one rank and the handlers that change it, one per action kind."""
 
@@ -65,7 +88,14 @@ class Interpreter:
 
     def __init__(self, *, rank: int, schedule: Schedule, layers: list[nn.Module | None], host: HostState,
                  comm: Comm | None, device: torch.device, hidden_size: int,
-                 tied: tuple[str, str] | None = None, caller: LayerCaller | None = None) -> None:
+                 tied: tuple[str, str] | None = None, caller: LayerCaller | None = None,
+                 clip: GradClip | None = None) -> None:
+        if schedule.grad_clip != (clip is not None):
+            raise ExecutionError("the schedule's grad_clip and the run's --max-grad-norm disagree")
+        self.clip = clip
+        # an evaluation window (worker.evaluate): the schedule's actions run, but GRAD_OUT drops the gradients
+        # and OPT_STEP does nothing, so the head's FWD gives the held-out loss and the host state is untouched
+        self.evaluating = False
         self.rank = rank
         self.schedule = schedule
         self.layers = layers
@@ -260,6 +290,8 @@ class Interpreter:
             raise self.fail(a, "no accumulated gradients (no BWD of this layer in this step)")
         for g in grads.values():
             self.use(g)
+        if self.evaluating:  # an evaluation window: the gradients go nowhere
+            return None
         if self.tied is not None and a.layer == self.last_layer:
             share = grads.pop(self.tied[0])
             self.host.receive_grads(0, {self.tied[1]: share}, non_blocking=self.device.type == "cuda")
@@ -267,6 +299,8 @@ class Interpreter:
         return None
 
     def _opt_step(self, a: Action, step: int) -> Done:
+        if self.evaluating:
+            return None
         if self.host.version(a.layer) != step:
             raise self.fail(a, f"the host holds version {self.host.version(a.layer)} of the layer, "
                                f"step {step}'s update needs {step}")
@@ -274,7 +308,8 @@ class Interpreter:
         # when one of those uploads is still to come (outside this window, or not yet run)
         nxt = self.pending_loads.get((a.layer, step + 1))
         keep = self.staleness > 0 and (nxt is None or nxt > 0)
-        self.host.step(a.layer, keep_previous=keep, at_step=step)
+        scale = 1.0 if self.clip is None else self.clip.coefficient(step)
+        self.host.step(a.layer, keep_previous=keep, at_step=step, grad_scale=scale)
         return None
 
     def _adapt_step(self, a: Action, step: int) -> Done:

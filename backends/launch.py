@@ -177,16 +177,19 @@ def run_threads(job: Job, world: int) -> list[RankResult]:
     build_model(job.model, seed=job.seed, only=set())  # imports transformers' lazy modules once, not racing
     comm = LocalComm(world)
     group = LocalGroup(world)
+    norms = LocalGroup(world) if job.schedule.grad_clip else None  # the optimizer threads' own collective
     results: list[Any] = [None] * world
     errors: list[BaseException] = []
 
     def body(rank: int) -> None:
         try:
             results[rank] = train_rank(job, rank, world, comm.for_rank(rank) if world > 1 else None,
-                                       group.view(rank))
+                                       group.view(rank), norms=None if norms is None else norms.view(rank))
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append(exc)
             group._barrier.abort()
+            if norms is not None:
+                norms._barrier.abort()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(world)]
     for t in threads:

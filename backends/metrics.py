@@ -65,8 +65,12 @@ class StepLog:
             self._board = _tensorboard(Path(out) / TENSORBOARD_DIR)
 
     def window(self, first: int, last: int, seconds: float, parts: Iterable[tuple[dict[int, float],
-                                                                                    dict[int, float]]]) -> None:
-        """Steps first..last-1 ran in `seconds`; `parts`: every rank's (losses, grad_sq) it gathered."""
+                                                                                    dict[int, float]]],
+               eval_loss: float | None = None) -> None:
+        """Steps first..last-1 ran in `seconds`; `parts`: every rank's (losses, grad_sq) it gathered;
+        `eval_loss`: the held-out loss after step `last`, if measured."""
+        if eval_loss is not None:
+            self.eval[last - 1] = eval_loss
         for losses, sq in parts:
             self.losses.update(losses)
             for k, v in sq.items():
@@ -78,7 +82,8 @@ class StepLog:
             done = last - self.start
             elapsed = time.perf_counter() - self.t0
             eta = elapsed / max(1, done) * (self.steps - last)
-            self._say(progress_line(last, self.steps, self.losses.get(last - 1), rate, eta), final=last == self.steps)
+            line = progress_line(last, self.steps, self.losses.get(last - 1), rate, eta)
+            self._say(line + ("" if eval_loss is None else f"  eval loss {eval_loss:.4f}"), final=last == self.steps)
         self._flush(complete_only=True)
 
     def _say(self, text: str, *, final: bool) -> None:

@@ -52,6 +52,10 @@ class RunOptions:
     trace: str | None = None
     trace_memory: bool = False
     grad_norm: bool = True
+    max_grad_norm: float | None = None
+    eval_data: str | None = None
+    eval_fraction: float | None = None
+    eval_every: int | None = None
     profile: tuple[str, ...] = ()
     optimizer_state: str | None = None  # the moments' precision (None: the policy's)
     keep_checkpoints: int = 1  # complete checkpoints kept in --out (0: none written)

@@ -43,6 +43,7 @@ from .calibrate import calibrate_run
 from .hf import ModelSource
 from .hostfit import check_host_fits, run_host_limit
 from .hoststate import AdamWConfig
+from .inputs import check_clip, check_eval, check_rank_files
 from .lora_save import lora_files
 from .optim_rules import LRSchedule, default_lr, warmup_steps
 from .options import RunOptions
@@ -195,10 +196,14 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     if data is not None:
         say(f"reading and tokenizing {data}")
     batches = make_batches(data, tokenizer=tokenizer, seq_len=args.seq_len, microbatch_size=policy.microbatch_size,
-                           microbatches=policy.microbatches, seed=args.seed, packing=args.packing)
+                           microbatches=policy.microbatches, seed=args.seed, packing=args.packing,
+                           hold_out=0.0 if args.eval_data else (args.eval_fraction or 0.0))
     if args.epochs is not None and not args.resume and isinstance(batches.source, PackedSequences):
         args = dataclasses.replace(args, steps=max(1, math.ceil(args.epochs * len(batches.source)
                                                                 * args.seq_len / args.batch_tokens)))
+    evaluating = bool(args.eval_data or args.eval_fraction)
+    if evaluating:
+        check_eval(args, policy, batches, tokenizer)
     first = int(args.record["step"]) if args.record else 0
     try:
         step_data(batches, first)
@@ -233,7 +238,10 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                       compiled=compile_blocks)
     iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
-    schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem)
+    clip = args.max_grad_norm is not None
+    if clip:
+        check_clip(policy, spec)
+    schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip)
     compiled = pinned
     check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, args.host_mem),
                     lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem))
@@ -243,7 +251,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                          f"{prediction.violation}")
     used = sorted(set(schedule.pack_gpu))
     if used != list(range(args.gpus)):
-        spread = _on_every_gpu(policy, spec, hardware, trace, iterations)
+        spread = _on_every_gpu(policy, spec, hardware, trace, iterations, grad_clip=clip)
         why = (f"policy {policy.name!r} puts packs on GPUs {used}, but the run has --gpus {args.gpus}: every GPU "
                "needs at least one pack" + (f" ({spec.name} ties its LM head to its token embedding, so the head's "
                                             "pack runs on the first pack's GPU)" if spec.tied_embeddings else ""))
@@ -281,6 +289,8 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
+              max_grad_norm=args.max_grad_norm, eval_data=args.eval_data, eval_fraction=args.eval_fraction or 0.0,
+              eval_every=(args.eval_every or max(1, args.steps // 10)) if evaluating else 0,
               save_dtype=save_dtype, save_model=args.save,
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),
@@ -297,8 +307,9 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
 
 
 def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-             iterations: int, gpu_mem: int | None = None) -> tuple[Schedule, SimResult]:
-    schedule, result = simulate_policy(policy, spec, hardware, trace, iterations=iterations, gpu_mem_bytes=gpu_mem)
+             iterations: int, gpu_mem: int | None = None, *, grad_clip: bool = False) -> tuple[Schedule, SimResult]:
+    schedule, result = simulate_policy(policy, spec, hardware, trace, iterations=iterations, gpu_mem_bytes=gpu_mem,
+                                       grad_clip=grad_clip)
     return schedule, result
 
 
@@ -312,7 +323,7 @@ def _host_peak(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Profi
 
 
 def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-                  iterations: int) -> tuple[Policy, tuple[Schedule, SimResult]] | None:
+                  iterations: int, *, grad_clip: bool = False) -> tuple[Policy, tuple[Schedule, SimResult]] | None:
     """`policy` with its layers in more, balanced packs dealt round-robin, the fewest packs that put
     at least one on every GPU and fit; None when none does. (A tied model's head shares the first
     pack's GPU, so it needs a pack more than there are GPUs.)"""
@@ -320,29 +331,12 @@ def _on_every_gpu(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Pr
     for k in range(gpus + (1 if spec.tied_embeddings else 0), len(spec.layers) + 1):
         cand = policy.replace(packing="balanced", num_packs=k, mapping="round-robin")
         try:
-            schedule, prediction = _compile(cand, spec, hardware, trace, iterations)
+            schedule, prediction = _compile(cand, spec, hardware, trace, iterations, grad_clip=grad_clip)
         except InputError:
             continue
         if prediction.fits and sorted(set(schedule.pack_gpu)) == list(range(gpus)):
             return cand, (schedule, prediction)
     return None
-
-
-def check_rank_files(directory: Path, ranks: int) -> None:
-    """InputError unless the checkpoint holds complete files for each of `ranks` ranks (`ckpt_format`: the
-    JSON beside a safetensors file whose header's tensors all lie within it; a truncated file does not)."""
-    from . import ckpt_format
-
-    files = sorted(directory.glob(f"rank*{ckpt_format.TENSORS}"))
-    for r in range(ranks):
-        f = directory / f"rank{r}{ckpt_format.TENSORS}"
-        if not f.is_file() or not (directory / f"rank{r}{ckpt_format.SKELETON}").is_file():
-            raise InputError(f"{f}: missing; the checkpoint holds {len(files)} rank file(s), this run has "
-                             f"{ranks} ranks")
-        try:
-            ckpt_format.read_tensors(f)
-        except (OSError, ckpt_format.FormatError, KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"{f}: truncated or corrupt ({exc})") from None
 
 
 SAVE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -94,7 +94,9 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
             box = [job]
             dist.broadcast_object_list(box, src=0, group=group.group)
             job = box[0]
-        result = train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank)
+        # clipping: the optimizer threads all-reduce each step's gradient norm in a group of their own
+        norms = DistGroup(rank, world, backend, own_group=True) if job.schedule.grad_clip else None
+        result = train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, norms=norms)
         results = group.gather(result)
         if rank == 0 and result_path is not None:
             tmp = f"{result_path}.part{os.getpid()}"

@@ -96,7 +96,8 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
                     async_staleness: int = 0, schedule: LRSchedule | None = None,
                     decay_exempt: bool = False,
                     documents: Callable[[int], list[torch.Tensor] | None] | None = None,
-                    optimizer_state: OptimizerState = OptimizerState.FP32) -> ReferenceResult:
+                    optimizer_state: OptimizerState = OptimizerState.FP32,
+                    max_grad_norm: float | None = None) -> ReferenceResult:
     """Train `model` (a LayerStack holding every layer, or a name built with `seed`) for `steps`.
 
     Step t takes the next item of `batches` (a list of (input_ids, labels) microbatches), runs each
@@ -116,7 +117,8 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
 
     `schedule`: step t's gradient is applied at `schedule.lr(t)` (None: `lr` throughout);
     `decay_exempt`: weight decay only where `optim_rules.decays` says. `documents(t)`: step t's document
-    ids per microbatch for the blocks' per-document mask (e.g. `Batches.documents`).
+    ids per microbatch for the blocks' per-document mask (e.g. `Batches.documents`). `max_grad_norm`:
+    each step's gradients clipped by their global norm as `torch.nn.utils.clip_grad_norm_` does.
     """
     if async_staleness not in (0, 1):
         raise ValueError(f"async_staleness must be 0 or 1, got {async_staleness}")
@@ -146,6 +148,11 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
                                         documents=None if documents is None else documents(t))
         losses.append(loss)
         grad_norms.append(float(torch.nn.utils.get_total_norm([g for layer in grads for g in layer])))
+        if max_grad_norm is not None:  # torch.nn.utils.clip_grad_norm_'s coefficient, on every gradient
+            coef = min(1.0, max_grad_norm / (grad_norms[-1] + 1e-6))
+            for layer in grads:
+                for g in layer:
+                    g.mul_(coef)
         if async_staleness == 0:
             apply(grads, t)
         else:

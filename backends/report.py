@@ -195,6 +195,10 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
                      f"(steps {min(losses) + 1}..{max(losses) + 1})")
     if before is not None or after is not None:
         lines.append(f"accuracy  held-out addition: {_pct(before)} before -> {_pct(after)} after")
+    evals = {k: v for r in results for k, v in r.eval_losses.items()}
+    if evals:
+        shown = ", ".join(f"{evals[k]:.4f} at step {k + 1}" for k in sorted(evals)[-4:])
+        lines.append(f"eval      held-out loss {shown}")
     lines.append(f"speed     {measured_tps:,.0f} tokens/s measured (step {iteration_s * 1e3:.1f} ms, {how}; "
                  f"{tokens * steps_run / max(wall, 1e-9):,.0f} tokens/s over {steps_run} steps in {wall:.1f} s)")
     lines.append(f"          {sim.tokens_per_s:,.0f} tokens/s predicted by the simulator "

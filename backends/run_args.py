@@ -33,6 +33,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="training data: JSON Lines of {\"text\"}, {\"prompt\", \"completion\"} or {\"messages\"} "
                         "(chat template, loss on assistant turns) records, or plain text; the format is read from "
                         "the content (default: the embedded synthetic addition task)")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--eval-data", default=None, metavar="FILE",
+                      help="held-out data (any --data format): its loss every --eval-every steps and at the end, in "
+                           "the summary and metrics.jsonl")
+    held.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+                      help="hold out the last F of --data's sequences (at least one) for the same evaluation")
+    p.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="evaluate every N steps as well as at the end (default: 10 times a run); each held-out "
+                        "step costs a training step's device work, without the optimizer")
     p.add_argument("--byte-tokens", action="store_true", default=None,
                    help="train on UTF-8 byte ids when the model has no tokenizer files (default: such a model is an "
                         "error with --data)")
@@ -71,6 +80,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                       help="steps of linear warmup from lr 0 (default: --warmup-ratio)")
     warm.add_argument("--warmup-ratio", type=float, default=None, metavar="R",
                       help=f"warmup as a share of the run's steps, rounded up (default {d['warmup_ratio']})")
+    p.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+                   help="clip by the global gradient norm over all ranks, as torch.nn.utils.clip_grad_norm_ "
+                        "(default: off). Every layer's optimizer step then waits for the step's last gradient: "
+                        "the schedule says so and the prediction includes it; needs the replicated host layout")
     p.add_argument("--decay-all", action="store_true", default=None,
                    help="apply --weight-decay to every parameter (default: not to norms, biases and the embedding)")
     p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),

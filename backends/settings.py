@@ -42,7 +42,7 @@ RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_
             "lr", "lr_schedule", "warmup_steps", "warmup_ratio", "decay_all", "betas", "eps", "weight_decay", "seed",
             "backend", "checkpoint_every", "checkpoint_minutes", "byte_tokens", "packing", "epochs", "save_every",
             "save_dtype", "optimizer_state", "keep_checkpoints", "lora", "lora_alpha", "lora_dropout",
-            "lora_targets")
+            "lora_targets", "max_grad_norm", "eval_data", "eval_fraction", "eval_every")
 # may differ from the record
 FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype",
                   "keep_checkpoints")
@@ -153,6 +153,16 @@ def _check_numbers(a: RunOptions) -> None:
                          f"{MAX_SEQ_LEN:,}, {MAX_BATCH_TOKENS:,} and {MAX_STEPS:,}")
     if a.epochs is not None and not (math.isfinite(a.epochs) and 0 < a.epochs <= MAX_EPOCHS):
         raise InputError(f"--epochs: must be a number in (0, {MAX_EPOCHS}], got {a.epochs}")
+    if a.max_grad_norm is not None and not (math.isfinite(a.max_grad_norm) and a.max_grad_norm > 0):
+        raise InputError(f"--max-grad-norm: must be a positive number, got {a.max_grad_norm}")
+    if a.eval_fraction is not None and not (math.isfinite(a.eval_fraction) and 0 < a.eval_fraction < 1):
+        raise InputError(f"--eval-fraction: must be in (0, 1), got {a.eval_fraction}")
+    if a.eval_fraction is not None and a.data is None:
+        raise InputError("--eval-fraction: give --data to hold a share of it out (or --eval-data FILE)")
+    if a.eval_every is not None and a.eval_every < 1:
+        raise InputError(f"--eval-every: must be >= 1, got {a.eval_every}")
+    if a.eval_every is not None and a.eval_data is None and a.eval_fraction is None:
+        raise InputError("--eval-every: give --eval-data FILE or --eval-fraction F to evaluate on")
     if a.save_every < 0:
         raise InputError(f"--save-every: must be >= 0, got {a.save_every}")
     if a.microbatch_size is not None and a.microbatch_size < 1:

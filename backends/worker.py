@@ -28,11 +28,12 @@ from . import checkpoint
 from .comm import Comm
 from .compiled import COMPILE_BACKEND, LayerCaller
 from .cpustat import Steal
+from .evaluation import eval_steps, evaluate
 from .executor import Carried, RunLog, run_actions
 from .groups import Group
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
-from .interpreter import ExecutionError, Interpreter, StepData
+from .interpreter import ExecutionError, GradClip, Interpreter, StepData
 from .lora_save import LoraFiles, save_outputs
 from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
@@ -65,6 +66,10 @@ class Job:
     progress: bool = True
     write_metrics: bool = True  # OUT/metrics.jsonl (and TensorBoard), by rank 0
     grad_norm: bool = True  # each step's global gradient norm for the metrics (`--no-grad-norm`)
+    max_grad_norm: float | None = None  # clip by the global gradient norm (the schedule must have grad_clip)
+    eval_data: str | None = None  # held-out data file (`--eval-data`), else
+    eval_fraction: float = 0.0  # the share of `data`'s sequences held out (`--eval-fraction`)
+    eval_every: int = 0  # evaluate every N steps (0: at the end only), when there is held-out data
     save_every: int = 0  # also save the model to OUT/step-N every N steps (0: off)
     save_dtype: str | None = None  # the saved weights' dtype (DTYPES key; None: fp32, the masters')
     save_model: bool = True
@@ -119,6 +124,7 @@ class RankResult:
     # the host's CPU time a hypervisor took (cpustat.Steal) over the training loop; None where unknown
     host_steal_share: float | None = None
     checkpoint_failures: list[str] = field(default_factory=list)  # checkpoint.Failed.line() of each not written
+    eval_losses: dict[int, float] = field(default_factory=dict)  # step (0-based) -> held-out loss after it (rank 0)
 
 
 def step_data(batches: Any, step: int) -> StepData:
@@ -132,16 +138,18 @@ def step_data(batches: Any, step: int) -> StepData:
 
 
 def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
-               stop: threading.Event | None = None, local_rank: int = 0) -> RankResult:
-    """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw."""
+               stop: threading.Event | None = None, local_rank: int = 0, norms: Group | None = None) -> RankResult:
+    """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw. `norms`: the
+    collective the optimizer thread sums the gradient norm over (a schedule that clips)."""
     host_spans: list[tuple[str, float, float]] = []  # RankResult.host
     with host_settings(), gc_pauses(host_spans), settled_heap(host_spans) as settle_heap:
-        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, host_spans=host_spans,
+        return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, norms=norms,
+                           host_spans=host_spans,
                            settle_heap=settle_heap if settle_heap_enabled(job.compile_blocks, job.backend) else None)
 
 
 def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
-                stop: threading.Event | None, local_rank: int,
+                stop: threading.Event | None, local_rank: int, norms: Group | None,
                 host_spans: list[tuple[str, float, float]], settle_heap: Callable[[], None] | None) -> RankResult:
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
@@ -158,11 +166,16 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     host.measure_grad_norm = job.grad_norm
     tokenizer = load_tokenizer(stack.source_dir, vocab_size=stack.spec.vocab_size,
                                byte_tokens=job.byte_tokens or job.data is None)
-    batches = make_batches(job.data, tokenizer=tokenizer, seq_len=job.seq_len, microbatch_size=job.microbatch_size,
-                           microbatches=sched.microbatches, seed=job.seed, packing=job.packing)
+    shape = {"tokenizer": tokenizer, "seq_len": job.seq_len, "microbatch_size": job.microbatch_size,
+             "microbatches": sched.microbatches, "seed": job.seed, "packing": job.packing}
+    held = job.eval_fraction if job.eval_data is None else 0.0
+    batches = make_batches(job.data, hold_out=held, **shape)  # type: ignore[arg-type]
+    held_out = (make_batches(job.eval_data or job.data, hold_out=held, part="eval", **shape)  # type: ignore[arg-type]
+                if job.eval_data or job.eval_fraction else None)
     interp = Interpreter(rank=rank, schedule=sched, layers=stack.layers, host=host, comm=comm, device=device,
                          hidden_size=stack.spec.hidden_size, tied=stack.tied,
-                         caller=LayerCaller(compile_blocks=job.compile_blocks, backend=job.compile_backend))
+                         caller=LayerCaller(compile_blocks=job.compile_blocks, backend=job.compile_backend),
+                         clip=None if job.max_grad_norm is None else GradClip(job.max_grad_norm, norms, host))
     actions = rank_actions(sched, rank)
     by_prefix: dict[int, list[Any]] = {}  # n -> this rank's actions of iterations 0..n-1
     ledger = Ledger(sched.static_bytes, buffers=True)
@@ -223,6 +236,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             n = min(n, job.save_every - step % job.save_every)
         if job.stop_after is not None and step < job.stop_after:
             n = min(n, job.stop_after - step)
+        if held_out is not None and job.eval_every:
+            n = min(n, job.eval_every - step % job.eval_every)
         window = by_prefix.get(n)
         if window is None:
             window = by_prefix[n] = [a for a in actions if a.iteration < n]
@@ -242,9 +257,17 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         left = interp.leftovers()
         if left:
             raise ExecutionError(f"rank {rank}: steps {step}..{step + n - 1} ended still holding {', '.join(left[:6])}")
-        parts = group.gather(({k: losses[k] for k in part.losses}, host.take_grad_sq()))
+        at = step + n
+        ev = None
+        if held_out is not None and (at == job.steps or (job.eval_every and at % job.eval_every == 0)):
+            finish_host_steps()  # the weights after step `at`
+            ev = evaluate(interp, by_prefix.get(1) or [a for a in actions if a.iteration < 1], held_out,
+                          eval_steps(held_out), at=at, step_data=step_data, id_stride=len(sched.actions),
+                          host_worker=optimizer)
+        parts = group.gather(({k: losses[k] for k in part.losses}, host.take_grad_sq(), ev))
         if steplog is not None and parts is not None:
-            steplog.window(step, step + n, window_end - t_run, parts)
+            steplog.window(step, at, window_end - t_run, [(p[0], p[1]) for p in parts],
+                           eval_loss=next((p[2] for p in parts if p[2] is not None), None))
         step += n
         saving = bool(job.out and job.save_every and step % job.save_every == 0 and step < job.steps)
         if settle_heap:
@@ -265,9 +288,9 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             break
     finish_host_steps()
     optimizer.close()
-    parts = group.gather(({}, host.take_grad_sq()))
+    parts = group.gather(({}, host.take_grad_sq(), None))
     if steplog is not None:
-        steplog.close(parts or ())
+        steplog.close([(p[0], p[1]) for p in parts or ()])
     rss["training done"] = rss_now()
     wall = time.perf_counter() - t_begin
     if job.out and job.save_model:  # the fine-tuned model first: the run's result, whatever a checkpoint meets
@@ -288,4 +311,5 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         masters=host.masters() if job.keep_masters else None, issued=log.issued, peaks=log.peaks, issue=log.issue,
         host=[h for h in host_spans if h[2] >= t_begin],  # the training loop's, not the model build's
         pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()},
-        host_steal_share=steal.share(), checkpoint_failures=failures)
+        host_steal_share=steal.share(), checkpoint_failures=failures,
+        eval_losses=dict(steplog.eval) if steplog is not None else {})

@@ -61,6 +61,7 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
             "docs/memory.md: host optimizer speed per state precision; hostmem.STATE_TIME_FACTOR"),
         _py("optim_state_curves", "results/optim_state_curves.json", "docs/memory.md: loss curves per state precision"),
         _py("rss_phases", "results/rss_phases.json", "docs/memory.md: the start of a run"),
+        _py("clip_cost", "results/clip_cost.json", "docs/training.md: Optimisation (--max-grad-norm)"),
     )),
     "device": ("runs on CUDA GPUs (H200s for the published tables); each appends to results/ or $OUT", (
         _sh("peers", "$OUT/peers_h200.json", "README.md and docs/performance.md: Beside the peers"),

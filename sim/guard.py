@@ -25,11 +25,11 @@ from tinypipe.policy import Policy
 
 def simulate_policy(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
                     iterations: int, gpu_mem_bytes: int | None = None,
-                    host_mem_bytes: int | None = None) -> tuple[Schedule, SimResult]:
+                    host_mem_bytes: int | None = None, grad_clip: bool = False) -> tuple[Schedule, SimResult]:
     """`policy` compiled and simulated (capacities recorded, not raised); for `packing: mobius` the fastest
     of the MILP's partition and the uniform ones with its pack count. A policy that cannot compile raises."""
     def run(p: Policy) -> tuple[Schedule, SimResult]:
-        sched = compile_schedule(p, model, hardware, trace, iterations=iterations)
+        sched = compile_schedule(p, model, hardware, trace, iterations=iterations, grad_clip=grad_clip)
         return sched, simulate(sched, model, hardware, trace, gpu_mem_bytes=gpu_mem_bytes,
                                host_mem_bytes=host_mem_bytes, on_capacity="record")
 

@@ -124,7 +124,9 @@ if HAVE_TORCH:
         "--data": st.sampled_from(["DATA_OK", "DATA_BAD", "DATA_CSV", "NO_DIR/x"]), "--profile": PROFILES,
         "--lr-schedule": st.sampled_from(["constant", "linear", "cosine", "step"]),
         "--warmup-steps": INTS, "--warmup-ratio": FLOATS, "--epochs": FLOATS, "--byte-tokens": None,
-        "--no-packing": None, "--no-grad-norm": None, "--save-every": INTS,
+        "--no-packing": None, "--no-grad-norm": None, "--save-every": INTS, "--max-grad-norm": FLOATS,
+        "--eval-data": st.sampled_from(["DATA_OK", "DATA_BAD", "NO_DIR/x"]), "--eval-fraction": FLOATS,
+        "--eval-every": INTS,
         "--save-dtype": st.sampled_from(["fp32", "bf16", "fp16", "int4"]),
         "--decay-all": None,
     }

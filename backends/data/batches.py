@@ -6,6 +6,7 @@ process.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,9 +72,12 @@ class Batches:
 
 def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int, microbatch_size: int,
                  microbatches: int, seed: int, replica: int = 0, replicas: int = 1,
-                 task: AdditionTask | None = None, packing: bool = True, document_mask: bool = True) -> Batches:
+                 task: AdditionTask | None = None, packing: bool = True, document_mask: bool = True,
+                 hold_out: float = 0.0, part: str = "train") -> Batches:
     """Batches from a data file, or from the addition task when `data` is None or "addition".
-    `document_mask`: a file's windows carry their document ids (`Batches.documents`)."""
+    `document_mask`: a file's windows carry their document ids (`Batches.documents`). `hold_out`: the
+    share of a file's windows (the last ones, at least one) kept for evaluation: `part` "train" serves
+    the others, "eval" those."""
     if seq_len < 1:
         raise InputError(f"seq_len must be >= 1, got {seq_len}")
     source: SequenceSource
@@ -81,6 +85,13 @@ def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int,
         source = AdditionSequences(task or AdditionTask(seed=seed), tokenizer, seq_len)
     else:
         inputs, labels, docs = pack_documents(read_examples(data), tokenizer, seq_len, packing=packing)
+        if hold_out:
+            n = len(inputs)
+            k = min(n - 1, max(1, math.ceil(hold_out * n)))
+            if k < 1:
+                raise InputError(f"{data}: {n} sequence(s): too few to hold any out for evaluation")
+            cut = slice(n - k, n) if part == "eval" else slice(0, n - k)
+            inputs, labels, docs = inputs[cut], labels[cut], docs[cut]
         source = PackedSequences(inputs, labels, seed=seed, documents=docs if document_mask else None)
     return Batches(source, microbatch_size=microbatch_size, microbatches=microbatches,
                    replica=replica, replicas=replicas)

@@ -22,16 +22,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from tinypipe.describe.hfconfig import load_model, shipped_models
         from tinypipe.policy.lora import lora_from_args
 
+        positive("--seq-len", args.seq_len)  # checked even when only the names are listed: never ignored
+        positive("--microbatch-size", args.microbatch_size)
+        given = [load_hardware(h) for h in args.hardware or ()]
         if args.name is None:
             return print_list("models", shipped_models(), args.json)
         if not args.name.strip():
             raise InputError("inspect model: the model name is empty; give a shipped name or a config.json path")
-        positive("--seq-len", args.seq_len)
-        positive("--microbatch-size", args.microbatch_size)
         model = load_model(args.name)
         if args.seq_len > model.max_seq_len:
             raise InputError(f"--seq-len {args.seq_len}: {model.name} handles at most {model.max_seq_len:,} positions")
-        hws = [load_hardware(h) for h in (args.hardware or shipped_hardware())]
+        hws = given or [load_hardware(h) for h in shipped_hardware()]
         if args.host_mem:
             host_bytes = parse_bytes(args.host_mem, "--host-mem")
             hws = [dataclasses.replace(hw, name=f"{hw.name} ({table.gib(host_bytes)} host)",
@@ -79,7 +80,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from tinypipe.cli.inspection import hardware_report
         from tinypipe.describe.hardware import HOST, load_hardware, shipped_hardware
 
-        if not args.name:
+        if args.name is not None and not args.name.strip():
+            raise InputError("inspect hardware: the name is empty; give a preset name or a hardware JSON path")
+        if args.name is None:
             hws = [load_hardware(n) for n in shipped_hardware()]
             if args.json:
                 return print_json([hardware_report(h) for h in hws])

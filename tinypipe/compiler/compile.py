@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tinypipe.common.errors import InputError
 from tinypipe.compiler.ops import Op, lower
-from tinypipe.compiler.optimizer import optimizer_pass
+from tinypipe.compiler.optimizer import norm_barrier, optimizer_pass
 from tinypipe.compiler.passes import compute_ops, gradient_pass, memory_pass, swap_pass, transfer_pass
 from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
@@ -67,15 +67,18 @@ def gpu_static_bytes(plan: Plan) -> tuple[tuple[str, int], ...]:
 
 
 def compile_schedule(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
-                     iterations: int = 3, cost: CostModel | None = None) -> Schedule:
+                     iterations: int = 3, cost: CostModel | None = None, grad_clip: bool = False) -> Schedule:
     """Compile `policy` for `model` on `hardware` with timings from `trace` into a Schedule.
+    `grad_clip`: clipping by the global gradient norm (`optimizer.norm_barrier`).
 
     A policy that cannot apply (pack sizes that do not sum to the layer count, a GPU that does not
     exist, more packs than layers, resident layers out of range) is an InputError naming the field.
     """
     plan = make_plan(policy, model, hardware, trace, iterations=iterations, cost=cost)
+    actions = run_passes(plan)
     return Schedule(
-        actions=run_passes(plan), num_gpus=plan.num_gpus, num_layers=plan.num_layers,
+        actions=norm_barrier(actions) if grad_clip else actions, grad_clip=grad_clip, num_gpus=plan.num_gpus,
+        num_layers=plan.num_layers,
         iterations=plan.iterations, microbatches=plan.microbatches,
         tokens_per_microbatch=trace.tokens_per_microbatch, recompute=plan.recompute,
         pack_layers=plan.pack_layers, pack_gpu=plan.pack_gpu, host_memory=plan.host_memory,

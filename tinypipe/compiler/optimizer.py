@@ -3,8 +3,11 @@ tied embeddings, the compact layout's gradient ring); docs/schedule-contract.md.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tinypipe.compiler.ops import ADAPT_STEP, BWD, GRAD_OUT, LOAD, ON_HOST, OPT_STEP, Op, _splice
 from tinypipe.estimate.plan import Plan
+from tinypipe.ir.schedule import Action, Kind
 from tinypipe.policy.modes import HostMemory
 
 
@@ -122,3 +125,16 @@ def _ring_deps(ops: list[Op], slots: int, gpu_of_step: dict[Op, int]) -> None:
                     raise AssertionError(f"GRAD_OUT of layer {op.layer} (iteration {op.it}) would wait for a "
                                          f"gradient slot no earlier OPT_STEP frees")
                 op.deps.append(lane[k - slots])
+
+
+def norm_barrier(actions: tuple[Action, ...]) -> tuple[Action, ...]:
+    """Gradient clipping by the global norm: each OPT_STEP of iteration i also waits for every GRAD_OUT of
+    iteration i, on every GPU. No layer's optimizer step can start before the last gradient of the
+    iteration has reached the host, so the overlap of the host optimizer with the backward is lost for
+    that iteration: what `tinypipe.sim` then predicts, and bench/clip_cost.py measures."""
+    grad_outs: dict[int, list[int]] = {}
+    for a in actions:
+        if a.kind is Kind.GRAD_OUT:
+            grad_outs.setdefault(a.iteration, []).append(a.id)
+    return tuple(dataclasses.replace(a, deps=tuple(dict.fromkeys((*a.deps, *grad_outs.get(a.iteration, ())))))
+                 if a.kind is Kind.OPT_STEP else a for a in actions)

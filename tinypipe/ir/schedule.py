@@ -202,6 +202,9 @@ class Schedule:
     optimizer_state: OptimizerState = OptimizerState.FP32  # how the host holds AdamW's moments (hostmem)
     compute_dtype: str = "bf16"
     static_bytes: tuple[tuple[str, int], ...] = ()  # (device, bytes)
+    # gradient clipping by the global norm: every OPT_STEP of an iteration waits for every GRAD_OUT of it,
+    # on all GPUs (the backend meets those cross-GPU dependencies with an all-reduce of the norm)
+    grad_clip: bool = False
     meta: tuple[tuple[str, str], ...] = ()  # free-form provenance: model, hardware, policy name
     lora: LoraSpec | None = None  # adapters on a frozen base: what the backend builds and trains
     _by_resource: dict[str, tuple[int, ...]] | None = field(default=None, compare=False, repr=False)
@@ -256,7 +259,8 @@ class Schedule:
             f"recompute={int(self.recompute)} host_memory={self.host_memory} optimizer={self.optimizer} "
             f"compute_dtype={self.compute_dtype}"
             + ("" if self.optimizer_state.exact else f" optimizer_state={self.optimizer_state}")
-            + (f" lora={self.lora.text()}" if self.lora else ""),
+            + (f" lora={self.lora.text()}" if self.lora else "")
+            + (" grad_clip=1" if self.grad_clip else ""),
             "# packs=" + ";".join(",".join(map(str, p)) for p in self.pack_layers),
             "# pack_gpu=" + ",".join(map(str, self.pack_gpu)),
             "# static=" + ",".join(f"{d}={b}" for d, b in self.static_bytes),
@@ -294,7 +298,7 @@ class Schedule:
                 host_memory=HostMemory.parse(hdr["host_memory"], f"{where}: host_memory"),
                 optimizer=OptimizerMode.parse(hdr["optimizer"], f"{where}: optimizer"),
                 optimizer_state=OptimizerState.parse(hdr.get("optimizer_state", "fp32"), f"{where}: optimizer_state"),
-                compute_dtype=hdr["compute_dtype"],
+                compute_dtype=hdr["compute_dtype"], grad_clip=hdr.get("grad_clip") == "1",
                 static_bytes=static, meta=tuple(meta),
                 lora=LoraSpec.parse(hdr["lora"], f"{where}: lora") if "lora" in hdr else None,
             )
