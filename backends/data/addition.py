@@ -28,8 +28,8 @@ class AdditionTask:
     `padded`: operands written with `digits` digits and the sum with `digits + 1`, zeros in front
     (`07+35=042`), so each digit of the answer sits at a fixed distance from the operand digits it
     depends on. A small model learns this form several times faster: tiny-llama, one process,
-    500 steps of 512 tokens at lr 3e-3 with a cosine schedule reached 33-83% held-out accuracy over
-    three seeds padded, and 0-1% unpadded.
+    500 steps of 512 tokens at lr 3e-3 with a cosine schedule reached 9.5-83% held-out accuracy over
+    five seeds padded, and 0-1% over three unpadded.
 
     Problems are split by a hash of (a, b): one in `HELD_OUT_BUCKETS` is never trained on and is
     what `task_accuracy` asks.
