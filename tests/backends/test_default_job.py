@@ -5,8 +5,9 @@ held-out addition accuracy rises from 0% to at least 5%. On a 2-core machine the
 loss 0.21 and 83.5% (bench/results/default_run.json); one process, same settings, seeds 0-4 ended at
 loss 0.22/0.44/0.73/0.68/0.86 and 83/59/33/21.5/9.5% -- where the knee of the curve falls varies, and
 another CPU's rounding moves a run like another seed, so the bounds hold for all five. The slow test
-runs the whole job; the fast one runs its first 80 steps (a schedule of 80) and checks that the loss leaves the random-init plateau
-(the answers' format is learned, ~1.6) -- what a broken schedule, optimizer or data path stops.
+runs the whole job; the fast one runs its first 80 steps (a schedule of 80) and checks that the loss
+leaves the random-init plateau (the answers' format is learned, ~1.6) -- what a broken schedule,
+optimizer or data path stops.
 """
 
 from __future__ import annotations
