@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinypipe.sim.guard import simulate_policy
 
@@ -26,10 +26,15 @@ class SimEvaluator:
     iterations: int = 2
     profiles: tuple[ProfileTrace, ...] = ()  # measured traces (`--profile`), used before the shipped ones
     dtype: str = "bf16"  # compute dtype (a trace must match it)
+    # each microbatch size's trace, found once (one object, so sim.guard's cache recognises it)
+    _traces: dict[int, ProfileTrace] = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, policy: Policy) -> Evaluation:
-        trace = trace_for(self.model, self.hardware.gpus[0], microbatch_size=policy.microbatch_size,
-                          seq_len=self.seq_len, dtype=self.dtype, profiles=self.profiles)
+        trace = self._traces.get(policy.microbatch_size)
+        if trace is None:
+            trace = self._traces[policy.microbatch_size] = trace_for(
+                self.model, self.hardware.gpus[0], microbatch_size=policy.microbatch_size, seq_len=self.seq_len,
+                dtype=self.dtype, profiles=self.profiles)
         try:
             _, res = simulate_policy(policy, self.model, self.hardware, trace, iterations=self.iterations,
                                      gpu_mem_bytes=self.gpu_mem_bytes, host_mem_bytes=self.host_mem_bytes)

@@ -10,6 +10,9 @@ ones, so `simulate_policy` simulates those beside the MILP's pick and keeps the 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from tinypipe.sim.engine import simulate
 from tinypipe.sim.result import SimResult
 
@@ -30,8 +33,16 @@ def simulate_policy(policy: Policy, model: ModelSpec, hardware: Hardware, trace:
     of the MILP's partition and the uniform ones with its pack count. A policy that cannot compile raises."""
     def run(p: Policy) -> tuple[Schedule, SimResult]:
         sched = compile_schedule(p, model, hardware, trace, iterations=iterations, grad_clip=grad_clip)
-        return sched, simulate(sched, model, hardware, trace, gpu_mem_bytes=gpu_mem_bytes,
-                               host_mem_bytes=host_mem_bytes, on_capacity="record")
+        key = (dataclasses.replace(sched, meta=()), id(model), id(hardware), id(trace), gpu_mem_bytes, host_mem_bytes)
+        hit = _SIMULATED.get(key)
+        if hit is not None and hit[0] is model and hit[1] is hardware and hit[2] is trace:
+            return sched, hit[3]
+        res = simulate(sched, model, hardware, trace, gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes,
+                       on_capacity="record")
+        _SIMULATED[key] = (model, hardware, trace, res)
+        if len(_SIMULATED) > SIMULATED_KEPT:
+            _SIMULATED.pop(next(iter(_SIMULATED)))
+        return sched, res
 
     best = run(policy)
     if policy.packing != "mobius":
@@ -47,3 +58,11 @@ def simulate_policy(policy: Policy, model: ModelSpec, hardware: Hardware, trace:
         if (not cand[1].fits, cand[1].iteration_s) < (not best[1].fits, best[1].iteration_s):
             best = cand
     return best
+
+
+# Policies a search tries often compile to the same schedule (one option apart that changes nothing here: on
+# one GPU the mapping, swap by layer or by pack when packs hold one layer, ...): each is simulated once per
+# process. The key holds the schedule without its names, and the model, hardware and trace objects (kept
+# alive in the value, so an id is never reused while its entry stands).
+SIMULATED_KEPT = 256
+_SIMULATED: dict[tuple[Any, ...], tuple[ModelSpec, Hardware, ProfileTrace, SimResult]] = {}
