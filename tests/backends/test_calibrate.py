@@ -14,7 +14,7 @@ from tinypipe.backends import calibrate as cal  # noqa: E402
 from tinypipe.backends import prepare as plan_mod  # noqa: E402
 from tinypipe.backends.calibrate import calibrate_run, calibration_lines  # noqa: E402
 from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run import add_run_arguments  # noqa: E402
+from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
 
 from tinypipe.describe.hardware import load_hardware  # noqa: E402
 from tinypipe.estimate import hostcal  # noqa: E402

@@ -15,7 +15,7 @@ from tinypipe.backends import launch as launch_mod  # noqa: E402
 from tinypipe.backends import prepare as plan_mod  # noqa: E402
 from tinypipe.backends.hostfit import check_host_fits  # noqa: E402
 from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run import add_run_arguments  # noqa: E402
+from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
 
 from tinypipe.cli import main  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
