@@ -6,7 +6,8 @@ and after, side by side in one run.
 "Before" is REF (default: the merge base of HEAD and main) checked out into a temporary git worktree with
 its own virtual environment (an editable install, no downloads); "after" is this checkout. The two are
 run alternately, REPEAT times each, so that what else runs on the machine weighs on both alike; the
-table gives each one's median and range of wall-clock seconds. Writes bench/results/cli_speed.json.
+table gives each one's median and range of wall-clock seconds. Writes bench/results/cli_speed.json. The
+temporary worktree is removed at the end (`--keep` keeps it, and its venv, for the next run).
 The targets (issue 26): simulate under 3 s, search under 10 s on 2 cores.
 """
 
@@ -65,6 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default=None, help="git ref to compare with (default: merge-base HEAD main)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--keep", action="store_true", help="keep the before worktree and its venv for the next run")
     args = ap.parse_args()
     ref = args.before or _git("merge-base", "HEAD", "main")
     tree, sha = before_tree(ref)
@@ -85,6 +87,8 @@ def main() -> None:
     path = write_json("cli_speed.json", {"before": sha, "repeat": args.repeat, "target_s": TARGET_S,
                                          "wall_s": times})
     print(f"\nwrote {path}")
+    if not args.keep:
+        _git("worktree", "remove", "--force", str(tree))
 
 
 if __name__ == "__main__":
