@@ -35,7 +35,6 @@ from tinypipe.common.errors import InputError
 
 DIR, TMP, OLD = "checkpoint", "checkpoint.tmp", "checkpoint.old"
 FORMAT = "tinypipe.checkpoint/2"  # /1 was pickled (rank{r}.pt); it is refused with a line saying so
-LATER_KEYS = ("pack_sizes", "pack_gpu")  # identity keys that checkpoints written before them lack
 # Complete checkpoints kept by default: one. The next is written beside it and published by renames, so
 # a crash at any moment still leaves a complete one, and the disk holds two while one is written (two kept
 # would need three: an 8B model's is ~48-96 GB; DESIGN §9).
@@ -225,8 +224,6 @@ def read_meta(directory: Path, identity: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's meta.json, checked against this run's `identity` (InputError on a mismatch)."""
     meta = read_record(directory)
     for key, want in identity.items():
-        if key in LATER_KEYS and key not in meta:
-            continue
         if meta.get(key) != want:
             raise InputError(f"--resume: the checkpoint in {directory} was made with {key}={meta.get(key)!r}, "
                              f"this run has {key}={want!r}; resume with the same settings or use a new --out")

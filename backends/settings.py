@@ -46,9 +46,6 @@ RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_
 # may differ from the record
 FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype",
                   "keep_checkpoints")
-# what a run whose checkpoint does not record these options trained with (they did not exist then)
-BEFORE_RECORDED: dict[str, Any] = {"lr_schedule": "constant", "warmup_ratio": 0.0, "decay_all": True,
-                                   "byte_tokens": True, "save_dtype": "fp32"}
 # None stays None: make_run_plan chooses (the embedded job's or the policy's; the lr by the model's size)
 PLANNED = ("policy", "microbatch_size", "lr", "optimizer_state")
 SEED_LIMIT = 2**63
@@ -92,7 +89,7 @@ def settle(args: argparse.Namespace | RunOptions) -> RunOptions:
         for dest in RECORDED:
             given, recorded = getattr(args, dest, None), ran.get(dest)
             if given is None:
-                setattr(out, dest, recorded if dest in ran else BEFORE_RECORDED.get(dest, _default(dest, DEFAULTS)))
+                setattr(out, dest, recorded if dest in ran else _default(dest, DEFAULTS))
             elif dest in ran and dest not in FREE_ON_RESUME and _norm(given) != _norm(recorded):
                 raise InputError(f"--resume: the run in {args.out} was started with {_flag(dest)} "
                                  f"{_show(recorded) if recorded is not None else '(default)'}, this command gives "

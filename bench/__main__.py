@@ -74,6 +74,8 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
             "docs/memory.md: 8B with low-precision state, checkpoints on a 64 GiB disk"),
         _sh("trust_h200", "$OUT/trust_h200.json, search.json, runs' summaries and traces",
             "docs/trust.md: predicted vs measured on a fresh machine (DRY=1: tiny-llama on the CPU)"),
+        _sh("lora_h200", "$OUT/cuda_h200.jsonl (1gpu-lora cases)",
+            "README.md: LoRA on a frozen, streamed base; docs/performance.md: LoRA"),
         _py("fidelity", "results/fidelity.jsonl", "README.md and docs/fidelity.md: prediction error"),
     )),
     "test": ("the bench code's own tests (pytest)", (
