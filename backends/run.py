@@ -22,6 +22,9 @@ from .report import header, summary  # noqa: E402 - after the torch check
 from .runtrace import save_trace  # noqa: E402 - after the torch check
 
 
+ACCURACY_MAX_PARAMS = 100_000_000  # larger models train on the addition task unscored (minutes of CPU forward)
+
+
 def run_main(args: argparse.Namespace) -> int:
     """The `tinypipe run` command; returns the exit code (user mistakes raise InputError)."""
     from tinypipe.common.errors import InputError
@@ -48,7 +51,9 @@ def run_main(args: argparse.Namespace) -> int:
         if plan.note:
             print(plan.note, file=sys.stderr)
     before = None
-    if lead and plan.addition_task and not plan.job.resume:
+    # the embedded task's accuracy is a forward of the whole model on this CPU: for the small models it suits
+    scored = plan.addition_task and plan.spec.params <= ACCURACY_MAX_PARAMS
+    if lead and scored and not plan.job.resume:
         phase("measuring held-out addition accuracy before training")
         before = addition_accuracy(plan.job.model, plan.job.seed)
     phase(f"starting {plan.world} {plan.job.backend} worker process(es)")
@@ -59,7 +64,7 @@ def run_main(args: argparse.Namespace) -> int:
         return 0
     interrupted = any(r.interrupted for r in results)
     after = None
-    if plan.addition_task and not interrupted and plan.job.out and plan.job.save_model:
+    if scored and not interrupted and plan.job.out and plan.job.save_model:
         phase("measuring held-out addition accuracy after training")
         after = addition_accuracy(plan.job.out, plan.job.seed, base=plan.job.model if plan.schedule.lora else None)
         if note is not None:
