@@ -21,7 +21,6 @@ if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only wh
 from .report import header, summary  # noqa: E402 - after the torch check
 from .runtrace import save_trace  # noqa: E402 - after the torch check
 
-
 ACCURACY_MAX_PARAMS = 100_000_000  # larger models train on the addition task unscored (minutes of CPU forward)
 
 
