@@ -235,18 +235,24 @@ class Interpreter:
             self.x[(step, L + 1, m)] = out.detach()
         return None
 
+    def output_grad(self, a: Action, step: int) -> torch.Tensor | None:
+        """The gradient of `a.layer`'s output for `a.microbatch` (None for the last layer, whose loss starts it)."""
+        L, m = a.layer, a.microbatch
+        if L == self.last_layer or L is None or m is None:
+            return None
+        dy = self.dx.pop((step, L + 1, m), None)
+        if dy is None:
+            raise self.fail(a, f"no gradient for the output of layer {L} microbatch {m}")
+        self.use(dy)
+        return dy
+
     def _bwd(self, a: Action, step: int) -> Done:
         if self.adapters is not None:
             frozen_bwd(self, a, step)
             return None
         L, m = a.layer, a.microbatch
         assert L is not None and m is not None
-        dy = None
-        if L != self.last_layer:
-            dy = self.dx.pop((step, L + 1, m), None)
-            if dy is None:
-                raise self.fail(a, f"no gradient for the output of layer {L} microbatch {m}")
-            self.use(dy)
+        dy = self.output_grad(a, step)  # None for the last layer
         if self.schedule.recomputes(L):
             weights = self._weights(a, step)
             x, extra = self._inputs(a, step)

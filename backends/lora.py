@@ -212,12 +212,7 @@ def frozen_bwd(interp: Any, a: Action, step: int) -> None:
     The embedding has nothing to train and no layer before it: nothing to do but drop what its FWD kept."""
     L, m = a.layer, a.microbatch
     assert L is not None and m is not None
-    dy = None
-    if L != interp.last_layer:
-        dy = interp.dx.pop((step, L + 1, m), None)
-        if dy is None:
-            raise interp.fail(a, f"no gradient for the output of layer {L} microbatch {m}")
-        interp.use(dy)
+    dy = interp.output_grad(a, step)
     if L == 0:
         interp.graphs.pop((step, L, m), None)
         adapters = interp.adapters
