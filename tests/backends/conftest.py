@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -57,3 +58,12 @@ def one_thread() -> object:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def parse_run(*argv: str, seq_len: int = 16) -> argparse.Namespace:
+    """`tinypipe run`'s parsed options for a 2-step run of 4 sequences of `seq_len` tokens, plus `argv`."""
+    from tinypipe.backends.run_args import add_run_arguments
+
+    ap = argparse.ArgumentParser()
+    add_run_arguments(ap)
+    return ap.parse_args(["--seq-len", str(seq_len), "--batch-tokens", str(seq_len * 4), "--steps", "2", *argv])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -10,12 +9,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import fixed_cpu_hardware  # noqa: E402
+from conftest import fixed_cpu_hardware, parse_run  # noqa: E402
 from tinypipe.backends import launch as launch_mod  # noqa: E402
 from tinypipe.backends import prepare as plan_mod  # noqa: E402
 from tinypipe.backends.hostfit import check_host_fits  # noqa: E402
 from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
 
 from tinypipe.cli import main  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
@@ -25,10 +23,6 @@ from tinypipe.policy import Policy  # noqa: E402
 SEQ = 16
 
 
-def _parse(*argv: str) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    add_run_arguments(ap)
-    return ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(SEQ * 4), "--steps", "2", *argv])
 
 
 def _policy(tmp: Path, layout: str) -> str:
@@ -55,19 +49,20 @@ def test_a_run_over_this_machines_memory_is_refused_with_what_fits(tmp_path: Pat
     """Replicated over MemAvailable but compact under it: the one-line refusal names the peak, the limit and
     where it comes from, and the compact variant's predicted need."""
     out = str(tmp_path / "run")
-    compact = make_run_plan(_parse("--policy", _policy(tmp_path, "compact"), "--out", out)).prediction.peak_host_bytes
-    replicated = make_run_plan(_parse("--policy", _policy(tmp_path, "replicated"), "--out", out))
+    compact_plan = make_run_plan(parse_run("--policy", _policy(tmp_path, "compact"), "--out", out))
+    compact = compact_plan.prediction.peak_host_bytes
+    replicated = make_run_plan(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out))
     assert replicated.prediction.peak_host_bytes > compact
     limit_kib = (compact + replicated.prediction.peak_host_bytes) // 2 // 1024
     here.write_text(f"MemTotal: 1 kB\nMemAvailable:   {limit_kib} kB\n")
     with pytest.raises(InputError) as info:
-        make_run_plan(_parse("--policy", _policy(tmp_path, "replicated"), "--out", out))
+        make_run_plan(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out))
     msg = str(info.value)
     assert "\n" not in msg
     assert "policy 'replicated' needs" in msg and "(MemAvailable) this run may take" in msg
     assert "with host_memory compact in the policy it needs" in msg and msg.endswith("and fits")
     # --host-mem overrides what the machine says
-    make_run_plan(_parse("--policy", _policy(tmp_path, "replicated"), "--out", out, "--host-mem", "1GiB"))
+    make_run_plan(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out, "--host-mem", "1GiB"))
 
 
 def test_the_command_exits_2_before_training(tmp_path: Path, here: Path, capsys: pytest.CaptureFixture[str]) -> None:
