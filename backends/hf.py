@@ -9,6 +9,8 @@ trained stack is `hf_save.py`'s.
 
 from __future__ import annotations
 
+import copy
+
 import hashlib
 import json
 from dataclasses import dataclass
@@ -102,10 +104,14 @@ def build_model(name_or_path: str, *, seed: int, only: set[int] | None = None,
     tied = tied_names(source.config)
     head = len(metas) - 1
 
+    # a lazy layer's structure as built: the stack's module may be changed later (LoRA wraps its linears)
+    # before `tensors_of` draws its weights by the names and owners it had
+    built: dict[int, nn.Module] = {}
+
     def tensors_of(i: int) -> dict[str, torch.Tensor]:
         if reader is not None:
             return {p: reader.get(hf, where=f"layer {i}") for p, hf in names[i].items()}
-        return init_layer(metas[i], names[i], seed=seed, std=_init_std(source.config))
+        return init_layer(built.get(i, metas[i]), names[i], seed=seed, std=_init_std(source.config))
 
     layers: list[nn.Module | None] = []
     for i, meta in enumerate(metas):
@@ -123,6 +129,8 @@ def build_model(name_or_path: str, *, seed: int, only: set[int] | None = None,
                 shared = nn.Parameter(value, requires_grad=True)
             owner_name, _, leaf = tied[0].rpartition(".")
             setattr(meta.get_submodule(owner_name), leaf, shared)
+        if lazy:
+            built[i] = copy.deepcopy(meta)
         layers.append(make_buffers(meta, source.config) if lazy
                       else materialize(meta, tensors, dtype=dtype, config=source.config))
     return LayerStack(layers=layers, config=source.config, spec=source.spec, names=names,

@@ -23,7 +23,8 @@ from .lora import Adapters, LoraError, inject, peft_name
 
 
 class FrozenHostState(HostState):
-    """`params`: {layer: {name: fp32 tensor}} of the base (copied into the compute dtype, not kept);
+    """`params`: {layer: {name: fp32 tensor}} of the base (copied into the compute dtype, not kept; meta
+    tensors give the shapes only, and `fill` stores each layer's weights later);
     `renames`: per layer, base name -> its name in the injected module (what LOAD hands out)."""
 
     host_memory = HostMemory.COMPACT  # HeldBytes' label: the bytes are the frozen copy's (`held`)
@@ -33,14 +34,20 @@ class FrozenHostState(HostState):
         super().__init__(params, compute_dtype=compute_dtype, optim=AdamWConfig(), pin=pin)
         slab = self._new_slab([((self._numel[i],), compute_dtype) for i in self.layers], "the frozen base")
         self._base = {i: slab.take((self._numel[i],), compute_dtype) for i in self.layers}
-        with torch.no_grad():
-            for i in self.layers:
-                views = self._views(i, self._base[i])
-                for n, t in params[i].items():
-                    views[n].copy_(t)
+        for i in self.layers:
+            if not any(t.is_meta for t in params[i].values()):
+                self.fill(i, params[i])
         self._renames = renames
         self.adapters = adapters
         self.lora = lora
+
+    def fill(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store `layer`'s base weights in the frozen copy (at construction, or later for a state made from meta
+        tensors: the shapes first, then the weights one layer at a time; the caller may drop them)."""
+        views = self._views(layer, self._base[layer])
+        with torch.no_grad():
+            for n, t in tensors.items():
+                views[n].copy_(t)
 
     def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool
                      ) -> dict[str, torch.Tensor]:

@@ -1,11 +1,11 @@
 """LoRA adapters on a frozen, streamed base: peft's own modules in each block, their tensors on the owner device.
 
-`inject` puts peft's `LoraLayer`s (`peft.inject_adapter_in_model`) into the decoder blocks a rank owns,
-so a block computes exactly what peft's model computes: W x + (alpha / r) B A dropout(x), the
-adapters in fp32 beside a base in the compute dtype (peft's `autocast_adapter_dtype`). The modules stay
-structure only (`worker.strip_parameters`): the base arrives with each LOAD under its injected name
-(`...q_proj.base_layer.weight`), the adapters are `Adapters`' parameters, which live on the device for
-the whole run and are handed to the block beside the base. A's initial values are peft's draw
+`inject` wraps the targeted linears of the decoder blocks a rank owns in `lora_linear.LoraLinear`s, which
+have peft's structure and names and compute W x + (alpha / r) B A dropout(x) as peft does under bf16
+autocast: the adapters' fp32 masters cast to the compute dtype. The modules stay structure only
+(`rank_state.strip_parameters`): the base arrives with each LOAD under its wrapped name
+(`...q_proj.base_layer.weight`), the adapters are `Adapters`' fp32 parameters, which live on the device
+for the whole run and are handed to the block beside the base. A's initial values are peft's draw
 (Kaiming uniform, a = sqrt(5)), each from a generator seeded by the run's seed and the adapter's
 peft name, so every process draws the same; B starts at zero.
 
@@ -30,6 +30,7 @@ from tinypipe.policy.lora import LoraSpec
 
 from .hf import param_seed
 from .layers import LayerStack
+from .lora_linear import ADAPTER, inject_lora
 
 if TYPE_CHECKING:
     from .adamw import AdamWConfig
@@ -40,7 +41,6 @@ from tinypipe.ir.schedule import Action
 PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
                 "down": "down_proj"}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-ADAPTER = "default"  # peft's adapter name, dropped from the saved keys
 PEFT_PREFIX = "base_model.model."  # what a PeftModel puts before the Hugging Face model's own names
 
 
@@ -61,16 +61,14 @@ def peft_config(lora: LoraSpec) -> Any:
 
 def inject(stack: LayerStack, lora: LoraSpec, layers: list[int], *, seed: int
            ) -> tuple[dict[int, dict[str, str]], dict[int, dict[str, torch.Tensor]]]:
-    """peft's LoRA modules into the owned blocks of `stack` (in place, before their parameters are stripped).
+    """LoRA linears (peft's structure and names) into the owned blocks of `stack` (in place, before their parameters are stripped).
 
     Returns, per owned layer: {base parameter name -> its name in the injected module} (the LOAD names
     for `functional_call`) and the adapters' initial fp32 tensors by name in the layer."""
     family = stack.spec.family
     if family not in FAMILIES:
         raise LoraError(f"`run --lora` trains {', '.join(FAMILIES)} models; {stack.spec.name} is {family!r}")
-    from peft import inject_adapter_in_model
-
-    cfg = peft_config(lora)
+    modules = {PEFT_MODULES[t] for t in lora.targets}
     renames: dict[int, dict[str, str]] = {}
     adapters: dict[int, dict[str, torch.Tensor]] = {}
     for i in layers:
@@ -78,7 +76,7 @@ def inject(stack: LayerStack, lora: LoraSpec, layers: list[int], *, seed: int
         assert module is not None
         before = {id(p): n for n, p in module.named_parameters()}
         if stack.spec.layers[i].kind is LayerKind.BLOCK:
-            inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
+            inject_lora(module, modules, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
         renames[i] = {before[id(p)]: n for n, p in module.named_parameters() if id(p) in before}
         adapters[i] = {n: initial_value(peft_name(stack, i, n), tuple(p.shape), seed)
                        for n, p in module.named_parameters() if "lora_" in n}

@@ -228,14 +228,15 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     if len(hardware.gpus) > args.gpus:
         hardware = _first_gpus(hardware, args.gpus)
     compile_blocks = args.backend == "cuda" if args.compile is None else args.compile
+    lora = policy.lora.text() if policy.lora else ""
     asked = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
-                      compiled=compile_blocks)
+                      compiled=compile_blocks, lora=lora)
     note = unmatched_note(profiles, asked, spec, compiled=compile_blocks)
     hardware, planning, calibration = calibrate_run(
         args.calibrate or "auto", args.backend, hardware, profiles, say=say, dtype=dtype,
         threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1))
     trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=planning,
-                      compiled=compile_blocks)
+                      compiled=compile_blocks, lora=lora)
     iterations = min(WINDOW_ITERATIONS, args.steps)
     say("compiling and simulating the schedule")
     clip = args.max_grad_norm is not None

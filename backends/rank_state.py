@@ -1,6 +1,6 @@
 """A rank's layers and host state, built so that the host never holds the model twice.
 
-Under the compact layout the layers are built with their parameters on the meta device
+Under the compact layout, and for a frozen base (LoRA), the layers are built with their parameters on the meta device
 (`hf.build_model(lazy=True)`), the host state is made from their shapes, and then each layer's weights
 are read (safetensors) or drawn (seeded initialisation) and split into the planes one layer at a time:
 the host's peak is the state plus one layer, not the state plus the model. The replicated layout keeps
@@ -18,6 +18,7 @@ import torch
 from tinypipe.policy.modes import HostMemory
 
 from .host_compact import CompactHostState
+from .host_frozen import FrozenHostState
 from .host_states import make_host_state
 from .hoststate import DTYPES, HostState
 from .layers import LayerStack
@@ -30,7 +31,7 @@ def build_rank_state(job: Any, layers: list[int], device: torch.device,
 
     sched = job.schedule
     rss = {"start": rss_now()}
-    lazy = sched.host_memory == HostMemory.COMPACT and sched.lora is None
+    lazy = sched.host_memory == HostMemory.COMPACT or sched.lora is not None
     stack = build_model(job.model, seed=job.seed, only=set(layers), lazy=lazy)
     rss["model built" + (" (shapes only)" if lazy else "")] = rss_now()
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None
@@ -46,7 +47,7 @@ def build_rank_state(job: Any, layers: list[int], device: torch.device,
                                optimizer_state=sched.optimizer_state)
     rss["host state made"] = rss_now()
     if lazy:
-        assert isinstance(host, CompactHostState) and stack.tensors_of is not None
+        assert isinstance(host, (CompactHostState, FrozenHostState)) and stack.tensors_of is not None
         for i in layers:
             host.fill(i, stack.tensors_of(i))  # this layer's tensors are dropped before the next is made
         rss["weights filled layer by layer"] = rss_now()

@@ -26,15 +26,16 @@ class SimEvaluator:
     iterations: int = 2
     profiles: tuple[ProfileTrace, ...] = ()  # measured traces (`--profile`), used before the shipped ones
     dtype: str = "bf16"  # compute dtype (a trace must match it)
-    # each microbatch size's trace, found once (one object, so sim.guard's cache recognises it)
-    _traces: dict[int, ProfileTrace] = field(default_factory=dict, compare=False, repr=False)
+    # each (microbatch size, LoRA)'s trace, found once (one object, so sim.guard's cache recognises it)
+    _traces: dict[tuple[int, str], ProfileTrace] = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, policy: Policy) -> Evaluation:
-        trace = self._traces.get(policy.microbatch_size)
+        lora = policy.lora.text() if policy.lora else ""
+        trace = self._traces.get((policy.microbatch_size, lora))
         if trace is None:
-            trace = self._traces[policy.microbatch_size] = trace_for(
+            trace = self._traces[(policy.microbatch_size, lora)] = trace_for(
                 self.model, self.hardware.gpus[0], microbatch_size=policy.microbatch_size, seq_len=self.seq_len,
-                dtype=self.dtype, profiles=self.profiles)
+                dtype=self.dtype, profiles=self.profiles, lora=lora)
         try:
             _, res = simulate_policy(policy, self.model, self.hardware, trace, iterations=self.iterations,
                                      gpu_mem_bytes=self.gpu_mem_bytes, host_mem_bytes=self.host_mem_bytes)

@@ -434,3 +434,26 @@ def test_arbitrary_json_only_raises_input_error(tmp_path: Path, value: Any, key:
             assert isinstance(load_trace(str(p)), ProfileTrace)
         except InputError:
             pass
+
+
+def test_a_lora_run_takes_a_trace_measured_with_its_adapters() -> None:
+    """`profile --lora` traces carry their adapters: a LoRA policy with the same adapters takes one as it is
+    (no scaling), a full-training trace otherwise (scaled for the frozen base); other adapters or a
+    full-training policy refuse a LoRA trace."""
+    from tinypipe.estimate.lora import frozen_trace, trace_for_policy
+    from tinypipe.policy.lora import LoraSpec
+
+    lora = LoraSpec(rank=16, alpha=32.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    full = load_trace("h200-llama-3.1-8b-mb4-seq2048-compiled")
+    measured = replace(full, lora=lora.text(), source="lora")
+    assert ProfileTrace.from_json(json.loads(json.dumps(measured.to_json()))).lora == lora.text()
+    assert "lora" not in full.to_json()
+    assert trace_for(LLAMA8B, H200, 4, 2048, profiles=(measured,), compiled=True, lora=lora.text()) is measured
+    assert trace_for(LLAMA8B, H200, 4, 2048, profiles=(measured,), compiled=True) == full  # a full run: not it
+    other = LoraSpec(rank=8, alpha=16.0, targets=("q", "v"))
+    assert trace_for(LLAMA8B, H200, 4, 2048, profiles=(measured,), compiled=True, lora=other.text()) == full
+    assert trace_for_policy(measured, LLAMA8B, lora) is measured
+    assert trace_for_policy(full, LLAMA8B, lora) == frozen_trace(full, LLAMA8B, lora)
+    for policy_lora in (None, other):
+        with pytest.raises(InputError, match="measured with LoRA"):
+            trace_for_policy(measured, LLAMA8B, policy_lora)

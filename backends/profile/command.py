@@ -35,6 +35,7 @@ from tinypipe.common.progress import Progress
 from tinypipe.describe.hardware import Hardware, load_hardware, shipped_hardware
 from tinypipe.describe.looptimes import LoopTimes
 from tinypipe.describe.trace import ProfileTrace
+from tinypipe.policy.lora import LoraSpec, lora_from_args
 from tinypipe.policy.modes import HostMemory
 
 from ..cpustat import NOTABLE_STEAL
@@ -53,12 +54,20 @@ KINDS = ("embed", "block", "head")
 
 def trace_file(trace: ProfileTrace) -> str:
     """`h200-llama-3.1-8b-mb1-seq2048.json` (the shipped traces' names), `-<dtype>` added unless bf16,
-    `-compiled` for compiled blocks."""
+    `-compiled` for compiled blocks, `-lora-<adapters>` for a frozen base with LoRA adapters."""
     gpu = re.sub(r"[^a-z0-9.]+", "-", trace.gpu_model.casefold()).strip("-")
     model = re.sub(r"[^a-z0-9.]+", "-", trace.model.casefold()).strip("-")
     dtype = "" if trace.dtype == "bf16" else f"-{trace.dtype}"
     compiled = "-compiled" if trace.compiled else ""
-    return f"{gpu}-{model}-mb{trace.microbatch_size}-seq{trace.seq_len}{dtype}{compiled}.json"
+    lora = "-lora-" + re.sub(r"[^a-z0-9.]+", "-", trace.lora.casefold()).strip("-") if trace.lora else ""
+    return f"{gpu}-{model}-mb{trace.microbatch_size}-seq{trace.seq_len}{dtype}{compiled}{lora}.json"
+
+
+def lora_flags(text: str) -> str:
+    """The `--lora` flags that ask for the adapters `text` (`LoraSpec.text()`) names."""
+    spec = LoraSpec.parse(text, "trace: lora")
+    return (f"--lora {spec.rank} --lora-alpha {spec.alpha:g} --lora-dropout {spec.dropout:g} "
+            f"--lora-targets {','.join(spec.targets)}")
 
 
 def device_name(device: torch.device) -> str:
@@ -131,6 +140,7 @@ def _profile(args: argparse.Namespace) -> int:
     from ..hf import load_source
 
     _check(args)
+    lora = lora_from_args(args)
     spec = load_source(args.model).spec  # an unknown or untrainable model is an InputError, before any work
     if args.seq_len > spec.max_seq_len:
         raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
@@ -155,7 +165,8 @@ def _profile(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     try:
         say(f"building {spec.name} (embedding, one block, head) on {device}")
-        bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed, compile_blocks=compile_blocks)
+        bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed, compile_blocks=compile_blocks,
+                           lora=lora)
         sizes = sorted(set(args.microbatch_size))
         measured: dict[int, list[KindMeasurement]] = {}
         for size in sizes:
@@ -172,7 +183,7 @@ def _profile(args: argparse.Namespace) -> int:
         # every later step of that process ran 1.3-2.6x slower even with nothing else
         # running (a 50 M compact step 80 ms alone, against 30 ms in the eager profile minutes earlier
         # and 26 ms in a compiled one without the loop); the cause is not known.
-        if not args.no_optimizer:  # once, beside the largest microbatch's device work, for every trace
+        if not args.no_optimizer and lora is None:  # once, beside the largest microbatch's device work, for every trace
             largest = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
             phases = None if not args.optimizer_phases else {
                 only: DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed, only=only)
@@ -183,7 +194,7 @@ def _profile(args: argparse.Namespace) -> int:
                                                         phases=phases)
             opt_note = describe(opt_threads, steps, largest, phases) + "; " + steal_note(steal)
             del phases
-        if not args.no_loop and has_block(bench):
+        if not args.no_loop and lora is None and has_block(bench):
             for size in sizes:
                 say(f"timing the block inside the executor's loop at {size} x {args.seq_len} tokens, alone and "
                     f"beside a stepping host optimizer ({opt_threads} thread(s))")
@@ -194,7 +205,7 @@ def _profile(args: argparse.Namespace) -> int:
         del largest
         traces = [profile_trace(measured[size], bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
                                 seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on, when=when,
-                                compiled=compile_blocks, optimizer=optimizer, optimizer_source=opt_note)
+                                compiled=compile_blocks, optimizer=optimizer, optimizer_source=opt_note, lora=lora)
                   for size in sizes]
         traces = [with_loop(t, *loops[t.microbatch_size]) if t.microbatch_size in loops else t for t in traces]
         del bench
@@ -320,6 +331,6 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
     hw = f" --hardware {folder / HARDWARE_FILE}" if any(p.name == HARDWARE_FILE for p in written) else " --hardware H"
     lines.append(f"use: tinypipe simulate --model {model} --profile {folder}{hw} --seq-len {t.seq_len} "
                  f"--microbatch-size {t.microbatch_size}" + ("" if t.dtype == "bf16" else f" --dtype {t.dtype}")
-                 + f" (a trace is used where the hardware's GPU model is {gpu_model!r}"
+                 + (f" {lora_flags(t.lora)}" if t.lora else "") + f" (a trace is used where the hardware's GPU model is {gpu_model!r}"
                  + (", as `run --backend cpu` describes this CPU)" if gpu_model == "CPU" else ")"))
     return "\n".join(lines)

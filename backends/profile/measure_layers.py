@@ -45,12 +45,14 @@ from tinypipe.describe.model import LayerKind, ModelSpec, head_workspace_bytes, 
 from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.describe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
 from tinypipe.ir.schedule import Action, Kind, Schedule, gpu_resource
+from tinypipe.policy.lora import LoraSpec
 from tinypipe.policy.modes import HostMemory
 
 from ..compiled import LayerCaller
 from ..hf import build_model
 from ..host_states import make_host_state
-from ..hoststate import DTYPES, AdamWConfig
+from ..host_frozen import frozen_host_state
+from ..hoststate import DTYPES, AdamWConfig, HostState
 from ..interpreter import Interpreter, StepData
 from ..worker import strip_parameters
 
@@ -93,7 +95,7 @@ def kind_profile(m: KindMeasurement, spec: ModelSpec, optimizer: OptimizerProfil
 def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model: str, dtype: str,
                   microbatch_size: int, seq_len: int, repeat: int, warmup: int, on: str, when: str,
                   compiled: bool = False, optimizer: Mapping[str, OptimizerProfile] | None = None,
-                  optimizer_source: str = "") -> ProfileTrace:
+                  optimizer_source: str = "", lora: LoraSpec | None = None) -> ProfileTrace:
     """The ProfileTrace of one microbatch size, with a `source` saying what was measured, how, when, on what;
     `optimizer`: the host optimizer step per kind (optim.py), described by `optimizer_source`."""
     by_kind = {m.kind: m for m in measured}
@@ -112,7 +114,9 @@ def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model
     source = (f"measured by `tinypipe profile` on {on}, {when}: {spec.name}, {dtype}, {microbatch_size} x {seq_len} "
               f"tokens per microbatch; one layer of each kind run through the backend interpreter's FWD / BWD "
               f"handlers (weights LOADed from a HostState as in a run"
-              f"{'; the block torch.compiled as `run --compile` runs it' if compiled else ''}); times: median of "
+              f"{'; the block torch.compiled as `run --compile` runs it' if compiled else ''}"
+              f"{f'; a frozen base with LoRA {lora.text()}: BWD makes the input and adapter gradients' if lora else ''}"
+              f"); times: median of "
               f"{repeat} after {warmup} warm-up runs, {'CUDA events' if cuda else 'time.perf_counter'}; fwd_s: FWD "
               f"keeping the graph; bwd_s: "
               f"BWD from kept activations; recompute_bwd_s: BWD that re-runs the forward from the saved input (head: "
@@ -123,7 +127,8 @@ def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model
     return ProfileTrace(gpu_model=gpu_model, dtype=dtype, microbatch_size=microbatch_size, seq_len=seq_len,
                         kinds={k: kind_profile(by_kind[k], spec, (optimizer or {}).get(k))
                                for k in (x.value for x in LayerKind)},
-                        analytic=False, source=source, model=spec.name, compiled=compiled, layers=model_shapes(spec))
+                        analytic=False, source=source, model=spec.name, compiled=compiled, layers=model_shapes(spec),
+                        lora=lora.text() if lora else "")
 
 
 class _Clock:
@@ -173,19 +178,26 @@ class LayerBench:
     """A model's embedding, first block and head on one device, driven action by action."""
 
     def __init__(self, model: str, *, device: torch.device, dtype: str, seed: int = 0,
-                 compile_blocks: bool = False) -> None:
+                 compile_blocks: bool = False, lora: LoraSpec | None = None) -> None:
         probe = build_model(model, seed=seed, only=set())
         last = len(probe.spec.layers) - 1
         self.layers = {LayerKind.EMBED.value: 0, LayerKind.BLOCK.value: 1, LayerKind.HEAD.value: last}
         stack = build_model(model, seed=seed, only=set(self.layers.values()))
         self.spec, self.device, self.last, self.tied = stack.spec, device, last, stack.tied
-        # the layers' masters, which the optimizer's profile (optim.py) also reads
-        self.host = host = make_host_state(stack.state(), host_memory=HostMemory.REPLICATED,
-                                           compute_dtype=DTYPES[dtype], optim=AdamWConfig())
+        self.lora = lora
+        # the layers' masters, which the optimizer's profile (optim.py) also reads; a frozen base with its
+        # adapters on the device for `profile --lora` (as a LoRA run holds them)
+        self.host: HostState
+        if lora is not None:
+            self.host = host = frozen_host_state(stack, lora, sorted(stack.owned()), device=device,
+                                                 compute_dtype=DTYPES[dtype], optim=AdamWConfig(), seed=seed)
+        else:
+            self.host = host = make_host_state(stack.state(), host_memory=HostMemory.REPLICATED,
+                                               compute_dtype=DTYPES[dtype], optim=AdamWConfig())
         for i in stack.owned():
             strip_parameters(stack.layers[i])  # type: ignore[arg-type]
         caller = LayerCaller(compile_blocks=compile_blocks)  # one, so both interpreters share its graphs
-        self.interp = {recompute: Interpreter(rank=0, schedule=_schedule(len(stack.layers), recompute, dtype),
+        self.interp = {recompute: Interpreter(rank=0, schedule=_schedule(len(stack.layers), recompute, dtype, lora),
                                               layers=stack.layers, host=host, comm=None, device=device,
                                               hidden_size=stack.spec.hidden_size, tied=stack.tied, caller=caller)
                        for recompute in (False, True)}
@@ -285,7 +297,7 @@ class LayerBench:
         if self.device.type != "cuda":
             return [], []
         out = 4 if L == self.last else _nbytes(dy)  # the head's output is one fp32 loss
-        weight_grads = sum(_nbytes(t) for t in it.weights[L][1].values())
+        weight_grads = 0 if self.lora is not None else sum(_nbytes(t) for t in it.weights[L][1].values())
         f, b, acc = _Peak(self.device), _Peak(self.device), _Peak(self.device)
         with f.measure():
             self._fwd_keep_output(it, L, x)
@@ -308,8 +320,8 @@ class LayerBench:
         it.losses.clear()
 
 
-def _schedule(num_layers: int, recompute: bool, dtype: str) -> Schedule:
-    """An action-less one-GPU schedule: what the interpreter reads (which layers recompute, dtype)."""
+def _schedule(num_layers: int, recompute: bool, dtype: str, lora: LoraSpec | None) -> Schedule:
+    """An action-less one-GPU schedule: what the interpreter reads (which layers recompute, dtype, LoRA)."""
     return Schedule(actions=(), num_gpus=1, num_layers=num_layers, iterations=1, microbatches=1,
                     tokens_per_microbatch=1, recompute=recompute, pack_layers=(tuple(range(num_layers)),),
-                    pack_gpu=(0,), compute_dtype=dtype)
+                    pack_gpu=(0,), compute_dtype=dtype, lora=lora)

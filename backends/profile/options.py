@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tinypipe.policy.lora import add_lora_arguments
+
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     """Register `tinypipe profile`'s options on `p` (the CLI's subparser); `command.profile_main` runs it."""
@@ -48,6 +50,9 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip timing the block's FWD and BWD inside the executor's loop (alone and beside a stepping "
                         "host optimizer, what the simulator charges a recomputed block); without it the simulator "
                         "takes the isolated times")
+    add_lora_arguments(p, what="measure the block on a frozen base with these LoRA adapters (its FWD and BWD as a LoRA "
+                              "run's; the traces say so and a LoRA run with the same adapters takes them; no host "
+                              "optimizer or loop timing: a frozen base has no host step)")
     p.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the JSON files (made if missing)")
     p.add_argument("--json", action="store_true", help="print what was written and measured as JSON")

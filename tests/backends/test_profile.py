@@ -375,3 +375,28 @@ def test_profile_on_cuda_measures_the_workspace(tmp_path: Path, capsys: pytest.C
         assert min(*o.alone_s.values(), *o.in_run_s.values()) > 0
         for layout in ("replicated", "compact"):  # and by phase, beside the block's FWD / BWD loops
             assert all(o.phases_s(layout, o.params, asynchronous=a) is not None for a in (False, True))
+
+
+def test_profile_lora_measures_the_frozen_block_and_a_lora_run_takes_it(tmp_path: Path) -> None:
+    """`profile --lora` times the block on a frozen base with its adapters (the BWD a LoRA run issues: no weight
+    gradients), writes a trace named and marked with the adapters, without a host optimizer step or loop times;
+    `run --lora` with the same adapters plans with it as measured, and a full run does not take it."""
+    pytest.importorskip("peft")
+    lora = ["--lora", "4", "--lora-alpha", "8", "--lora-targets", "all"]
+    assert cli_main(["profile", "--model", "tiny-llama", "--seq-len", str(SEQ), "--threads", "1", "--repeat", "1",
+                     "--warmup", "0", "--no-rates", *lora, "--out", str(tmp_path)]) == 0
+    name = f"cpu-tiny-llama-mb1-seq{SEQ}-fp32-lora-r4-a8-d0-q-k-v-o-gate-up-down.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    t = load_trace(str(tmp_path / name))
+    assert t.lora == "r4,a8,d0,q+k+v+o+gate+up+down" and "a frozen base with LoRA" in t.source
+    assert all(p.optimizer is None and p.loop is None for p in t.kinds.values())
+    assert min(t.kinds["block"].fwd_s, t.kinds["block"].recompute_bwd_s) > 0
+
+    ap = argparse.ArgumentParser()
+    add_run_arguments(ap)
+    base = ["--seq-len", str(SEQ), "--batch-tokens", str(2 * SEQ), "--microbatch-size", "1", "--steps", "2",
+            "--profile", str(tmp_path), "--calibrate", "off"]
+    plan = make_run_plan(ap.parse_args([*base, *lora, "--out", str(tmp_path.parent / "run-lora")]))
+    assert plan.trace == t
+    plan = make_run_plan(ap.parse_args([*base, "--out", str(tmp_path.parent / "run-full")]))
+    assert not plan.trace.lora

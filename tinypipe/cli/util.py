@@ -73,7 +73,7 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any, hw: Any 
                              f"({policy.microbatch_size} sequence(s) x {args.seq_len} tokens = {per_mb})")
         policy = policy.replace(microbatches=batch_tokens // per_mb)
     trace = trace_for(model, hw.gpus[0], microbatch_size=policy.microbatch_size, seq_len=args.seq_len,
-                      dtype=args.dtype, profiles=profiles)
+                      dtype=args.dtype, profiles=profiles, lora=policy.lora.text() if policy.lora else "")
     return model, hw, policy, trace
 
 

@@ -187,6 +187,8 @@ class ProfileTrace:
     model: str = ""  # model name the trace was profiled on ("" for analytic traces)
     compiled: bool = False  # measured with the blocks torch.compiled (`profile --compile`, as `run` on CUDA)
     layers: Shapes | None = None  # each kind's measured layer shape (`describe.layershape`); None: by `model`
+    # the LoRA adapters the blocks carried on a frozen base (`LoraSpec.text()`, `profile --lora`); "": full training
+    lora: str = ""
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -217,6 +219,8 @@ class ProfileTrace:
                "microbatch_size": self.microbatch_size, "seq_len": self.seq_len, "analytic": self.analytic,
                "compiled": self.compiled, "source": self.source,
                "kinds": {k: p.to_json() for k, p in self.kinds.items()}}
+        if self.lora:
+            out["lora"] = self.lora
         return out if self.layers is None else out | {"layers": self.layers}
 
     @classmethod
@@ -235,7 +239,7 @@ class ProfileTrace:
                    microbatch_size=f.int("microbatch_size", minimum=1), seq_len=f.int("seq_len", minimum=1),
                    kinds={k: KindProfile.from_json(kinds_f.obj_(k)) for k in KIND_NAMES},
                    analytic=f.bool("analytic"), source=f.str("source"), compiled=f.bool("compiled", False),
-                   layers=shapes_from_json(f.obj.get("layers"), f.where))
+                   layers=shapes_from_json(f.obj.get("layers"), f.where), lora=f.str("lora", ""))
 
 
 def _kind_profile(layer: LayerSpec, model: ModelSpec, gpu: GPU, tokens: int, seq_len: int,
@@ -332,13 +336,15 @@ def measured_traces() -> tuple[ProfileTrace, ...]:
 
 
 def find_trace(traces: Iterable[ProfileTrace], model: ModelSpec, gpu_model: str, microbatch_size: int,
-               seq_len: int, dtype: str, compiled: bool | None = None) -> ProfileTrace | None:
+               seq_len: int, dtype: str, compiled: bool | None = None, lora: str = "") -> ProfileTrace | None:
     """The first of `traces` for this GPU model (case-insensitively), microbatch size, sequence length and
     dtype that measured the layers `model` has (`layershape.same_layers`: each kind's shape, whatever the
     model's name), with compiled blocks or eager ones as `compiled` says (None: an eager one if there is
-    one, else a compiled one); or None."""
+    one, else a compiled one), and with the LoRA adapters `lora` names (`LoraSpec.text()`; "": full training);
+    or None."""
     found = [t for t in traces
              if (t.gpu_model.casefold() == gpu_model.casefold() and t.microbatch_size == microbatch_size
+                 and t.lora == lora
                  and t.seq_len == seq_len and t.dtype == dtype and same_layers(t.model, t.layers, model))]
     for want in ((False, True) if compiled is None else (compiled,)):
         for t in found:
@@ -348,17 +354,20 @@ def find_trace(traces: Iterable[ProfileTrace], model: ModelSpec, gpu_model: str,
 
 
 def trace_for(model: ModelSpec, hardware_gpu: GPU, microbatch_size: int, seq_len: int,
-              dtype: str = "bf16", *, profiles: Sequence[ProfileTrace] = (), compiled: bool | None = None
-              ) -> ProfileTrace:
+              dtype: str = "bf16", *, profiles: Sequence[ProfileTrace] = (), compiled: bool | None = None,
+              lora: str = "") -> ProfileTrace:
     """The first matching trace (`find_trace`) of `profiles` (measured by `tinypipe profile`, given
     with `--profile`), else of the shipped measured traces, else `analytic_trace`. `compiled`: a run
     that compiles its blocks (or not) takes a trace measured so, else a measured one of the other
-    kind before an analytic one; None takes either (eager first)."""
+    kind before an analytic one; None takes either (eager first). `lora` (a LoRA run's `LoraSpec.text()`):
+    a trace measured with those adapters first, else a full-training one (`estimate.lora.frozen_trace`
+    scales it)."""
     for want in ((None,) if compiled is None else (compiled, not compiled)):
-        for pool in (profiles, _measured()):
-            found = find_trace(pool, model, hardware_gpu.model, microbatch_size, seq_len, dtype, want)
-            if found is not None:
-                return found
+        for adapters in ((lora, "") if lora else ("",)):
+            for pool in (profiles, _measured()):
+                found = find_trace(pool, model, hardware_gpu.model, microbatch_size, seq_len, dtype, want, adapters)
+                if found is not None:
+                    return found
     return analytic_trace(model, hardware_gpu, microbatch_size=microbatch_size, seq_len=seq_len, dtype=dtype)
 
 
@@ -372,7 +381,7 @@ def unmatched_note(profiles: Sequence[ProfileTrace], chosen: ProfileTrace, model
 
         def key(t: ProfileTrace, name: str) -> str:
             return (f"{t.gpu_model} / {name} / microbatch {t.microbatch_size} / seq {t.seq_len} / {t.dtype}"
-                    f"{' / compiled' if t.compiled else ''}")
+                    f"{' / compiled' if t.compiled else ''}{' / LoRA ' + t.lora if t.lora else ''}")
 
         have = "; ".join(sorted({key(t, t.model) for t in profiles}))
         lines.append(f"note: no --profile trace matches {key(chosen, model.name)} (they are for {have}); "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import GPU
 from tinypipe.describe.model import DTYPE_BYTES, LayerKind, LayerSpec, ModelSpec
 from tinypipe.describe.trace import KindProfile, ProfileTrace
@@ -107,6 +108,16 @@ def frozen_trace(trace: ProfileTrace, model: ModelSpec, lora: LoraSpec) -> Profi
             kinds[kind] = _frozen_profile(kinds[kind], *frozen_factors(layer, lora, trace.seq_len))
     return replace(trace, kinds=kinds, source=f"{trace.source}; frozen base with LoRA {lora.text()} "
                                               "(times scaled by FLOPs: tinypipe.estimate.lora)")
+
+
+def trace_for_policy(trace: ProfileTrace, model: ModelSpec, lora: LoraSpec | None) -> ProfileTrace:
+    """The trace a policy's estimates read: a trace measured with the policy's adapters (`profile --lora`) as it
+    is, a full-training one scaled for a frozen base when the policy trains LoRA (`frozen_trace`); a trace
+    measured with other adapters, or with adapters for a full-training policy, is an error."""
+    if trace.lora and (lora is None or trace.lora != lora.text()):
+        raise InputError(f"trace for {trace.gpu_model}: measured with LoRA {trace.lora}; the policy trains "
+                         f"{'LoRA ' + lora.text() if lora else 'every parameter'}")
+    return frozen_trace(trace, model, lora) if lora is not None and not trace.lora else trace
 
 
 def frozen_host_bytes(model: ModelSpec, *, compute_dtype: str = "bf16",

@@ -166,8 +166,7 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
               iterations: int = 1, cost: CostModel | None = None) -> Plan:
     """Flatten model, trace, hardware and policy into the numbers the estimates and passes use (no packs yet)."""
     cost = cost or CostModel.calibrated()
-    if policy.lora is not None:
-        trace = lora_.frozen_trace(trace, model, policy.lora)
+    trace = lora_.trace_for_policy(trace, model, policy.lora)
     dt = trace.dtype
     if dt not in DTYPE_BYTES:
         raise InputError(f"trace: unknown dtype {dt!r}")

@@ -97,10 +97,10 @@ def parse_targets(text: str, where: str = "--lora-targets") -> tuple[str, ...]:
     return names
 
 
-def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+def add_lora_arguments(p: argparse.ArgumentParser, *,
+                       what: str = "train LoRA adapters of rank R on a frozen base (default: every parameter)") -> None:
     """`--lora R [--lora-alpha A] [--lora-dropout P] [--lora-targets q,k,v,o,gate,up,down]` (peft's defaults)."""
-    p.add_argument("--lora", type=int, default=None, metavar="R",
-                   help="train LoRA adapters of rank R on a frozen base (default: every parameter)")
+    p.add_argument("--lora", type=int, default=None, metavar="R", help=what)
     p.add_argument("--lora-alpha", type=float, default=None, metavar="A",
                    help=f"LoRA scaling numerator: updates scale by A / R (default {DEFAULT_ALPHA:g}, peft's)")
     p.add_argument("--lora-dropout", type=float, default=None, metavar="P", help="dropout on the adapters' input "

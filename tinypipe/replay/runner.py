@@ -129,7 +129,8 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
     if isinstance(run.get("profile"), dict):  # the trace the run was planned with (`run --profile`, or shipped)
         profile = ProfileTrace.from_json(run["profile"], where=f"{where}: otherData.run.profile")
     else:
-        profile = trace_for(model, hardware.gpus[0], policy.microbatch_size, seq_len, dtype)
+        profile = trace_for(model, hardware.gpus[0], policy.microbatch_size, seq_len, dtype,
+                            lora=policy.lora.text() if policy.lora else "")
     iterations = args.iterations or run.get("iterations") or min(WINDOW_ITERATIONS, trace.steps)
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else run.get("gpu_mem_bytes")
     schedule = _read_schedule(args.schedule, trace.gpus) if args.schedule else None

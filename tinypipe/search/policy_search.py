@@ -29,7 +29,7 @@ from tinypipe.describe.hardware import HOST
 from tinypipe.describe.trace import trace_for
 from tinypipe.estimate.gpumem import least_peak_bytes
 from tinypipe.estimate.hostmem import host_bytes, optimizer_steps_s
-from tinypipe.estimate.lora import frozen_host_bytes, frozen_trace
+from tinypipe.estimate.lora import frozen_host_bytes, trace_for_policy
 from tinypipe.estimate.plan import base_plan
 from tinypipe.ir.schedule import recomputes
 from tinypipe.policy import Policy
@@ -116,10 +116,10 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     """
     hw, model = w.hardware, w.model
     trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len, dtype=w.dtype,
-                      profiles=w.profiles)
+                      profiles=w.profiles, lora=p.lora.text() if p.lora else "")
     raw = trace
-    if p.lora is not None:  # a frozen base: LoRA's times, no host step, one compute-dtype copy on the host
-        trace = frozen_trace(trace, model, p.lora)
+    # a frozen base (LoRA): its measured or scaled times, no host step, one compute-dtype copy on the host
+    trace = trace_for_policy(trace, model, p.lora)
     compute = 0.0
     for layer in model.layers:
         kp = trace.layer(layer)
@@ -242,9 +242,21 @@ def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
     gpu_short = [e.gpu_short_bytes for e in ranked if e.gpu_short_bytes > 0]
     host_short = [e.host_short_bytes for e in ranked if e.host_short_bytes > 0]
     state = ranked[0].policy.optimizer_state if ranked else OptimizerState.FP32
+    lora = ranked[0].policy.lora if ranked else None
     compact = host_bytes(w.model, HostMemory.COMPACT, optimizer_state=state).total_bytes
     replicated = host_bytes(w.model, HostMemory.REPLICATED).total_bytes
-    if compact > w.host_limit:
+    frozen = frozen_host_bytes(w.model, compute_dtype=w.dtype).total_bytes
+    if lora is not None and frozen > w.host_limit:
+        lines.append(f"host memory falls short: the frozen base needs {gib(frozen)} (one {w.dtype} copy), the limit "
+                     f"is {gib(w.host_limit)}; add at least {gib(frozen - w.host_limit)} of host DRAM")
+    elif lora is not None and host_short:
+        closest = min((e for e in ranked if e.host_short_bytes > 0), key=lambda e: (e.host_short_bytes, e.key()))
+        lines.append(f"host memory falls short by {gib(closest.host_short_bytes)} in the closest candidate "
+                     f"({describe(closest.policy)}): the frozen base ({gib(frozen)}) and the activations parked "
+                     "on the host")
+    elif lora is not None:
+        pass
+    elif compact > w.host_limit:
         lines.append(f"host memory falls short: the compact layout needs {gib(compact)} for parameters and "
                      f"{state} optimizer state, the limit is {gib(w.host_limit)}; add at least "
                      f"{gib(compact - w.host_limit)} of host DRAM")
