@@ -157,6 +157,12 @@ def test_coverage_table_for_a_64gb_workstation_and_a_1tb_server() -> None:
         512: ["qwen3-32b", "qwen3-32b", "llama-3.1-70b", "qwen3-14b", "qwen3-32b"],
         1024: ["llama-3.1-70b", "llama-3.1-70b", "llama-3.1-70b", "qwen3-32b", "qwen3-32b"],
     }
+    # LoRA: one bf16 copy of the base (2 B/param: Qwen3-32B's 61 GiB fits 64, Llama-3.1-70B's 131 GiB needs 256);
+    # RoundPipe+peft's measured 4.8 B/param stops at Llama-3.1-8B on 64 GiB
+    lora = {r["host_gib"]: (r["tinypipe LoRA"], r["RoundPipe+peft LoRA"]) for r in rows}
+    assert lora == {64: ("qwen3-32b", "llama-3.1-8b"), 128: ("qwen3-32b", "qwen3-14b"),
+                    256: ("llama-3.1-70b", "qwen3-32b"), 512: ("llama-3.1-70b", "llama-3.1-70b"),
+                    1024: ("llama-3.1-70b", "llama-3.1-70b")}
 
 
 def test_new_model_configs_have_the_published_parameter_counts() -> None:

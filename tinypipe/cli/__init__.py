@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--host-mem", metavar="BYTES", help="size each server's host DRAM at this instead, e.g. 256GiB "
                     "(a machine like the preset with another amount of memory)")
     im.add_argument("--json", action="store_true")
-    icov = isub.add_parser("coverage", help="the largest model each server can fully fine-tune, by host memory, "
-                           "per optimizer-state precision, beside RoundPipe and ZeRO-Offload")
+    icov = isub.add_parser("coverage", help="the largest model each server can fine-tune, by host memory, "
+                           "per optimizer-state precision and with LoRA, beside RoundPipe and ZeRO-Offload")
     icov.add_argument("--hardware", action="append", help="server preset or JSON (default: every shipped preset)")
     icov.add_argument("--seq-len", type=int, default=2048)
     icov.add_argument("--json", action="store_true")

@@ -124,7 +124,7 @@ def cmd_inspect_coverage(args: argparse.Namespace) -> int:
     from tinypipe.common import table
     from tinypipe.describe.hardware import load_hardware, shipped_hardware
     from tinypipe.describe.hfconfig import load_model
-    from tinypipe.estimate.coverage import COVERAGE_MODELS, PEER_BYTES_PER_PARAM, coverage
+    from tinypipe.estimate.coverage import COVERAGE_MODELS, LORA, PEER_BYTES_PER_PARAM, PEER_LORA_BYTES_PER_PARAM, coverage
 
     positive("--seq-len", args.seq_len)
     models = [load_model(n) for n in COVERAGE_MODELS]
@@ -134,11 +134,13 @@ def cmd_inspect_coverage(args: argparse.Namespace) -> int:
         out.append({"hardware": hw.name, "gpus": len(hw.gpus), "gpu_model": hw.gpus[0].model,
                     "rows": coverage(hw, models, seq_len=args.seq_len)})
     if args.json:
-        return print_json({"models": list(COVERAGE_MODELS), "seq_len": args.seq_len,
-                           "peer_bytes_per_param": PEER_BYTES_PER_PARAM, "servers": out})
-    print(f"The largest of {', '.join(COVERAGE_MODELS)} that each system fully fine-tunes (AdamW), by host DRAM; "
-          f"tinypipe: compact host state + gradient ring, a layer's backward at seq {args.seq_len} on one GPU; "
-          "peers: " + ", ".join(f"{k} {v:g} B/param" for k, v in PEER_BYTES_PER_PARAM.items())
+        return print_json({"models": list(COVERAGE_MODELS), "seq_len": args.seq_len, "lora": LORA.text(),
+                           "peer_bytes_per_param": {**PEER_BYTES_PER_PARAM, **PEER_LORA_BYTES_PER_PARAM},
+                           "servers": out})
+    print(f"The largest of {', '.join(COVERAGE_MODELS)} that each system fine-tunes (AdamW), fully or with LoRA "
+          f"({LORA.text()}), by host DRAM; tinypipe: compact host state + gradient ring (LoRA: one bf16 copy of "
+          f"the base), a layer's backward at seq {args.seq_len} on one GPU; peers: "
+          + ", ".join(f"{k} {v:g} B/param" for k, v in {**PEER_BYTES_PER_PARAM, **PEER_LORA_BYTES_PER_PARAM}.items())
           + " of host memory (tinypipe/estimate/coverage.py cites each)")
     for server in out:
         rows = server["rows"]

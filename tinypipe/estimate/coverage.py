@@ -1,16 +1,19 @@
-"""Coverage: the largest model a server can fully fine-tune, by host memory, for tinypipe's optimizer-state
-precisions and for peers as their bytes per parameter predict.
+"""Coverage: the largest model a server can fine-tune, by host memory, fully for tinypipe's optimizer-state
+precisions and with LoRA, and for peers as their bytes per parameter predict.
 
 tinypipe fits a model on a server when the host holds its state and a gradient ring (`hostmem.host_bytes`
 of the compact layout with that moment precision, bf16 compute, sync optimizer: the search's memory bound)
 and one GPU holds a layer's backward (`gpumem.least_peak_bytes`, for one sequence of `seq_len` tokens). Both
-are floors: the search then simulates candidates (activations, a ring per GPU) and may find none fits. A
-peer fits when its host bytes per parameter times the parameters fit the host; both peers stream layers, so
+are floors: the search then simulates candidates (activations, a ring per GPU) and may find none fits. With
+LoRA (`LORA`: r 16 on all seven linears) the host holds one compute-dtype copy of the base
+(`lora.frozen_host_bytes`) and the GPU a frozen layer's backward beside its adapters. A peer fits when its host bytes per parameter times the parameters fit the host; both peers stream layers, so
 their GPU need is left aside (it favours them).
 
 Peers' bytes per parameter (host, full fine-tuning with AdamW):
 - RoundPipe 0.1.1: 21.9, measured on the 2xH200 host (163.8 GiB peak RSS for Llama-3.1-8B; DESIGN §8, from
   bench/results/peers_h200.json).
+- RoundPipe 0.1.1 with peft LoRA (r=16, alpha 32, the seven linears of every block): 36 GiB peak host RSS for
+  Llama-3.1-8B on one H200 (DESIGN §9, 2026-12-02): 4.8 bytes per parameter of the base.
 - DeepSpeed ZeRO-Offload: at least 16: an fp32 master (4), fp32 gradients (4) and AdamW's two fp32 moments (8)
   in host memory (Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model Training", USENIX ATC 2021,
   §4.1; DeepSpeed's ZeRO stage 2 CPU offload keeps fp32 gradient partitions on the host), before pinned
@@ -26,13 +29,17 @@ from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import analytic_trace
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.hostmem import host_bytes
+from tinypipe.estimate.lora import frozen_host_bytes
 from tinypipe.estimate.plan import base_plan
+from tinypipe.policy.lora import ROLES, LoraSpec
 from tinypipe.policy.modes import ActivationHome, HostMemory, OptimizerMode, OptimizerState
 from tinypipe.policy.policy import PRESETS
 
 COVERAGE_MODELS = ("qwen3-1.7b", "qwen3-4b", "llama-3.1-8b", "qwen3-14b", "qwen3-32b", "llama-3.1-70b")
 HOST_SIZES_GIB = (64, 128, 256, 512, 1024)
 PEER_BYTES_PER_PARAM = {"RoundPipe": 21.9, "ZeRO-Offload": 16.0}
+PEER_LORA_BYTES_PER_PARAM = {"RoundPipe+peft LoRA": 4.8}
+LORA = LoraSpec(rank=16, alpha=32.0, targets=ROLES)
 GIB = 1 << 30
 
 
@@ -42,19 +49,23 @@ class Need:
 
     model: str
     params: int
-    state: OptimizerState
+    state: OptimizerState | None  # None: LoRA (`LORA`) on a frozen base
     host_bytes: int
     gpu_bytes: int
 
 
-def tinypipe_need(model: ModelSpec, hardware: Hardware, state: OptimizerState, *, seq_len: int = 2048) -> Need:
-    """Host and GPU bytes `model` needs on `hardware` under tinypipe's compact layout with `state` moments."""
+def tinypipe_need(model: ModelSpec, hardware: Hardware, state: OptimizerState | None, *,
+                  seq_len: int = 2048) -> Need:
+    """Host and GPU bytes `model` needs on `hardware` under tinypipe's compact layout with `state` moments, or
+    with LoRA (`LORA`) on a frozen base when `state` is None."""
     policy = PRESETS["tinypipe"].replace(microbatch_size=1, microbatches=1, optimizer=OptimizerMode.SYNC,
                                          host_memory=HostMemory.COMPACT, activation_home=ActivationHome.GPU,
-                                         optimizer_state=state)
+                                         optimizer_state=state or OptimizerState.FP32,
+                                         lora=LORA if state is None else None)
     trace = analytic_trace(model, hardware.gpus[0], microbatch_size=1, seq_len=seq_len)
     plan = base_plan(policy, model, hardware, trace)
-    host = host_bytes(model, HostMemory.COMPACT, compute_dtype=trace.dtype, optimizer_state=state).total_bytes
+    host = (frozen_host_bytes(model, compute_dtype=trace.dtype) if state is None else
+            host_bytes(model, HostMemory.COMPACT, compute_dtype=trace.dtype, optimizer_state=state)).total_bytes
     return Need(model.name, model.params, state, host, gpumem.least_peak_bytes(plan))
 
 
@@ -63,10 +74,11 @@ def coverage(hardware: Hardware, models: list[ModelSpec], *, host_sizes_gib: tup
     """Per host size: the largest of `models` (by parameters) each system fits, or None.
 
     Rows: {"host_gib", "gpu_bytes", "tinypipe fp32" / "tinypipe bf16" / "tinypipe 8bit", "RoundPipe",
-    "ZeRO-Offload"} with a model name or None."""
+    "ZeRO-Offload", "tinypipe LoRA", "RoundPipe+peft LoRA"} with a model name or None."""
     ordered = sorted(models, key=lambda m: m.params)
     gpu_mem = min(g.memory_bytes for g in hardware.gpus)
-    needs = {(m.name, s): tinypipe_need(m, hardware, s, seq_len=seq_len) for m in ordered for s in OptimizerState}
+    states: tuple[OptimizerState | None, ...] = (*OptimizerState, None)
+    needs = {(m.name, s): tinypipe_need(m, hardware, s, seq_len=seq_len) for m in ordered for s in states}
     rows: list[dict[str, object]] = []
     for size in host_sizes_gib:
         host = size * GIB
@@ -76,6 +88,12 @@ def coverage(hardware: Hardware, models: list[ModelSpec], *, host_sizes_gib: tup
                     and needs[(m.name, s)].gpu_bytes <= gpu_mem]
             row[f"tinypipe {s}"] = fits[-1] if fits else None
         for peer, bpp in PEER_BYTES_PER_PARAM.items():
+            fits = [m.name for m in ordered if bpp * m.params <= host]
+            row[peer] = fits[-1] if fits else None
+        fits = [m.name for m in ordered if needs[(m.name, None)].host_bytes <= host
+                and needs[(m.name, None)].gpu_bytes <= gpu_mem]
+        row["tinypipe LoRA"] = fits[-1] if fits else None
+        for peer, bpp in PEER_LORA_BYTES_PER_PARAM.items():
             fits = [m.name for m in ordered if bpp * m.params <= host]
             row[peer] = fits[-1] if fits else None
         rows.append(row)
