@@ -64,7 +64,8 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
         _py("clip_cost", "results/clip_cost.json", "docs/training.md: Optimisation (--max-grad-norm)"),
     )),
     "device": ("runs on CUDA GPUs (H200s for the published tables); each appends to results/ or $OUT", (
-        _sh("peers", "$OUT/peers_h200.json", "README.md and docs/performance.md: Beside the peers"),
+        _sh("peers", "$OUT/peers_h200.json (with --lora: peers_h200_lora.json)",
+            "README.md and docs/performance.md: Beside the peers"),
         _sh("cuda_bench", "$OUT/cuda_h200.jsonl", "docs/performance.md: Llama-3.1-8B on H200s (eager)"),
         _sh("llama_compile", "$OUT/cuda_h200.jsonl", "docs/performance.md: Llama-3.1-8B on H200s (compiled)"),
         _sh("compile_qwen3", "$OUT/cuda_h200.jsonl, profiles", "docs/performance.md: compiled blocks"),

@@ -8,6 +8,10 @@
 # 2. bench/peers/run.py: every run (default: 1 GPU, 24 GiB cap), each in its own process under its time
 #    limit, all within what is left of BUDGET_S (default 580 s).
 #    RUNNER OPTIONS pass through, e.g. `--caps none`, `--runs deepspeed mobius mobius-async`, `--gpus 1,2`.
+# LoRA (r 16, alpha 32, all seven linears, the whole Llama-3.1-8B): tinypipe's own adapters beside RoundPipe
+# with peft's (in /tmp/peers-rp), the JSON in $OUT/peers_h200_lora.json; DeepSpeed is not installed (its
+# script trains every parameter, so its run is skipped):
+#   bash bench/device/peers.sh --lora 16 --runs tinypipe roundpipe --layers 32 --timeout-s 260
 . bench/device/setup.sh
 START=$(date +%s)
 W=.peers/wheels
@@ -23,11 +27,16 @@ install() {  # name, target, then pip options
   echo "install $name: exit $(cat "$target/.install.rc") at $(( $(date +%s) - START )) s"
   tail -3 "$target/.install.log"
 }
+lora=0
+for arg in "$@"; do case $arg in --lora|--lora=*) lora=1;; esac; done
 install roundpipe /tmp/peers-rp
-export DS_BUILD_OPS=0  # no op is compiled at install: CPU Adam is built at first use
-install deepspeed /tmp/peers-ds --no-build-isolation
+if [ $lora = 0 ]; then
+  export DS_BUILD_OPS=0  # no op is compiled at install: CPU Adam is built at first use
+  install deepspeed /tmp/peers-ds --no-build-isolation
+fi
+json=peers_h200; [ $lora = 1 ] && json=peers_h200_lora
 left=$(( ${BUDGET_S:-580} - ($(date +%s) - START) - 10 ))
 deadline=$(( left < 540 ? left : 540 ))
 echo "runner deadline: $deadline s"
-python3 bench/peers/run.py --out "$OUT/peers_h200.json" --workdir "$OUT/peers" --deadline-s "$deadline" "$@"
+python3 bench/peers/run.py --out "$OUT/$json.json" --workdir "$OUT/peers" --deadline-s "$deadline" "$@"
 echo "done at $(( $(date +%s) - START )) s"

@@ -4,7 +4,8 @@ N decoder layers, written once per run of the runner.
 Llama-3.1-8B in full needs more host memory than a 1-GPU H200 machine has (128 GiB) under the peers'
 offload layouts (RoundPipe ~22 B/param, FSDP2 and DeepSpeed >= 16 B/param: 130-175 GB), so the runner
 keeps its layer shapes (hidden 4096, 32 heads, 8 KV heads, intermediate 14336, vocabulary 128256) and
-takes fewer decoder layers: what each layer costs is the 8B's, only the count differs.
+takes fewer decoder layers: what each layer costs is the 8B's, only the count differs. LoRA keeps one
+frozen bf16 copy of the base (about 2 B/param), so with `--lora` the whole model is the default.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from peers.workload import LORA_TARGETS, Lora
 from tinypipe.common.errors import InputError
 from tinypipe.describe.hfconfig import config_path, load_config, load_model
 
@@ -24,10 +26,10 @@ DEFAULT_LAYERS = 12
 DROPPED = ("torch_dtype", "dtype")  # each system casts the weights itself
 
 
-def model_config(model: str, layers: int, seq_len: int) -> tuple[str, dict[str, Any]]:
+def model_config(model: str, layers: int | None, seq_len: int) -> tuple[str, dict[str, Any]]:
     """(name, Hugging Face config dict) of `model` (a shipped tinypipe name, a config.json or a directory
-    holding one) with `layers` decoder layers; InputError when it cannot be benchmarked here."""
-    if layers < 1:
+    holding one) with `layers` decoder layers (None: its own); InputError when it cannot be benchmarked here."""
+    if layers is not None and layers < 1:
         raise InputError(f"--layers: must be >= 1, got {layers}")
     _, name = config_path(model)
     raw = load_config(model)
@@ -39,7 +41,8 @@ def model_config(model: str, layers: int, seq_len: int) -> tuple[str, dict[str, 
         raise InputError(f"--model {model}: handles at most {raw['max_position_embeddings']} positions, "
                          f"--seq-len is {seq_len}")
     config = {k: v for k, v in raw.items() if k not in DROPPED}
-    config["num_hidden_layers"] = layers
+    if layers is not None:
+        config["num_hidden_layers"] = layers
     config["use_cache"] = False
     return name, config
 
@@ -59,3 +62,14 @@ def write_config(root: Path, name: str, config: dict[str, Any]) -> Path:
 def params_of(directory: Path) -> int:
     """Parameters of the model in `directory` (tinypipe's ModelSpec; exact for these families)."""
     return load_model(str(directory)).params
+
+
+def adapter_params_of(directory: Path, lora: Lora) -> int:
+    """Parameters of `lora`'s adapters on the model in `directory` (tinypipe's formula: r (in + out) per
+    wrapped linear; its roles are peft's module names less `_proj`)."""
+    from tinypipe.estimate.lora import model_adapter_params
+    from tinypipe.policy.lora import LoraSpec
+
+    targets = tuple(t.removesuffix("_proj") for t in LORA_TARGETS)
+    return model_adapter_params(load_model(str(directory)), LoraSpec(rank=lora.rank, alpha=lora.alpha,
+                                                                     targets=targets))

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cuda":
         raise SystemExit("peer_deepspeed: CUDA only")
     work = workload_of(args)
+    if work.lora is not None:
+        raise SystemExit("peer_deepspeed: trains every parameter; --lora is not set up for it (the runner skips it)")
     rank, world, local = dist_env()
     rec = Recorder(args.result, rank, system="deepspeed", mode="sync", world=world, steps=args.steps,
                    warmup_steps=args.warmup, versions=versions("torch", "transformers", "deepspeed"))

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode != "sync":
         raise SystemExit("peer_fsdp2: FSDP2 has no asynchronous optimizer; --mode sync only")
     work = workload_of(args)
+    if work.lora is not None:
+        raise SystemExit("peer_fsdp2: trains every parameter; --lora is not set up for it (the runner skips it)")
     rank, world, local = dist_env()
     cuda = args.device == "cuda"
     rec = Recorder(args.result, rank, system="fsdp2", mode="sync", world=world, steps=args.steps,

@@ -4,6 +4,8 @@ model, machine and GPU memory cap (variant `searched`), or the `mobius` preset w
 sequences; the optimizer synchronous, or asynchronous (staleness 1) by setting the policy's `optimizer`.
 Blocks compiled (`--compile`, the CUDA default), bf16 compute, fp32 masters and AdamW state on the host,
 the GPU memory cap by `--gpu-mem` (planned for, and PyTorch's allocator capped at it in each worker).
+With `--lora R`: `--lora R --lora-alpha A --lora-dropout 0 --lora-targets all` to the search and the run
+(tinypipe's own LoRA linears on the frozen base: the rank, scaling and linears of peft's on RoundPipe).
 
     python -m peers.peer_tinypipe --config DIR --result PREFIX --variant searched ...   (PYTHONPATH=bench)
 
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from peers.measure import Recorder, guarded, peer_parser, versions
-from peers.workload import BETAS, EPS, LR, WEIGHT_DECAY, Workload, workload_of
+from peers.workload import BETAS, EPS, LORA_DROPOUT, LORA_TARGETS, LR, WEIGHT_DECAY, Workload, workload_of
 
 VARIANTS = ("searched", "mobius", "preset")
 HOST_MEM_SHARE = 0.9  # the search may plan for this share of the host memory available when it runs
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_run_plan(parser.parse_args(run_args))
     job = dataclasses.replace(plan.job, save_model=False)
     sim = plan.prediction
+    if plan.policy.lora is not None:
+        from tinypipe.estimate.lora import model_adapter_params
+
+        rec.set(trainable_params=model_adapter_params(plan.spec, plan.policy.lora))
     rec.set(params=plan.spec.params, details={**rec.data["details"], "policy": plan.policy.to_json(),
                                               "packs": [len(x) for x in plan.schedule.pack_layers],
                                               "predicted_tokens_per_s": sim.tokens_per_s,
@@ -100,14 +106,10 @@ def _policy(args: argparse.Namespace, work: Workload, backend: str, scratch: Pat
                              "or preset")
         from tinypipe.backends.prepare import cuda_hardware
 
-        hardware = cuda_hardware(args.gpus, None).name
         out = scratch / "searched.json"
-        cmd = [sys.executable, "-m", "tinypipe.cli", "search", "--model", _config_json(args.config),
-               "--hardware", hardware,
-               "--seq-len", str(work.seq_len), "--batch-tokens", str(work.batch_tokens),
-               "--host-mem", str(int(HOST_MEM_SHARE * _available_host_bytes())), "--out", str(out)]
-        if args.gpu_mem_gib is not None:
-            cmd += ["--gpu-mem", f"{args.gpu_mem_gib}GiB"]
+        cmd = [sys.executable, "-m", "tinypipe.cli", "search",
+               *_search_args(args, work, cuda_hardware(args.gpus, None).name,
+                             int(HOST_MEM_SHARE * _available_host_bytes()), out)]
         t = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True)
         print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
@@ -124,18 +126,40 @@ def _policy(args: argparse.Namespace, work: Workload, backend: str, scratch: Pat
     return str(path), search
 
 
+def _search_args(args: argparse.Namespace, work: Workload, hardware: str, host_mem_bytes: int, out: Path) -> list[str]:
+    """`tinypipe search`'s options for this configuration."""
+    argv = ["--model", _config_json(args.config), "--hardware", hardware, "--seq-len", str(work.seq_len),
+            "--batch-tokens", str(work.batch_tokens), "--host-mem", str(host_mem_bytes), "--out", str(out),
+            *_lora_args(work)]
+    if args.gpu_mem_gib is not None:
+        argv += ["--gpu-mem", f"{args.gpu_mem_gib}GiB"]
+    return argv
+
+
 def _run_args(args: argparse.Namespace, work: Workload, backend: str, policy: str, out: Path) -> list[str]:
     """`tinypipe run`'s options for this configuration."""
     argv = ["--backend", backend, "--gpus", str(args.gpus), "--model", _config_json(args.config), "--policy", policy,
             "--seq-len", str(work.seq_len), "--batch-tokens", str(work.batch_tokens), "--steps", str(args.steps),
             "--lr", str(LR), "--betas", str(BETAS[0]), str(BETAS[1]), "--eps", str(EPS),
             "--weight-decay", str(WEIGHT_DECAY), "--seed", str(work.seed), "--out", str(out),
-            "--checkpoint-minutes", "0"]
+            "--checkpoint-minutes", "0", *_lora_args(work)]
     if backend == "cuda":
         argv += ["--dtype", "bf16", "--compile"]
     if args.gpu_mem_gib is not None:
         argv += ["--gpu-mem", f"{args.gpu_mem_gib}GiB"]
     return argv
+
+
+def _lora_args(work: Workload) -> list[str]:
+    """`tinypipe run`'s and `search`'s LoRA options for the workload's adapters (none without --lora)."""
+    from tinypipe.policy.lora import ROLES
+
+    if work.lora is None:
+        return []
+    roles = tuple(t.removesuffix("_proj") for t in LORA_TARGETS)
+    targets = "all" if set(roles) == set(ROLES) else ",".join(roles)
+    return ["--lora", str(work.lora.rank), "--lora-alpha", f"{work.lora.alpha:g}", "--lora-dropout",
+            f"{LORA_DROPOUT:g}", "--lora-targets", targets]
 
 
 def _config_json(directory: str) -> str:

@@ -81,7 +81,7 @@ def row(cfg: Config, *, records: Sequence[dict[str, Any]], ranks: int, outcome: 
         "versions": first.get("versions", {}), "date": first.get("date"), "cap": first.get("cap"),
         "details": first.get("details", {}), "log": log,
     }
-    for extra in ("host_state_bytes", "launcher_peak_rss_bytes"):
+    for extra in ("host_state_bytes", "launcher_peak_rss_bytes", "trainable_params"):
         if extra in first:
             out[extra] = first[extra]
     return out
@@ -114,6 +114,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(HEAD) + " |", "|" + "|".join(" --- " for _ in HEAD) + "|"]
     for r in rows:
         system = r["system"] + (f" ({r['variant']})" if r.get("variant") else "")
+        if r.get("lora"):
+            system += f" + LoRA r{r['lora']['rank']}"
         status = r["status"]
         if r["status"] != "ok" and r.get("error_summary"):
             status += ": " + _short(r["error_summary"])

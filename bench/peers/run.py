@@ -2,7 +2,7 @@
 after another, under a time limit each and a deadline for all; one JSON and a Markdown table.
 
     python bench/peers/run.py [--runs tinypipe roundpipe ...] [--caps 24,none] [--gpus 1,2]
-                              [--model llama-3.1-8b --layers 12] [--steps 3 --warmup 1]
+                              [--model llama-3.1-8b --layers 12] [--steps 3 --warmup 1] [--lora 16]
                               [--timeout-s 150 --deadline-s 540] [--out bench/results/peers_h200.json]
 
 On the GPU machine: `bash bench/device/peers.sh` (README.md in this folder says more). A peer that
@@ -60,8 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default="1", help="GPU counts, comma-separated (default 1; e.g. 1,2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"shipped model or config.json whose shapes are used "
                                                           f"(default {DEFAULT_MODEL})")
-    p.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
-                   help=f"decoder layers instead of the model's own (default {DEFAULT_LAYERS})")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"decoder layers instead of the model's own (default {DEFAULT_LAYERS}; with --lora the "
+                        "model's own: its frozen base fits the host where full training's state does not)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run, warm-up included (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps left out of tokens/s (default 1; some "
                                                           "systems need one more, see runs.py)")
@@ -98,6 +99,8 @@ def check(a: argparse.Namespace) -> tuple[Workload, tuple[int, ...], tuple[float
     for opt, value in (("--timeout-s", a.timeout_s), ("--deadline-s", a.deadline_s), ("--min-start-s", a.min_start_s)):
         if not value > 0:
             raise UsageError(f"{opt}: must be > 0, got {value:g}")
+    if a.lora is None and a.lora_alpha is not None:
+        raise UsageError("--lora-alpha needs --lora R")
     work = workload_of(a)
     for g in gpus:
         why = work.problem(g)
@@ -123,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_all(a: argparse.Namespace, work: Workload, gpus: tuple[int, ...], caps: tuple[float | None, ...],
             argv: list[str]) -> int:
-    from peers.modelconfig import model_config, params_of, write_config
+    from peers.modelconfig import adapter_params_of, model_config, params_of, write_config
 
     start = time.monotonic()
-    name, config = model_config(a.model, a.layers, work.seq_len)
+    name, config = model_config(a.model, _layers(a.layers, work), work.seq_len)
+    layers = int(config["num_hidden_layers"])
     present = _gpu_count(a.device)
     out = Path(a.out)
     _writable(out)
@@ -136,13 +140,16 @@ def run_all(a: argparse.Namespace, work: Workload, gpus: tuple[int, ...], caps: 
     paths = Paths(python=sys.executable, bench=BENCH, config_dir=config_dir, work=workdir,
                   sites={k: Path(getattr(a, f"{k}_site")) for k in SITES})
     params = params_of(config_dir)
-    common = {"model": f"{name} with {a.layers} decoder layers", "layers": a.layers,
+    lora = work.lora.to_json() if work.lora else None
+    common = {"model": f"{name} with {layers} decoder layers", "layers": layers, "lora": lora,
               "tokens_per_step": work.batch_tokens, "seq_len": work.seq_len, "microbatch_size": work.microbatch_size}
+    model: dict[str, Any] = {"name": name, "layers": layers, "params": params, "config": config}
+    if work.lora:
+        model["adapter_params"] = adapter_params_of(config_dir, work.lora)
     payload: dict[str, Any] = {
-        "machine": _machine(), "runner": {"argv": argv, "workdir": str(workdir)},
-        "model": {"name": name, "layers": a.layers, "params": params, "config": config},
-        "workload": {**asdict(work), "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY,
-                     "compute": "bf16", "master_weights": "fp32", "adamw_state": "fp32"},
+        "machine": _machine(), "runner": {"argv": argv, "workdir": str(workdir)}, "model": model,
+        "workload": {**asdict(work), "lora": lora, "lr": LR, "betas": list(BETAS), "eps": EPS,
+                     "weight_decay": WEIGHT_DECAY, "compute": "bf16", "master_weights": "fp32", "adamw_state": "fp32"},
         "results": []}
     configs = configurations(tuple(a.runs), gpus, caps)
     for i, cfg in enumerate(configs, 1):
@@ -166,7 +173,9 @@ def _one(cfg: Config, a: argparse.Namespace, work: Workload, paths: Paths, *, co
     """Run one configuration (or say why not) and return its row."""
     launch = launch_for(cfg, paths, work, timed_steps=a.steps - a.warmup, warmup=a.warmup, device=a.device)
     skip = None
-    if cfg.gpus > present:
+    if work.lora is not None and cfg.run.no_lora:
+        skip = f"no LoRA: {cfg.run.no_lora}"
+    elif cfg.gpus > present:
         skip = f"needs {cfg.gpus} GPU(s), {present} here"
     elif a.device == "cpu" and cfg.run.system not in CPU_SYSTEMS:
         skip = f"{cfg.run.system} runs on CUDA only"
@@ -186,6 +195,17 @@ def _one(cfg: Config, a: argparse.Namespace, work: Workload, paths: Paths, *, co
     outcome = execute(launch.argv, launch.env, timeout_s=min(a.timeout_s, left_s), log=log, cwd=paths.work)
     records = read_records(launch.result_prefix, launch.ranks)
     return row(cfg, records=records, ranks=launch.ranks, outcome=outcome, common=common, log=str(log))
+
+
+def _layers(asked: int | None, work: Workload) -> int | None:
+    """The decoder layers to build: those asked for; else DEFAULT_LAYERS for full training (its host state
+    does not fit the 1-GPU machine for the whole 8B, modelconfig.py says why) and the model's own (None)
+    for LoRA, whose frozen base does."""
+    from peers.modelconfig import DEFAULT_LAYERS
+
+    if asked is not None:
+        return asked
+    return None if work.lora else DEFAULT_LAYERS
 
 
 def _gpu_count(device: str) -> int:

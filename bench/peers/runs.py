@@ -9,6 +9,9 @@ step is still warming up, so that each run is timed over the same number of stea
   waits for every layer's first AdamW step, which allocates and first touches the moments (8 bytes per
   parameter; bench/cuda_bench.py's WARMUP measured ~3.5 s on the 8B).
 - FSDP2 and DeepSpeed step synchronously at the end of a step: the first step holds all of that.
+
+LoRA (`--lora R`): tinypipe trains its own adapters (`tinypipe run --lora`), RoundPipe peft's; the FSDP2
+and DeepSpeed scripts train every parameter, so with `--lora` their runs are skipped and say why.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 class RunSpec:
     """One system in one mode; `module` is its peer script (`python -m`), `launcher` how it is started:
     `process` (one process driving every GPU), `torchrun` (one process per GPU), `tinypipe` (one process
-    that starts its own workers). `site`: a private install directory put first on its PYTHONPATH."""
+    that starts its own workers). `site`: a private install directory put first on its PYTHONPATH.
+    `no_lora`: why its script cannot train LoRA adapters (None: it honours `--lora`)."""
 
     name: str
     system: str
@@ -30,15 +34,17 @@ class RunSpec:
     extra_warmup: int = 0
     site: str | None = None
     variant: str | None = None
+    no_lora: str | None = None
 
 
+FULL_ONLY = "its script trains every parameter; peft LoRA is not set up for it here"
 RUNS: dict[str, RunSpec] = {r.name: r for r in (
     RunSpec("tinypipe", "tinypipe", "sync", "peers.peer_tinypipe", "tinypipe", 1, variant="searched"),
     RunSpec("roundpipe", "roundpipe", "async", "peers.peer_roundpipe", "process", 1, site="roundpipe"),
     RunSpec("tinypipe-async", "tinypipe", "async", "peers.peer_tinypipe", "tinypipe", 1, variant="searched"),
     RunSpec("roundpipe-sync", "roundpipe", "sync", "peers.peer_roundpipe", "process", 1, site="roundpipe"),
-    RunSpec("fsdp2", "fsdp2", "sync", "peers.peer_fsdp2", "torchrun"),
-    RunSpec("deepspeed", "deepspeed", "sync", "peers.peer_deepspeed", "torchrun", site="deepspeed"),
+    RunSpec("fsdp2", "fsdp2", "sync", "peers.peer_fsdp2", "torchrun", no_lora=FULL_ONLY),
+    RunSpec("deepspeed", "deepspeed", "sync", "peers.peer_deepspeed", "torchrun", site="deepspeed", no_lora=FULL_ONLY),
     RunSpec("mobius", "tinypipe", "sync", "peers.peer_tinypipe", "tinypipe", 1, variant="mobius"),
     RunSpec("mobius-async", "tinypipe", "async", "peers.peer_tinypipe", "tinypipe", 1, variant="mobius"),
 )}
