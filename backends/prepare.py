@@ -203,7 +203,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                                                                 * args.seq_len / args.batch_tokens)))
     evaluating = bool(args.eval_data or args.eval_fraction)
     if evaluating:
-        check_eval(args, policy, batches, tokenizer)
+        check_eval(args, batches, tokenizer)
     first = int(args.record["step"]) if args.record else 0
     try:
         step_data(batches, first)
@@ -240,11 +240,11 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     say("compiling and simulating the schedule")
     clip = args.max_grad_norm is not None
     if clip:
-        check_clip(policy, spec)
+        check_clip(policy)
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip)
     compiled = pinned
     check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, args.host_mem),
-                    lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem))
+                    lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip))
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
         raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
@@ -314,10 +314,10 @@ def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Profile
 
 
 def _host_peak(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace, iterations: int,
-               gpu_mem: int | None) -> int | None:
+               gpu_mem: int | None, *, grad_clip: bool = False) -> int | None:
     """`policy`'s predicted host peak, None when it does not compile here."""
     try:
-        return int(_compile(policy, spec, hardware, trace, iterations, gpu_mem)[1].peak_host_bytes)
+        return int(_compile(policy, spec, hardware, trace, iterations, gpu_mem, grad_clip=grad_clip)[1].peak_host_bytes)
     except InputError:
         return None
 

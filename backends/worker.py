@@ -30,10 +30,11 @@ from .compiled import COMPILE_BACKEND, LayerCaller
 from .cpustat import Steal
 from .evaluation import eval_steps, evaluate
 from .executor import Carried, RunLog, run_actions
+from .gradclip import GradClip
 from .groups import Group
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
-from .interpreter import ExecutionError, GradClip, Interpreter, StepData
+from .interpreter import ExecutionError, Interpreter, StepData
 from .lora_save import LoraFiles, save_outputs
 from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
