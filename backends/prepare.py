@@ -31,7 +31,7 @@ from tinypipe.sim.guard import simulate_policy
 from tinypipe.common.errors import InputError
 from tinypipe.common.table import gib
 from tinypipe.common.units import MIB, parse_bytes
-from tinypipe.compiler import WINDOW_ITERATIONS
+from tinypipe.compiler import WINDOW_ITERATIONS, window_steps
 from tinypipe.describe.hardware import GPU, HOST, Hardware, Host, Link, load_hardware, shipped_hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
@@ -236,7 +236,9 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1))
     trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=planning,
                       compiled=compile_blocks)
-    iterations = min(WINDOW_ITERATIONS, args.steps)
+    eval_every = (args.eval_every or max(1, args.steps // 10)) if evaluating else 0
+    iterations = window_steps(0, iterations=WINDOW_ITERATIONS, steps=args.steps,
+                              every=(args.checkpoint_every, args.save_every, eval_every))
     say("compiling and simulating the schedule")
     clip = args.max_grad_norm is not None
     if clip:
@@ -290,7 +292,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
               max_grad_norm=args.max_grad_norm, eval_data=args.eval_data, eval_fraction=args.eval_fraction or 0.0,
-              eval_every=(args.eval_every or max(1, args.steps // 10)) if evaluating else 0,
+              eval_every=eval_every,
               save_dtype=save_dtype, save_model=args.save,
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),

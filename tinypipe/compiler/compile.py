@@ -23,13 +23,26 @@ from tinypipe.partition.resolve import residency, resolve
 from tinypipe.policy.policy import Policy
 
 # Iterations `tinypipe run` compiles and executes per window (backends/worker.py; fewer when the run has
-# fewer steps): overlap between iterations is kept inside a window, and the window repeats.
+# fewer steps, or `window_steps` cuts every window shorter): overlap between iterations is kept inside a
+# window, and the window repeats.
 WINDOW_ITERATIONS = 4
+
+
+def window_steps(step: int, *, iterations: int, steps: int, every: tuple[int, ...] = ()) -> int:
+    """Steps in `tinypipe run`'s window that starts at `step` (0-based): at most `iterations`, up to the run's
+    `steps`, and ending at the next multiple of each period in `every` (checkpoint, save, evaluation every
+    N steps; 0: none). `run` compiles `window_steps(0, ...)` iterations, so that its windows run the whole
+    schedule (a replay needs one) and the prediction is of the windows that run."""
+    n = min(iterations, steps - step)
+    for period in every:
+        if period > 0:
+            n = min(n, period - step % period)
+    return n
 
 PASSES = (swap_pass, transfer_pass, gradient_pass, optimizer_pass, memory_pass)
 
 __all__ = ["PASSES", "WINDOW_ITERATIONS", "Op", "compile_schedule", "compute_ops", "gradient_pass", "lower",
-           "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass"]
+           "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass", "window_steps"]
 
 def run_passes(plan: Plan) -> tuple[Action, ...]:
     """compute_ops, then every pass in PASSES, then lower."""
