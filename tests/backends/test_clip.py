@@ -172,7 +172,6 @@ def test_run_plans_clipping_on_the_default_compact_layout_and_a_tied_model(tmp_p
     planned, not refused: the schedule clips, and the predicted host peak is the rank's state with a
     gradient region per layer (no ring slots left for GRAD_OUTs to wait on)."""
     from conftest import parse_run
-
     from tinypipe.backends.prepare import make_run_plan
 
     plan = make_run_plan(parse_run("--model", tied_config, "--gpus", "2", "--max-grad-norm", "1", "--out",

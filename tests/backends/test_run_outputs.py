@@ -130,7 +130,6 @@ def test_a_resumed_runs_tensorboard_shows_each_step_once(tmp_path: Path) -> None
     as the resumed run wrote them (the first run's are purged), as metrics.jsonl keeps one line per step."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from tinypipe.backends.metrics import StepLog
 
     for start, loss in ((0, 1.0), (2, 2.0)):
