@@ -4,8 +4,10 @@ An evaluation window is one iteration of the compiled schedule, its actions as i
 uploads, forwards, backwards and transfers, so the same memory plan holds), run with
 `Interpreter.evaluating` set: GRAD_OUT drops the gradients and OPT_STEP does nothing, so the host
 state is untouched and the head's forward gives the loss. It costs a training step's device work per
-held-out step, without the optimizer. The weights are those after the last optimizer step (a
-synchronous optimizer; the planner refuses evaluation with the asynchronous one).
+held-out step, without the optimizer. The weights are those after the last optimizer step: the caller
+finishes the host's steps first, and the window runs as the step whose uploads read that version (the
+next step under the synchronous optimizer, the one after it under the asynchronous one, whose uploads lag
+an update). LoRA: the adapters' gradients are dropped at ADAPT_STEP, and no step is taken.
 """
 
 from __future__ import annotations
@@ -28,21 +30,23 @@ def eval_steps(batches: Batches) -> int:
 
 def evaluate(interp: Interpreter, first_iteration: Sequence[Action], batches: Batches, steps: int, *, at: int,
              step_data: Callable[[Batches, int], StepData], id_stride: int, host_worker: HostWorker) -> float | None:
-    """The token-weighted mean loss over `steps` held-out steps, run as the training step `at` would
-    run; on the rank that holds the head (None on the others)."""
+    """The token-weighted mean loss over `steps` held-out steps with the weights after `at` optimizer steps
+    (all of them finished on the host), each run as the training step that reads those weights; on the rank
+    that holds the head (None on the others)."""
     total, tokens = 0.0, 0.0
+    as_step = at + interp.staleness  # want_version(as_step) == at
     interp.evaluating = True
     try:
         for k in range(steps):
             sd = step_data(batches, k)
-            log = run_actions(interp, first_iteration, {at: sd}, shift=at, ledger=Ledger(interp.schedule.static_bytes,
-                                                                                          buffers=True),
-                              id_stride=id_stride, host_worker=host_worker)
+            log = run_actions(interp, first_iteration, {as_step: sd}, shift=as_step,
+                              ledger=Ledger(interp.schedule.static_bytes, buffers=True), id_stride=id_stride,
+                              host_worker=host_worker)
             left = interp.leftovers()
             if left:
                 raise ExecutionError(f"rank {interp.rank}: evaluation at step {at} ended holding {', '.join(left[:6])}")
-            if at in log.losses:
-                total += log.losses[at] * sd.denom
+            if as_step in log.losses:
+                total += log.losses[as_step] * sd.denom
                 tokens += sd.denom
     finally:
         interp.evaluating = False

@@ -1,5 +1,7 @@
 """The `compact` host memory layout: fp32 masters as two 16-bit planes in one pinned slab, a small ring
-of gradient slots, and a chunked AdamW on the planes (`planes.compact_adamw_step`).
+of gradient slots, and a chunked AdamW on the planes (`planes.compact_adamw_step`). Clipping by the global
+norm (`grad_clip`) needs a step's every gradient on the host before any layer steps: the slots are then one
+region per layer (`hostmem.compact_grad_elems`).
 
 The high plane *is* the bf16 value (truncated) and is uploaded as it is; the low plane restores the
 fp32 bits for the optimizer. With an fp32 compute dtype the upload is the joined master. A step
@@ -16,11 +18,12 @@ from typing import Any
 
 import torch
 
-from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS
+from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, compact_grad_elems
 from tinypipe.policy.modes import HostMemory, OptimizerState
 
 from . import moments, planes
-from .hoststate import AdamWConfig, HeldBytes, HostState, _Param, _to, storage_bytes, view_bytes
+from .heldbytes import HeldBytes, storage_bytes, view_bytes
+from .hoststate import AdamWConfig, HostState, _Param, _to
 
 
 class CompactHostState(HostState):
@@ -29,7 +32,7 @@ class CompactHostState(HostState):
     def __init__(self, params: dict[int, dict[str, torch.Tensor]], *, compute_dtype: torch.dtype,
                  optim: AdamWConfig, pin: bool = False, shared_grad: int | None = None,
                  grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, snapshots: bool = False,
-                 optimizer_state: OptimizerState = OptimizerState.FP32) -> None:
+                 optimizer_state: OptimizerState = OptimizerState.FP32, grad_clip: bool = False) -> None:
         """Copies `params` into its slab (the caller may drop them). `optimizer_state`: how AdamW's moments are
         held (fp32: `planes.compact_adamw_step`, bit-identical to torch's; bf16 / 8bit: `moments.lowp_adamw_step`)."""
         if sys.byteorder != "little":  # pragma: no cover - the planes assume little-endian fp32
@@ -44,7 +47,10 @@ class CompactHostState(HostState):
             self._offset[i] = off
             off += self._numel[i]
         self._slot_numel = max(self._numel.values(), default=1)
-        ring = (max(grad_ring_slots, 1), self._slot_numel)
+        # the gradient slots: a ring of the largest layer's size, or with clipping a region per layer
+        self.grad_clip = grad_clip
+        elems = compact_grad_elems(list(self._numel.values()), grad_ring_slots, grad_clip=grad_clip)
+        ring = (max(elems, 1),) if grad_clip else (max(grad_ring_slots, 1), self._slot_numel)
         snap_rows = 1 if self.compute_dtype == torch.bfloat16 else 2  # the upload form: the high plane, or both
         snaps = [((snap_rows, self._numel[i]), torch.int16) for i in self.layers] if self.snapshots else []
         # gradient slots in the compute dtype: what the GPU accumulated, copied as it is (no fp32
@@ -63,7 +69,9 @@ class CompactHostState(HostState):
         self._chunk_scratch = torch.empty(
             planes.workspace_elems(min(planes.DEFAULT_CHUNK_ELEMS, biggest_tensor)) if self.optimizer_state.exact
             else moments.workspace_elems(min(moments.DEFAULT_CHUNK_ELEMS, biggest_tensor)), dtype=torch.float32)
-        self._free_slots: deque[torch.Tensor] = deque(self._ring.unbind(0))
+        self._region = {i: self._ring[self._offset[i]:self._offset[i] + self._numel[i]] for i in self.layers
+                        } if grad_clip else {}
+        self._free_slots: deque[torch.Tensor] = deque() if grad_clip else deque(self._ring.unbind(0))
         self._extra_slots: list[torch.Tensor] = []  # beyond the ring, when more layers wait than slots
         self._slot_of: dict[int, torch.Tensor] = {}
         self._stale: dict[int, tuple[int, torch.Tensor]] = {}
@@ -87,8 +95,8 @@ class CompactHostState(HostState):
         return self._slab[0, a:a + n], self._slab[1, a:a + n]
 
     # ---- LOAD ------------------------------------------------------------------------------------
-    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool
-                     ) -> dict[str, torch.Tensor]:
+    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool,
+                     aside: bool = False) -> dict[str, torch.Tensor]:
         have = self._steps[layer]
         if want == have and not writing:
             hi, lo = self._planes(layer)
@@ -128,7 +136,9 @@ class CompactHostState(HostState):
     def _land_grads(self, layer: int) -> torch.Tensor:
         if layer in self._slot_of:
             raise ValueError(f"layer {layer}: GRAD_OUT twice before its OPT_STEP")
-        if self._free_slots:
+        if self.grad_clip:
+            slot = self._region[layer]
+        elif self._free_slots:
             slot = self._free_slots.popleft()
         else:  # more layers wait for the optimizer than the ring has slots: grow, and say so in held()
             slot = self._new_slab([((self._slot_numel,), self.compute_dtype)], "an extra gradient slot").take(
@@ -155,7 +165,8 @@ class CompactHostState(HostState):
             self._steps[layer] += 1
             if not keep_previous:
                 self._stale.pop(layer, None)
-        self._free_slots.append(grads)
+        if not self.grad_clip:
+            self._free_slots.append(grads)
 
     def _adamw(self, layer: int, slot: torch.Tensor) -> None:
         grads = self._views(layer, slot)

@@ -17,7 +17,8 @@ import torch
 from tinypipe.policy.lora import LoraSpec
 from tinypipe.policy.modes import HostMemory
 
-from .hoststate import AdamWConfig, HeldBytes, HostState, _to, view_bytes
+from .heldbytes import HeldBytes, view_bytes
+from .hoststate import AdamWConfig, HostState, _to
 from .layers import LayerStack
 from .lora import Adapters, LoraError, inject, peft_name
 
@@ -49,8 +50,8 @@ class FrozenHostState(HostState):
             for n, t in tensors.items():
                 views[n].copy_(t)
 
-    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool
-                     ) -> dict[str, torch.Tensor]:
+    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool,
+                     aside: bool = False) -> dict[str, torch.Tensor]:
         if want != 0:
             raise self._bad_version(layer, want, "the frozen base (version 0)")
         names = self._renames.get(layer, {})

@@ -2,7 +2,8 @@
 copy and a full-size fp32 gradient buffer, carved from one pinned slab, plus AdamW moments.
 
 A step that keeps the previous version (asynchronous optimizer) leaves the upload copy at that
-version; the next LOAD of the current version refreshes it.
+version; the next LOAD of the current version refreshes it (an evaluation's, `aside`, casts the master
+instead, leaving the kept version to the training uploads still to come).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from tinypipe.policy.modes import HostMemory
 
-from .hoststate import AdamWConfig, HeldBytes, HostState, _to, storage_bytes, view_bytes
+from .heldbytes import HeldBytes, storage_bytes, view_bytes
+from .hoststate import AdamWConfig, HostState, _to
 
 
 class ReplicatedHostState(HostState):
@@ -45,13 +47,16 @@ class ReplicatedHostState(HostState):
                 up[n].copy_(t)
         self._upload_version[layer] = self._steps[layer]
 
-    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool
-                     ) -> dict[str, torch.Tensor]:
+    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool,
+                     aside: bool = False) -> dict[str, torch.Tensor]:
         have = self._steps[layer]
         if self._upload_version[layer] != want:
             if have != want or writing:
                 raise self._bad_version(layer, want, f"versions {self._upload_version[layer]} (upload copy) "
                                                      f"and {have} (master)")
+            if aside:  # the upload copy keeps the older version training still uploads: cast the master instead
+                return {n: _to(t.detach().to(self.compute_dtype), device, non_blocking)
+                        for n, t in self._master[layer].items()}
             self._wait_reads(layer)  # uploads of the older version still reading the copy
             self._refresh_upload(layer)
         return {n: _to(v, device, non_blocking) for n, v in self._views(layer, self._upload_flat[layer]).items()}

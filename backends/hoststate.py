@@ -15,7 +15,8 @@ blocks are carved from one slab, so they hold only alignment padding.
 the optimizer, which joins the planes, runs AdamW and splits them again, one parameter tensor at
 a time and within it in cache-sized chunks (`planes.compact_adamw_step`, bit-identical to torch's
 fused AdamW on the joined tensor). Gradients land in a small ring of
-slots (each the size of the largest owned layer) instead of a model-sized buffer. With an fp32
+slots (each the size of the largest owned layer) instead of a model-sized buffer; when clipping by the
+global norm, in a region per layer (the norm needs them all before any step). With an fp32
 compute dtype the upload is the joined fp32 master, so training stays exact.
 
 Pinned memory: every block a copy engine reads or writes (the planes and the ring; the upload copies
@@ -34,8 +35,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -44,59 +44,10 @@ from tinypipe.policy.modes import HostMemory
 
 from .adamw import AdamWConfig as AdamWConfig  # the settings a HostState steps with, importable with it
 from .gradnorm import GradSquares
+from .heldbytes import HeldBytes, storage_bytes, view_bytes
 from .pinned import PinnedSlab, Request
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class HeldBytes:
-    """Host bytes this rank really holds, by purpose (tensor storage sizes; a pinned slab's views by
-    their own sizes, the slab's alignment padding apart)."""
-
-    host_memory: HostMemory
-    params: int
-    master_bytes: int
-    upload_copy_bytes: int
-    grad_bytes: int
-    optim_state_bytes: int  # AdamW moments and step counters
-    scratch_bytes: int  # compact: the join/update/split buffer
-    stale_bytes: int  # compact + async: snapshots of the previous version awaiting their last LOAD
-    pinned_rounding_bytes: int  # alignment padding of the pinned slabs (no allocator rounding: one slab)
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.master_bytes + self.upload_copy_bytes + self.grad_bytes + self.optim_state_bytes
-                + self.scratch_bytes + self.stale_bytes + self.pinned_rounding_bytes)
-
-    @property
-    def bytes_per_param(self) -> float:
-        return self.total_bytes / max(1, self.params)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"host_memory": self.host_memory.value, "params": self.params, "master_bytes": self.master_bytes,
-                "upload_copy_bytes": self.upload_copy_bytes, "grad_bytes": self.grad_bytes,
-                "optim_state_bytes": self.optim_state_bytes, "scratch_bytes": self.scratch_bytes,
-                "stale_bytes": self.stale_bytes, "pinned_rounding_bytes": self.pinned_rounding_bytes,
-                "total_bytes": self.total_bytes, "bytes_per_param": self.bytes_per_param}
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.data_ptr() in seen or s.nbytes() == 0:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
-    return total
-
-
-def view_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes the tensors themselves span (views carved from one slab count separately)."""
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _Param:
@@ -136,6 +87,8 @@ class HostState:
         self._second: dict[int, deque[dict[str, torch.Tensor]]] = {}
         self._staging_free: list[dict[str, torch.Tensor]] = []  # staging buffers whose share was added
         self._staging_all: list[dict[str, torch.Tensor]] = []
+        self._merged: set[int] = set()  # the shared layer, once its second share is in its gradient before its step
+        self._landed_sq: dict[int, float] = {}  # layer -> its landed gradient's squares, until its step
         self._steps = {i: 0 for i in self.layers}
         self._index: dict[int, list[_Param]] = {}
         self._numel: dict[int, int] = {}
@@ -180,17 +133,19 @@ class HostState:
                           f"optimizer mode)")
 
     # ---- LOAD ------------------------------------------------------------------------------------
-    def load(self, layer: int, want: int, device: torch.device, *, non_blocking: bool = False
+    def load(self, layer: int, want: int, device: torch.device, *, non_blocking: bool = False, aside: bool = False
              ) -> dict[str, torch.Tensor]:
         """New tensors on `device`, in the compute dtype, holding `layer`'s weights at version `want`.
 
         Safe beside a `step` of the same layer on another thread: while the step writes, `want`
-        equal to the version before it is served from the snapshot the step took first."""
+        equal to the version before it is served from the snapshot the step took first. `aside`: an
+        upload outside training's order (an evaluation) that leaves every kept older version in place
+        for the training uploads still to come."""
         while True:
             with self._locks[layer]:
                 busy = self._writing.get(layer)
                 if busy is None or busy.is_set() or want != self._steps[layer]:
-                    out = self._load_locked(layer, want, device, non_blocking, writing=busy is not None)
+                    out = self._load_locked(layer, want, device, non_blocking, writing=busy is not None, aside=aside)
                     if device.type == "cuda" and non_blocking:  # the copies read host memory until this
                         ev = torch.cuda.Event()
                         ev.record(torch.cuda.current_stream(device))
@@ -198,9 +153,9 @@ class HostState:
                     return out
             busy.wait()  # the step is taking the snapshot this upload wants
 
-    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool
-                     ) -> dict[str, torch.Tensor]:
-        """`load` with the layer's lock held; `writing`: a step of this layer is under way."""
+    def _load_locked(self, layer: int, want: int, device: torch.device, non_blocking: bool, *, writing: bool,
+                     aside: bool = False) -> dict[str, torch.Tensor]:
+        """`load` with the layer's lock held; `writing`: a step of this layer is under way; `aside`: as `load`."""
         raise NotImplementedError
 
     def _wait_reads(self, layer: int) -> None:
@@ -253,7 +208,11 @@ class HostState:
         return buf
 
     def _add_second_share(self, layer: int, grads: torch.Tensor) -> None:
-        """Add the oldest staged second share of `layer` into its gradients (the step's flat buffer)."""
+        """Add the oldest staged second share of `layer` into its gradients (the step's flat buffer), unless
+        `landed_grad_sq` has added it already for this step."""
+        if layer in self._merged:
+            self._merged.discard(layer)
+            return
         with self._locks[layer]:
             pending = self._second.get(layer)
             staged = pending.popleft() if pending else None
@@ -295,8 +254,9 @@ class HostState:
         grads = self._take_grads(layer)
         if layer == self.shared_grad:
             self._add_second_share(layer, grads)  # its copy ended before the step was called
+        landed = self._landed_sq.pop(layer, None)
         if at_step is not None and self.measure_grad_norm:
-            self.grad_squares.add(at_step, self._sq(grads, layer))
+            self.grad_squares.add(at_step, self._sq(grads, layer) if landed is None else landed)
         if grad_scale != 1.0:
             grads[: self._numel[layer]].mul_(grad_scale)
         ready = threading.Event()
@@ -318,8 +278,18 @@ class HostState:
         return self.grad_squares.take()
 
     def landed_grad_sq(self, layer: int) -> float:
-        """The sum of squares of `layer`'s gradients now on the host (its GRAD_OUT done, its step not yet)."""
-        return self._sq(self._grads_of(layer), layer)
+        """The sum of squares of `layer`'s gradients now on the host (its GRAD_OUT done, its step not yet; for
+        the shared layer of a tied model, both shares, added here so that the matrix counts once, summed, as
+        in torch.nn.utils.clip_grad_norm_ over the model's parameters). Its step reuses the figure."""
+        grads = self._grads_of(layer)
+        if layer == self.shared_grad and layer not in self._merged:
+            if self._shares.get(layer, 0) != 2:
+                raise ValueError(f"layer {layer}: the gradient norm with {self._shares.get(layer, 0)} of its 2 "
+                                 "gradient shares landed (its own GRAD_OUT and the tied head's)")
+            self._add_second_share(layer, grads)
+            self._merged.add(layer)
+        sq = self._landed_sq[layer] = self._sq(grads, layer)
+        return sq
 
     def _take_grads(self, layer: int) -> torch.Tensor:
         """`layer`'s gradients for its step (an error if its GRAD_OUT has not delivered them)."""

@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tinypipe.common.errors import InputError
-from tinypipe.describe.model import ModelSpec
 from tinypipe.policy import Policy
-from tinypipe.policy.modes import HostMemory
 
 from .data.batches import Batches
 from .data.tokenizers import Tokenizer
@@ -83,17 +81,11 @@ def check_weights(directory: Path, needed: Iterable[str]) -> None:
                          f"{', '.join(map(repr, missing[:3]))}")
 
 
-def check_eval(args: RunOptions, policy: Policy, train: Batches, tokenizer: Tokenizer) -> None:
-    """The held-out data: read, at least one step of it, and a synchronous optimizer."""
+def check_eval(args: RunOptions, train: Batches, tokenizer: Tokenizer) -> None:
+    """The held-out data: read, and at least one step of it."""
     from .data.batches import make_batches
     from .evaluation import eval_steps
 
-    if policy.lora is not None:
-        raise InputError("--eval-data/--eval-fraction: not with --lora yet (an evaluation window's backward would "
-                         "reach the adapters, which step on the device)")
-    if policy.optimizer.is_async:
-        raise InputError(f"--eval-data/--eval-fraction: policy {policy.name!r} has the asynchronous optimizer, whose "
-                         "uploads lag the updates; evaluate with a policy whose \"optimizer\" is \"sync\"")
     held = make_batches(args.eval_data or args.data, tokenizer=tokenizer, seq_len=args.seq_len,
                         microbatch_size=train.microbatch_size, microbatches=train.microbatches, seed=args.seed,
                         packing=args.packing, hold_out=0.0 if args.eval_data else (args.eval_fraction or 0.0),
@@ -104,20 +96,11 @@ def check_eval(args: RunOptions, policy: Policy, train: Batches, tokenizer: Toke
                          f"{args.seq_len} tokens, fewer than one step's {need}; give more held-out data")
 
 
-def check_clip(policy: Policy, spec: ModelSpec) -> None:
-    """--max-grad-norm needs every gradient of a step on the host before any layer's step: the compact
-    layout's gradient ring frees a slot only when its layer has stepped, and a tied matrix's two shares
-    are summed only by its step."""
-    if policy.host_memory == HostMemory.COMPACT:
-        raise InputError(f"--max-grad-norm: policy {policy.name!r} keeps the compact host layout, whose gradient "
-                         "ring frees a slot only after its layer's optimizer step, but clipping needs every gradient "
-                         "of a step first; use a policy with \"host_memory\": \"replicated\"")
+def check_clip(policy: Policy) -> None:
+    """--max-grad-norm clips the host optimizer's gradients; a LoRA run's adapters step on the device."""
     if policy.lora is not None:
         raise InputError("--max-grad-norm: with --lora the adapters step on the device; clipping them is not "
                          "supported yet")
-    if spec.tied_embeddings:
-        raise InputError(f"--max-grad-norm: {spec.name} ties its LM head to the embedding; clipping such a model "
-                         "is not supported yet")
 
 
 def check_rank_files(directory: Path, ranks: int) -> None:

@@ -15,7 +15,6 @@ the modules are structure only and the tensors on the device are exactly what LO
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -28,7 +27,7 @@ from tinypipe.ir.schedule import Action, Schedule, owned_layers
 
 from .comm import Comm, Handle
 from .compiled import LayerCaller
-from .groups import Group
+from .gradclip import GradClip
 from .hoststate import HostState
 from .lora import Adapters, frozen_bwd, with_adapters
 from .parking import ParkingLot
@@ -55,27 +54,6 @@ class StepData:
     documents: list[torch.Tensor] | None = None
 
 
-class GradClip:
-    """Clipping by the global gradient norm, as torch.nn.utils.clip_grad_norm_: every gradient of step k is
-    multiplied by min(1, max_norm / (norm + 1e-6)), norm the L2 norm over all ranks' gradients of step k.
-
-    Run by the optimizer thread at a step's first OPT_STEP, which the schedule (`grad_clip`) makes wait
-    for every GRAD_OUT of the step: this rank's landed gradients give its share, `norms.all_sum` the total.
-    """
-
-    def __init__(self, max_norm: float, norms: Group | None, host: HostState) -> None:
-        self.max_norm, self.norms, self.host = max_norm, norms, host
-        self._coef: dict[int, float] = {}
-
-    def coefficient(self, step: int) -> float:
-        if step not in self._coef:
-            local = sum(self.host.landed_grad_sq(layer) for layer in self.host.layers)
-            total = local if self.norms is None else self.norms.all_sum(local)
-            self._coef = {k: v for k, v in self._coef.items() if k > step - 4}
-            self._coef[step] = min(1.0, self.max_norm / (math.sqrt(total) + 1e-6))
-        return self._coef[step]
-
-
 class Interpreter:
     """Device-side state of one rank and the handlers that change it, one per action kind."""
 
@@ -93,8 +71,9 @@ class Interpreter:
         if schedule.grad_clip != (clip is not None):
             raise ExecutionError("the schedule's grad_clip and the run's --max-grad-norm disagree")
         self.clip = clip
-        # an evaluation window (worker.evaluate): the schedule's actions run, but GRAD_OUT drops the gradients
-        # and OPT_STEP does nothing, so the head's FWD gives the held-out loss and the host state is untouched
+        # an evaluation window (evaluation.evaluate): the schedule's actions run, but GRAD_OUT and ADAPT_STEP drop
+        # the gradients and OPT_STEP does nothing, so the head's FWD gives the held-out loss and the host state
+        # and the adapters are untouched
         self.evaluating = False
         self.rank = rank
         self.schedule = schedule
@@ -154,9 +133,10 @@ class Interpreter:
     def _load(self, a: Action, step: int) -> Done:
         want = self.want_version(step)
         nb = self.device.type == "cuda"
-        weights = self.host.load(a.layer, want, self.device, non_blocking=nb)
+        aside = self.evaluating
+        weights = self.host.load(a.layer, want, self.device, non_blocking=nb, aside=aside)
         if self.tied is not None and a.layer == self.last_layer:
-            weights[self.tied[0]] = self.host.load(0, want, self.device, non_blocking=nb)[self.tied[1]]
+            weights[self.tied[0]] = self.host.load(0, want, self.device, non_blocking=nb, aside=aside)[self.tied[1]]
         self.weights[a.layer] = (want, weights)
         self.loads[a.layer] = self.loads.get(a.layer, 0) + 1
         for layer in self.reads(a.layer):
@@ -322,6 +302,9 @@ class Interpreter:
         """The layer's adapters' AdamW on this device, with the gradients its BWDs of `step` accumulated."""
         if self.adapters is None:
             raise self.fail(a, "an adapter step, but the schedule trains no LoRA adapters")
+        if self.evaluating:  # the evaluation's backward made them; they go nowhere
+            self.adapters.drop_grads(a.layer)
+            return None
         self.adapters.step(a.layer, at_step=step)
         return None
 

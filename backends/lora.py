@@ -139,6 +139,11 @@ class Adapters:
         opt.zero_grad(set_to_none=True)
         self.steps[layer] += 1
 
+    def drop_grads(self, layer: int) -> None:
+        """Clear the layer's adapter gradients without a step (an evaluation window's backward made them)."""
+        for p in self.params.get(layer, {}).values():
+            p.grad = None
+
     def note_step(self, at_step: int) -> None:
         """Training step `at_step` ran here (its gradient-norm share is complete once its adapters stepped)."""
         self._grad_sq.setdefault(at_step, (0, 0.0))
@@ -215,7 +220,8 @@ def frozen_bwd(interp: Any, a: Action, step: int) -> None:
         interp.graphs.pop((step, L, m), None)
         adapters = interp.adapters
         assert adapters is not None
-        adapters.note_step(step)  # a rank without adapters still reports its (empty) share of the step's norm
+        if not interp.evaluating:  # a rank without adapters still reports its (empty) share of the step's norm
+            adapters.note_step(step)
         return None
     if interp.schedule.recomputes(L):
         weights = interp._weights(a, step)

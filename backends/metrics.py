@@ -8,7 +8,7 @@ run on into the next window), so `metrics.jsonl` trails the progress line by up 
 One JSON object per line: `step` (1-based), `loss` (the step's mean token loss), `lr`, `grad_norm`
 (the global L2 norm of the step's gradients over all ranks, before any update), `tokens`,
 `tokens_per_s` (of the window the step ran in) and `elapsed_s`; `eval_loss` where measured.
-With `tensorboard` installed (torch.utils.tensorboard), the same scalars go to OUT/tensorboard.
+With `tensorboard` installed (torch.utils.tensorboard), the same scalars go to OUT/tensorboard (`train/<key>`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class StepLog:
             kept = _rows_upto(path, start) if start else []  # a resumed run continues the file from its checkpoint
             self._file = open(path, "w")  # noqa: SIM115 - closed in close()
             self._file.writelines(kept)
-            self._board = _tensorboard(Path(out) / TENSORBOARD_DIR)
+            self._board = _tensorboard(Path(out) / TENSORBOARD_DIR, resumed_at=start)
 
     def window(self, first: int, last: int, seconds: float, parts: Iterable[tuple[dict[int, float],
                                                                                     dict[int, float]]],
@@ -146,12 +146,14 @@ def _rows_upto(path: Path, step: int) -> list[str]:
     return kept
 
 
-def _tensorboard(directory: Path) -> Any:
-    """A TensorBoard SummaryWriter when the tensorboard package is installed, else None."""
+def _tensorboard(directory: Path, *, resumed_at: int = 0) -> Any:
+    """A TensorBoard SummaryWriter when the tensorboard package is installed, else None. A run resumed after
+    `resumed_at` steps hides the earlier run's scalars of the steps it trains again (`purge_step`), as
+    metrics.jsonl drops their lines."""
     import importlib.util
 
     if importlib.util.find_spec("tensorboard") is None:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(str(directory))
+    return SummaryWriter(str(directory), purge_step=resumed_at + 1 if resumed_at else None)

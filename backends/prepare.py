@@ -31,7 +31,7 @@ from tinypipe.sim.guard import simulate_policy
 from tinypipe.common.errors import InputError
 from tinypipe.common.table import gib
 from tinypipe.common.units import MIB, parse_bytes
-from tinypipe.compiler import WINDOW_ITERATIONS
+from tinypipe.compiler import WINDOW_ITERATIONS, window_steps
 from tinypipe.describe.hardware import GPU, HOST, Hardware, Host, Link, load_hardware, shipped_hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
@@ -203,7 +203,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                                                                 * args.seq_len / args.batch_tokens)))
     evaluating = bool(args.eval_data or args.eval_fraction)
     if evaluating:
-        check_eval(args, policy, batches, tokenizer)
+        check_eval(args, batches, tokenizer)
     first = int(args.record["step"]) if args.record else 0
     try:
         step_data(batches, first)
@@ -237,15 +237,17 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1))
     trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=planning,
                       compiled=compile_blocks, lora=lora)
-    iterations = min(WINDOW_ITERATIONS, args.steps)
+    eval_every = (args.eval_every or max(1, args.steps // 10)) if evaluating else 0
+    iterations = window_steps(0, iterations=WINDOW_ITERATIONS, steps=args.steps,
+                              every=(args.checkpoint_every, args.save_every, eval_every))
     say("compiling and simulating the schedule")
     clip = args.max_grad_norm is not None
     if clip:
-        check_clip(policy, spec)
+        check_clip(policy)
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip)
     compiled = pinned
     check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, args.host_mem),
-                    lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem))
+                    lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip))
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
         raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
@@ -291,7 +293,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
               max_grad_norm=args.max_grad_norm, eval_data=args.eval_data, eval_fraction=args.eval_fraction or 0.0,
-              eval_every=(args.eval_every or max(1, args.steps // 10)) if evaluating else 0,
+              eval_every=eval_every,
               save_dtype=save_dtype, save_model=args.save,
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),
@@ -315,10 +317,10 @@ def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: Profile
 
 
 def _host_peak(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace, iterations: int,
-               gpu_mem: int | None) -> int | None:
+               gpu_mem: int | None, *, grad_clip: bool = False) -> int | None:
     """`policy`'s predicted host peak, None when it does not compile here."""
     try:
-        return int(_compile(policy, spec, hardware, trace, iterations, gpu_mem)[1].peak_host_bytes)
+        return int(_compile(policy, spec, hardware, trace, iterations, gpu_mem, grad_clip=grad_clip)[1].peak_host_bytes)
     except InputError:
         return None
 

@@ -44,7 +44,7 @@ def build_rank_state(job: Any, layers: list[int], device: torch.device,
         host = make_host_state(stack.state(), host_memory=sched.host_memory,
                                compute_dtype=DTYPES[sched.compute_dtype], optim=job.optim, pin=device.type == "cuda",
                                shared_grad=shared, snapshots=sched.optimizer.staleness > 0,
-                               optimizer_state=sched.optimizer_state)
+                               optimizer_state=sched.optimizer_state, grad_clip=sched.grad_clip)
     rss["host state made"] = rss_now()
     if lazy:
         assert isinstance(host, (CompactHostState, FrozenHostState)) and stack.tensors_of is not None

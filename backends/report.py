@@ -92,10 +92,11 @@ def _host_lines(plan: RunPlan, results: Sequence[RankResult]) -> list[str]:
     per_rank = 0
     for r in results:
         f = (host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, layers=tuple(r.layers),
-                        optimizer=plan.policy.optimizer) if sched.lora is None
+                        optimizer=plan.policy.optimizer, grad_clip=sched.grad_clip) if sched.lora is None
              else frozen_host_bytes(spec, compute_dtype=sched.compute_dtype, layers=tuple(r.layers)))
         per_rank += f.total_bytes - (0 if pinned else f.pinned_rounding_bytes)
-    whole = (host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, optimizer=plan.policy.optimizer)
+    whole = (host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, optimizer=plan.policy.optimizer,
+                        grad_clip=sched.grad_clip)
              if sched.lora is None else frozen_host_bytes(spec, compute_dtype=sched.compute_dtype))
     parts = ", ".join(f"{label} {held[k] / n:.2f}" for k, label in HELD_PARTS if held[k])
     rss = sum(r.peak_rss_bytes for r in results)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tinypipe.compiler import window_steps
 from tinypipe.ir.ledger import Ledger
 from tinypipe.ir.schedule import Schedule, owned_layers, rank_actions
 from tinypipe.ir.timeline import Record
@@ -30,10 +31,11 @@ from .compiled import COMPILE_BACKEND, LayerCaller
 from .cpustat import Steal
 from .evaluation import eval_steps, evaluate
 from .executor import Carried, RunLog, run_actions
+from .gradclip import GradClip
 from .groups import Group
 from .hoststate import DTYPES, AdamWConfig
 from .hostwork import HostWorker, gc_pauses, host_settings, settle_heap_enabled, settled_heap
-from .interpreter import ExecutionError, GradClip, Interpreter, StepData
+from .interpreter import ExecutionError, Interpreter, StepData
 from .lora_save import LoraFiles, save_outputs
 from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
@@ -229,15 +231,12 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
     optimizer = HostWorker(f"rank{rank}-optim")  # runs the OPT_STEPs beside GPU dispatch
     window_end = None  # when the last window's run_actions returned
     while step < job.steps:
-        n = min(1 if settle_heap else sched.iterations, job.steps - step)  # settle_heap: iteration 0 alone
-        if job.checkpoint_every and job.out:
-            n = min(n, job.checkpoint_every - step % job.checkpoint_every)
-        if job.save_every and job.out:
-            n = min(n, job.save_every - step % job.save_every)
+        cuts = (job.checkpoint_every if job.out else 0, job.save_every if job.out else 0,
+                job.eval_every if held_out is not None else 0)
+        n = window_steps(step, iterations=1 if settle_heap else sched.iterations, steps=job.steps,
+                         every=cuts)  # settle_heap: iteration 0 alone
         if job.stop_after is not None and step < job.stop_after:
             n = min(n, job.stop_after - step)
-        if held_out is not None and job.eval_every:
-            n = min(n, job.eval_every - step % job.eval_every)
         window = by_prefix.get(n)
         if window is None:
             window = by_prefix[n] = [a for a in actions if a.iteration < n]

@@ -420,3 +420,25 @@ def test_tied_model_refuses_an_explicit_mapping_that_splits_head_and_embedding()
     with pytest.raises(InputError, match=r"^policy 'tinypipe': mapping: .*ties its LM head") as info:
         compile_schedule(policy, toy_model(8, tied=True), toy_hardware(2), toy_trace(), iterations=2)
     assert "\n" not in str(info.value)
+
+
+def test_run_windows_end_at_every_period_and_the_first_is_the_compiled_length() -> None:
+    """`window_steps`: `tinypipe run`'s windows (at most 4 steps) end at each multiple of a checkpoint / save /
+    evaluation period and at the last step; the window from step 0 is the longest, the iterations run compiles."""
+    from tinypipe.compiler import window_steps
+
+    def windows(steps: int, every: tuple[int, ...], start: int = 0) -> list[int]:
+        out, step = [], start
+        while step < steps:
+            out.append(window_steps(step, iterations=4, steps=steps, every=every))
+            step += out[-1]
+        return out
+
+    assert windows(10, ()) == [4, 4, 2]
+    assert windows(10, (1,)) == [1] * 10
+    assert windows(10, (3,)) == [3, 3, 3, 1]
+    assert windows(13, (2, 3)) == [2, 1, 1, 2, 2, 1, 1, 2, 1]
+    assert windows(10, (0, 6, 0)) == [4, 2, 4]
+    assert windows(10, (3,), start=4) == [2, 3, 1]
+    for steps, every in ((10, ()), (10, (1,)), (10, (3,)), (13, (2, 3)), (10, (0, 6, 0)), (2, (5,))):
+        assert window_steps(0, iterations=4, steps=steps, every=every) == max(windows(steps, every))

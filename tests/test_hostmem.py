@@ -47,6 +47,17 @@ def test_compact_is_12_bytes_plus_ring() -> None:
         _model([1000, 1024]), "replicated")
 
 
+def test_compact_with_clipping_holds_a_whole_gradient_instead_of_the_ring() -> None:
+    """compact + clipping by the global norm: a gradient region per layer in the compute dtype replaces the
+    4-slot ring (bf16: 14 B/param in all); replicated already holds a whole fp32 gradient and is unchanged."""
+    m = _model([1000, 1024])
+    h = host_bytes(m, "compact", grad_clip=True)
+    assert h.grad_bytes == 2024 * 2 and h.total_bytes == host_bytes(m, "compact").total_bytes - 4 * 1024 * 2 + 2024 * 2
+    assert host_bytes(m, "compact", compute_dtype="fp32", grad_clip=True).grad_bytes == 2024 * 4
+    assert 14.0 <= host_bytes(_model([10**6] * 100), "compact", grad_clip=True).bytes_per_param < 14.01
+    assert host_bytes(m, "replicated", grad_clip=True) == host_bytes(m, "replicated")
+
+
 def test_optimizer_factors_are_the_measured_ones() -> None:
     """compact: chunked join/AdamW/split 1.69x a fused AdamW; replicated: AdamW + bf16 cast 1.31x."""
     assert optimizer_time_factor("replicated") == REPLICATED_OPTIM_FACTOR == 1.31

@@ -42,15 +42,19 @@ def held_out_loss(state: dict, batches: object) -> float:
     return total / tokens
 
 
-@pytest.mark.parametrize("layout", ["compact", "replicated"])
-def test_held_out_loss_every_two_steps_equals_the_references(tmp_path: Path, layout: str) -> None:
+@pytest.mark.parametrize(("layout", "optimizer"), [("compact", "sync"), ("replicated", "sync"), ("compact", "async"),
+                                                   ("replicated", "async")])
+def test_held_out_loss_every_two_steps_equals_the_references(tmp_path: Path, layout: str, optimizer: str) -> None:
     """Four steps on two ranks, the last 30% of the packed data held out, evaluated after steps 2 and 4: each
-    held-out loss equals the reference model's at that step, and training equals the reference trained
-    on the other 70% (evaluation leaves the host state alone)."""
+    held-out loss equals the reference model's at that step (a plain forward of the weights after that many
+    updates; asynchronous: the last one's gradient applied too, as the host has it once its steps are done),
+    and training equals the reference trained on the other 70% (evaluation leaves the host state alone)."""
     f = tmp_path / "docs.jsonl"
     f.write_text("".join(f'{{"text": "line {i}: {"xy" * (i % 7)} and {i * 7}"}}\n' for i in range(80)))
-    sched = compiled(LLAMA, PRESETS["tinypipe"].replace(optimizer="sync", host_memory=layout), 2)
-    run = dataclasses.replace(job(LLAMA, sched, 4), data=str(f), eval_fraction=FRACTION, eval_every=2)
+    staleness = 1 if optimizer == "async" else 0
+    sched = compiled(LLAMA, PRESETS["tinypipe"].replace(optimizer=optimizer, host_memory=layout), 2)
+    run = dataclasses.replace(job(LLAMA, sched, 4, staleness=staleness), data=str(f), eval_fraction=FRACTION,
+                              eval_every=2)
     results = run_threads(run, 2)
     shape = {"tokenizer": ByteTokenizer(256), "seq_len": SEQ, "microbatch_size": MBS,
              "microbatches": MBS_PER_STEP, "seed": 0}
@@ -59,9 +63,10 @@ def test_held_out_loss_every_two_steps_equals_the_references(tmp_path: Path, lay
     assert eval_steps(held) >= 2 and len(held.source) + len(train.source) == len(make_batches(f, **shape).source)
     refs = {k: reference_train(LLAMA, make_batches(f, hold_out=FRACTION, **shape), steps=k, lr=OPTIM.lr,
                                betas=OPTIM.betas, eps=OPTIM.eps, weight_decay=OPTIM.weight_decay, seed=0,
-                               documents=train.documents) for k in (2, 4)}
+                               documents=train.documents, async_staleness=staleness) for k in (2, 4)}
     assert_same_training(results, refs[4])
     got = results[0].eval_losses
     assert sorted(got) == [1, 3]
     for k in (2, 4):
         assert got[k - 1] == pytest.approx(held_out_loss(refs[k].state, held), rel=1e-5), k
+    assert got[1] != pytest.approx(got[3], rel=1e-3)  # the weights moved between the evaluations

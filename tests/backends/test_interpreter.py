@@ -38,12 +38,12 @@ SEQ, MBS, MBS_PER_STEP, K = 16, 2, 2, 3
 OPTIM = AdamWConfig(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
 
 
-def compiled(model: str, policy: Policy, gpus: int, *, iterations: int = K) -> Schedule:
+def compiled(model: str, policy: Policy, gpus: int, *, iterations: int = K, grad_clip: bool = False) -> Schedule:
     spec = load_model(model)
     hw = fixed_cpu_hardware(gpus)
     trace = analytic_trace(spec, hw.gpus[0], microbatch_size=MBS, seq_len=SEQ, dtype="fp32")
     return compile_schedule(policy.replace(microbatches=MBS_PER_STEP, microbatch_size=MBS), spec, hw, trace,
-                            iterations=iterations)
+                            iterations=iterations, grad_clip=grad_clip)
 
 
 def job(model: str, schedule: Schedule, steps: int, *, staleness: int = 0) -> Job:

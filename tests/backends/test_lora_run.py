@@ -237,3 +237,44 @@ def test_compiled_lora_blocks_train_like_eager(tmp_path: Path) -> None:
         (el, ea), (cl, ca) = runs
         assert cl == el
         assert all(torch.equal(ca[k], ea[k]) for k in ea)
+
+
+def test_held_out_loss_is_a_plain_forward_of_the_adapters_and_leaves_training_alone(tmp_path: Path) -> None:
+    """--eval-data with --lora, evaluated after steps 2 and 4 (the adapters saved there too): each held-out loss
+    equals peft's forward of the base with the adapters saved at that step, on the same held-out windows (one
+    example each, --no-packing), and the run's losses and adapters equal those of the same run without
+    evaluation, bit for bit (the evaluation's backward leaves no gradient in the adapters)."""
+    from tinypipe.backends.evaluation import eval_steps
+
+    model = config(tmp_path)
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(f'{{"text": "sum {i} plus {i * 3} is {i * 4}"}}\n' for i in range(40)))
+    held.write_text("".join(f'{{"text": "held {i}: {"ab" * (i % 5)}"}}\n' for i in range(12)))
+    common = ("--steps", "4", "--data", str(train), "--byte-tokens", "--no-packing", "--save-every", "2")
+    runs = {}
+    for name, extra in (("eval", ("--eval-data", str(held), "--eval-every", "2")), ("plain", ())):
+        (tmp_path / name).mkdir()
+        runs[name] = pipeline(tmp_path / name, model, 2, *common, *extra)[1]
+    losses = {name: {k: v for r in ranks for k, v in r.losses.items()} for name, ranks in runs.items()}
+    assert losses["eval"] == losses["plain"] and sorted(losses["eval"]) == [0, 1, 2, 3]
+    for where in ("out/step-2", "out"):
+        a, b = saved(tmp_path / "eval" / where), saved(tmp_path / "plain" / where)
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    got = runs["eval"][0].eval_losses
+    assert sorted(got) == [1, 3]
+    batches = make_batches(held, tokenizer=ByteTokenizer(256), seq_len=SEQ, microbatch_size=MBS, microbatches=MB,
+                           seed=SEED, packing=False, part="eval")
+    assert eval_steps(batches) >= 1
+    for step, where in ((1, "out/step-2"), (3, "out")):
+        pm = peft.PeftModel.from_pretrained(hf_model(model), str(tmp_path / "eval" / where))
+        total = tokens = 0.0
+        with torch.no_grad():
+            for k in range(eval_steps(batches)):
+                for ids, labels in batches.step(k):
+                    logits = pm(input_ids=ids).logits.float()
+                    total += float(torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                        reduction="sum"))
+                    tokens += int((labels != IGNORE_INDEX).sum())
+        assert got[step] == pytest.approx(total / tokens, rel=LOSS_RTOL), where
+    assert got[1] != pytest.approx(got[3], rel=1e-4)  # the adapters moved between the evaluations

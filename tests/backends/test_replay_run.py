@@ -61,3 +61,22 @@ def test_run_trace_describes_the_run_and_replays_within_its_bound(tmp_path: Path
     it = js["iteration_s"]
     measured, replayed, waits = sum(it["measured"]), sum(it["replayed"]), sum(it["critical_path_gaps"])
     assert measured - waits - 1e-6 <= replayed <= measured + 1e-6, js
+
+
+def test_a_run_checkpointed_every_step_compiles_its_window_and_replays(tmp_path: Path,
+                                                                       capfd: pytest.CaptureFixture[str]) -> None:
+    """`--checkpoint-every 1` ends every window after one step, so the run compiles a 1-iteration schedule
+    (`compiler.window_steps`) and every window runs it whole: `replay` of its trace matches every record of
+    the 3 steps and replays the first window (a 4-iteration schedule left every window a prefix, and replay
+    found no whole window)."""
+    trace = tmp_path / "trace.json"
+    code = cli_main(["run", "--gpus", "2", "--steps", "3", "--checkpoint-every", "1", "--seq-len", str(SEQ),
+                     "--batch-tokens", str(SEQ * MBS * MB), "--out", str(tmp_path / "out"), "--trace", str(trace)])
+    assert code == 0, capfd.readouterr().err
+    capfd.readouterr()
+    run = json.loads(trace.read_text())["otherData"]["run"]
+    assert (run["steps"], run["iterations"]) == (3, 1)
+    assert cli_main(["replay", str(trace), "--json"]) == 0
+    js = json.loads(capfd.readouterr().out)
+    assert (js["first_step"], js["iterations"], js["records"]) == (0, 1, 3 * run["id_stride"])
+    assert len(js["iteration_s"]["measured"]) == 1

@@ -95,3 +95,49 @@ def test_no_grad_norm_writes_every_step_without_it(tmp_path: Path) -> None:
     plan = make_run_plan(parse("--policy", pol, "--steps", "3", "--no-grad-norm", "--out", str(out)))
     run_threads(dataclasses.replace(plan.job, progress=False, save_model=False), 2)
     assert [(r["step"], r["grad_norm"]) for r in rows(out)] == [(1, None), (2, None), (3, None)]
+
+
+def test_tensorboard_holds_the_metrics_of_every_step(tmp_path: Path) -> None:
+    """With the tensorboard package installed, OUT/tensorboard's event file holds, per step, the loss, lr,
+    gradient norm and tokens/s of metrics.jsonl (as float32, TensorBoard's scalar type), and the held-out loss
+    at the steps it was measured."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(f'{{"text": "line {i}: {"xy" * (i % 7)} and {i * 7}"}}\n' for i in range(80)))
+    pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
+    plan = make_run_plan(parse("--policy", pol, "--steps", "4", "--data", str(data), "--byte-tokens",
+                               "--eval-fraction", "0.3", "--eval-every", "2", "--out", str(out)))
+    run_threads(dataclasses.replace(plan.job, progress=False, save_model=False), 2)
+    got = rows(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and [r["step"] for r in got if "eval_loss" in r] == [2, 4]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted(
+        f"train/{k}" for k in ("loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"):
+        board = {e.step: e.value for e in events.Scalars(f"train/{key}")}
+        want = {r["step"]: r[key] for r in got if r.get(key) is not None}
+        assert sorted(board) == sorted(want), key
+        for step, value in want.items():
+            assert board[step] == pytest.approx(value, rel=1e-6, abs=1e-30), (key, step)
+
+
+def test_a_resumed_runs_tensorboard_shows_each_step_once(tmp_path: Path) -> None:
+    """A run that wrote steps 1-4, resumed from its checkpoint after step 2: TensorBoard shows steps 3 and 4
+    as the resumed run wrote them (the first run's are purged), as metrics.jsonl keeps one line per step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tinypipe.backends.metrics import StepLog
+
+    for start, loss in ((0, 1.0), (2, 2.0)):
+        log = StepLog(str(tmp_path), steps=4, start=start, tokens_per_step=8, ranks=1, lr_at=lambda k: 0.1,
+                      progress=False, norms=False)
+        log.window(start, 4, 1.0, [({k: loss + k for k in range(start, 4)}, {})])
+        log.close()
+    assert [(r["step"], r["loss"]) for r in rows(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 4.0), (4, 5.0)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 4.0), (4, 5.0)]

@@ -19,7 +19,9 @@ from tinypipe.compiler.compile import (
     run_passes,
     swap_pass,
     transfer_pass,
+    window_steps,
 )
 
 __all__ = ["PASSES", "WINDOW_ITERATIONS", "Op", "compile_schedule", "compute_ops", "gradient_pass", "lower",
-           "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass"]
+           "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass",
+           "window_steps"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tinypipe.common.errors import InputError
 from tinypipe.compiler.ops import Op, lower
-from tinypipe.compiler.optimizer import norm_barrier, optimizer_pass
+from tinypipe.compiler.optimizer import optimizer_pass
 from tinypipe.compiler.passes import compute_ops, gradient_pass, memory_pass, swap_pass, transfer_pass
 from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
@@ -23,13 +23,26 @@ from tinypipe.partition.resolve import residency, resolve
 from tinypipe.policy.policy import Policy
 
 # Iterations `tinypipe run` compiles and executes per window (backends/worker.py; fewer when the run has
-# fewer steps): overlap between iterations is kept inside a window, and the window repeats.
+# fewer steps, or `window_steps` cuts every window shorter): overlap between iterations is kept inside a
+# window, and the window repeats.
 WINDOW_ITERATIONS = 4
+
+
+def window_steps(step: int, *, iterations: int, steps: int, every: tuple[int, ...] = ()) -> int:
+    """Steps in `tinypipe run`'s window that starts at `step` (0-based): at most `iterations`, up to the run's
+    `steps`, and ending at the next multiple of each period in `every` (checkpoint, save, evaluation every
+    N steps; 0: none). `run` compiles `window_steps(0, ...)` iterations, so that its windows run the whole
+    schedule (a replay needs one) and the prediction is of the windows that run."""
+    n = min(iterations, steps - step)
+    for period in every:
+        if period > 0:
+            n = min(n, period - step % period)
+    return n
 
 PASSES = (swap_pass, transfer_pass, gradient_pass, optimizer_pass, memory_pass)
 
 __all__ = ["PASSES", "WINDOW_ITERATIONS", "Op", "compile_schedule", "compute_ops", "gradient_pass", "lower",
-           "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass"]
+           "make_plan", "memory_pass", "optimizer_pass", "run_passes", "swap_pass", "transfer_pass", "window_steps"]
 
 def run_passes(plan: Plan) -> tuple[Action, ...]:
     """compute_ops, then every pass in PASSES, then lower."""
@@ -42,8 +55,9 @@ def run_passes(plan: Plan) -> tuple[Action, ...]:
 # ---- the entry point ----------------------------------------------------------------------------
 
 def make_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
-              iterations: int = 3, cost: CostModel | None = None) -> Plan:
-    """Check the policy against the model, pack, map and choose residency: the passes' input."""
+              iterations: int = 3, cost: CostModel | None = None, grad_clip: bool = False) -> Plan:
+    """Check the policy against the model, pack, map and choose residency: the passes' input.
+    `grad_clip`: clipping by the global gradient norm (`Plan.grad_clip`)."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise InputError(f"iterations must be an integer >= 1; got {iterations!r}")
     if policy.microbatch_size != trace.microbatch_size:
@@ -51,7 +65,7 @@ def make_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
                          f"the trace was profiled with {trace.microbatch_size}; use a matching trace")
     if not model.layers:
         raise InputError(f"model {model.name!r} has no layers")
-    base = base_plan(policy, model, hardware, trace, iterations=iterations, cost=cost)
+    base = base_plan(policy, model, hardware, trace, iterations=iterations, cost=cost, grad_clip=grad_clip)
     sizes, mapping = resolve(policy, base, hardware, model_name=f"model {model.name!r}",
                             tied=model.tied_embeddings and len(model.layers) > 1)
     kept, pinned = residency(policy, base, sizes, mapping)
@@ -69,15 +83,15 @@ def gpu_static_bytes(plan: Plan) -> tuple[tuple[str, int], ...]:
 def compile_schedule(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
                      iterations: int = 3, cost: CostModel | None = None, grad_clip: bool = False) -> Schedule:
     """Compile `policy` for `model` on `hardware` with timings from `trace` into a Schedule.
-    `grad_clip`: clipping by the global gradient norm (`optimizer.norm_barrier`).
+    `grad_clip`: clipping by the global gradient norm (`optimizer.optimizer_pass`: the norm barrier).
 
     A policy that cannot apply (pack sizes that do not sum to the layer count, a GPU that does not
     exist, more packs than layers, resident layers out of range) is an InputError naming the field.
     """
-    plan = make_plan(policy, model, hardware, trace, iterations=iterations, cost=cost)
+    plan = make_plan(policy, model, hardware, trace, iterations=iterations, cost=cost, grad_clip=grad_clip)
     actions = run_passes(plan)
     return Schedule(
-        actions=norm_barrier(actions) if grad_clip else actions, grad_clip=grad_clip, num_gpus=plan.num_gpus,
+        actions=actions, grad_clip=plan.grad_clip, num_gpus=plan.num_gpus,
         num_layers=plan.num_layers,
         iterations=plan.iterations, microbatches=plan.microbatches,
         tokens_per_microbatch=trace.tokens_per_microbatch, recompute=plan.recompute,

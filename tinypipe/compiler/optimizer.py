@@ -1,13 +1,10 @@
 """The optimizer pass: where each layer's host OPT_STEP goes, and what waits for it (sync and async,
-tied embeddings, the compact layout's gradient ring); docs/schedule-contract.md."""
+tied embeddings, the compact layout's gradient ring, clipping's norm barrier); docs/schedule-contract.md."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from tinypipe.compiler.ops import ADAPT_STEP, BWD, GRAD_OUT, LOAD, ON_HOST, OPT_STEP, Op, _splice
 from tinypipe.estimate.plan import Plan
-from tinypipe.ir.schedule import Action, Kind
 from tinypipe.policy.modes import HostMemory
 
 
@@ -32,6 +29,14 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     every other layer's update by the head's step (0.35 s for Llama-3.1-8B's 525 M-parameter head
     on an H200 host): the optimizer runs behind the backward, and the embedding's
     update, which the next forward waits for, finishes that much later.
+
+    Clipping by the global gradient norm (`plan.grad_clip`): every OPT_STEP of iteration i waits for
+    every GRAD_OUT of i, on every GPU (the backend meets the other GPUs' with an all-reduce of the
+    norm), so the host optimizer no longer overlaps the backward. Behind that barrier each GPU's
+    steps go in layer order, the order the next forward reads them (sync: the forward starts once
+    the embedding has stepped, not once every layer has). compact: a gradient region per layer
+    instead of the ring (`hostmem.compact_grad_elems`), since all of an iteration's gradients wait
+    on the host at once; a ring could never free a slot before the barrier.
     """
     if plan.lora is not None:
         return adapter_pass(plan, ops)
@@ -54,10 +59,16 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     after: dict[Op, list[Op]] = {}
     deferred: list[tuple[Op, Op]] = []  # (anchor, OPT_STEP) placed after the anchor's own step
     opt: dict[tuple[int, int], Op] = {}
+    outs: dict[int, list[Op]] = {}  # iteration -> its GRAD_OUTs in list order (the clipping barrier)
+    for go in grad_out.values():
+        outs.setdefault(go.it, []).append(go)
     for (lay, it), go in grad_out.items():
         o = opt[lay, it] = Op(OPT_STEP, ON_HOST, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=[go])
         anchor = go
-        if not plan.optimizer.is_async and lay == head and head > 0 and not tied:
+        if plan.grad_clip:  # the global norm needs every gradient of the iteration, on every GPU
+            o.deps = list(outs[it])
+            anchor = max(outs[it], key=pos.__getitem__)
+        elif not plan.optimizer.is_async and lay == head and head > 0 and not tied:
             deferred.append((last_grad_out[go.gpu, it], o))
             continue
         if tied and lay == 0:
@@ -70,6 +81,9 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
                 if pos[ld] > pos[anchor]:
                     anchor = ld
         after.setdefault(anchor, []).append(o)
+    if plan.grad_clip:  # behind the barrier, the steps go in the order the next forward reads the layers
+        for steps in after.values():
+            steps.sort(key=lambda o: (o.it, o.layer))
     for (lay, it), go in grad_out.items():  # the gradient slot/buffer of L is free again
         if it >= 1:
             go.deps.append(opt[lay, it - 1])
@@ -83,7 +97,7 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     for anchor, o in deferred:
         after.setdefault(anchor, []).append(o)
     out = _splice(ops, {}, after)
-    if plan.host_memory == HostMemory.COMPACT:
+    if plan.host_memory == HostMemory.COMPACT and not plan.grad_clip:  # clipping: a region per layer, no ring
         _ring_deps(out, plan.ring_slots, {o: grad_out[o.layer, o.it].gpu for o in opt.values()})
     return out
 
@@ -125,16 +139,3 @@ def _ring_deps(ops: list[Op], slots: int, gpu_of_step: dict[Op, int]) -> None:
                     raise AssertionError(f"GRAD_OUT of layer {op.layer} (iteration {op.it}) would wait for a "
                                          f"gradient slot no earlier OPT_STEP frees")
                 op.deps.append(lane[k - slots])
-
-
-def norm_barrier(actions: tuple[Action, ...]) -> tuple[Action, ...]:
-    """Gradient clipping by the global norm: each OPT_STEP of iteration i also waits for every GRAD_OUT of
-    iteration i, on every GPU. No layer's optimizer step can start before the last gradient of the
-    iteration has reached the host, so the overlap of the host optimizer with the backward is lost for
-    that iteration: what `tinypipe.sim` then predicts, and bench/clip_cost.py measures."""
-    grad_outs: dict[int, list[int]] = {}
-    for a in actions:
-        if a.kind is Kind.GRAD_OUT:
-            grad_outs.setdefault(a.iteration, []).append(a.id)
-    return tuple(dataclasses.replace(a, deps=tuple(dict.fromkeys((*a.deps, *grad_outs.get(a.iteration, ())))))
-                 if a.kind is Kind.OPT_STEP else a for a in actions)

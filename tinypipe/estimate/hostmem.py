@@ -10,7 +10,10 @@ plane is the bf16 value that is uploaded, the low plane restores fp32 for the op
 AdamW moments (8 B), and a small pinned ring of gradient slots (in the compute dtype, as the GPU
 accumulated them) instead of a model-sized buffer.
 12 B/param plus the ring; no rounding (one slab). With the asynchronous optimizer, 2 B/param more
-(bf16 compute): the previous version's upload form, kept for the uploads that still want it.
+(bf16 compute): the previous version's upload form, kept for the uploads that still want it. Clipping
+by the global gradient norm (`--max-grad-norm`) needs every gradient of a step on the host before any
+layer steps, so the ring becomes a whole gradient buffer (one region per layer, in the compute dtype):
+2 B/param instead of the ring (bf16 compute), 14 B/param in all.
 
 The moments' precision (`OptimizerState`, compact only) sets their bytes: fp32 8 B/param, bf16 4, 8bit
 2 + 8 per QUANT_BLOCK_ELEMS (one fp32 absmax per block of each moment): 2.03. So compact holds 12, 8 or
@@ -103,12 +106,13 @@ class HostBytes:
 def host_bytes(model: ModelSpec, host_memory: HostMemory, *, compute_dtype: str = "bf16",
                grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, layers: tuple[int, ...] | None = None,
                optimizer: OptimizerMode = OptimizerMode.SYNC,
-               optimizer_state: OptimizerState = OptimizerState.FP32) -> HostBytes:
+               optimizer_state: OptimizerState = OptimizerState.FP32, grad_clip: bool = False) -> HostBytes:
     """Host bytes to train `model` (or only `layers` of it) with an fp32 master and AdamW.
 
     compact + async optimizer: one more upload-form copy per parameter (the previous version's
     snapshot region, counted as the upload copy); replicated's upload copy already serves.
-    `optimizer_state`: the moments' precision (compact only; replicated keeps fp32)."""
+    `optimizer_state`: the moments' precision (compact only; replicated keeps fp32). `grad_clip`
+    (compact): a gradient buffer of every layer instead of the ring (`compact_grad_elems`)."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     optimizer_state = OptimizerState(optimizer_state)
     if not optimizer_state.exact and host_memory != HostMemory.COMPACT:
@@ -122,12 +126,22 @@ def host_bytes(model: ModelSpec, host_memory: HostMemory, *, compute_dtype: str 
         rounding = sum(next_pow2(b) - b for b in upload + grads if b)
         return HostBytes(host_memory, n, 4 * n, sum(upload), sum(grads), 8 * n, rounding)
     if host_memory == HostMemory.COMPACT:
-        biggest = max((x.params for x in chosen), default=0)
-        ring = grad_ring_slots * biggest * cd if chosen else 0  # slots hold gradients as the GPU made them
+        ring = compact_grad_elems([x.params for x in chosen], grad_ring_slots, grad_clip=grad_clip) * cd
         snapshots = n * cd if optimizer.is_async else 0
         moments = sum(moment_bytes(x.params, optimizer_state) for x in chosen)
         return HostBytes(host_memory, n, 4 * n, snapshots, ring, moments, 0)
     raise ValueError(f"unknown host memory layout {host_memory!r}")
+
+
+def compact_grad_elems(layer_params: list[int], grad_ring_slots: int = DEFAULT_GRAD_RING_SLOTS, *,
+                       grad_clip: bool = False) -> int:
+    """Elements of the compact layout's host gradients for layers of `layer_params` parameters: a ring of
+    `grad_ring_slots` slots of the largest layer (slots hold gradients as the GPU made them, in the compute
+    dtype), or with `grad_clip` one region per layer, since the global norm needs them all before any step
+    (backends/host_compact.py allocates exactly this)."""
+    if not layer_params:
+        return 0
+    return sum(layer_params) if grad_clip else max(grad_ring_slots, 1) * max(layer_params)
 
 
 def checkpoint_bytes(model: ModelSpec, host_memory: HostMemory, *, compute_dtype: str = "bf16",

@@ -70,6 +70,9 @@ class Plan:
     optimizer_state: OptimizerState = OptimizerState.FP32
     recompute: bool = True
     tied: bool = False  # the last layer (head) uses the first layer's (embedding's) matrix
+    # clipping by the global gradient norm: every OPT_STEP of an iteration waits for all its GRAD_OUTs
+    # (compiler.optimizer), and the compact layout holds a whole gradient instead of the ring
+    grad_clip: bool = False
     ring_slots: int = DEFAULT_GRAD_RING_SLOTS
     cost: CostModel = field(default_factory=CostModel)
     # chosen by partition.resolve (empty before)
@@ -163,8 +166,9 @@ class Plan:
 
 
 def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
-              iterations: int = 1, cost: CostModel | None = None) -> Plan:
-    """Flatten model, trace, hardware and policy into the numbers the estimates and passes use (no packs yet)."""
+              iterations: int = 1, cost: CostModel | None = None, grad_clip: bool = False) -> Plan:
+    """Flatten model, trace, hardware and policy into the numbers the estimates and passes use (no packs yet).
+    `grad_clip`: clipping by the global gradient norm (`Plan.grad_clip`)."""
     cost = cost or CostModel.calibrated()
     trace = lora_.trace_for_policy(trace, model, policy.lora)
     dt = trace.dtype
@@ -191,12 +195,12 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     g = len(hardware.gpus)
     pairs = [hardware.route(f"gpu{a}", f"gpu{b}") for a in range(g) for b in range(g) if a != b]
     hb = host_bytes(model, policy.host_memory, compute_dtype=dt, optimizer=policy.optimizer,
-                    optimizer_state=policy.optimizer_state)
+                    optimizer_state=policy.optimizer_state, grad_clip=grad_clip)
     ring = hb.grad_bytes if policy.host_memory == HostMemory.COMPACT else 0
     grad_fp32 = [layer.gpu_params * 4 for layer in model.layers]
     if policy.host_memory == HostMemory.COMPACT:
-        # Sync: a ring of slots per GPU; async: up to one iteration of gradients waits on the host.
-        dyn = sum(grad_fp32) if policy.optimizer.is_async else (
+        # Sync: a ring of slots per GPU; async, or clipping: up to one iteration of gradients waits on the host.
+        dyn = sum(grad_fp32) if policy.optimizer.is_async or grad_clip else (
             g * DEFAULT_GRAD_RING_SLOTS * max(grad_fp32, default=0))
     else:
         dyn = 0
@@ -228,5 +232,5 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         swap=policy.swap, prefetch_depth=policy.prefetch_depth, resident=policy.resident,
         activation_home=policy.activation_home, optimizer=policy.optimizer, host_memory=policy.host_memory,
         optimizer_state=policy.optimizer_state,
-        recompute=policy.recompute, tied=model.tied_embeddings, cost=cost)
+        recompute=policy.recompute, tied=model.tied_embeddings, grad_clip=grad_clip, cost=cost)
     return Plan(**{**fields_, **lora_fields})

@@ -127,7 +127,9 @@ class ReplayReport:
                f"{h['source']} run",
                f"window: steps {h['first_step']}..{h['first_step'] + h['iterations'] - 1} = the schedule's "
                f"{h['iterations']} iterations, {h['actions']:,} actions, every record of the trace's "
-               f"{h['records']:,} matched; steady = iterations {self.warmup}..{h['iterations'] - 1}", ""]
+               f"{h['records']:,} matched; steady = " + (f"iterations {self.warmup}..{h['iterations'] - 1}"
+                                                        if h["iterations"] > self.warmup
+                                                        else f"iteration {h['iterations'] - 1}, the last"), ""]
         m, r, p = self.measured_s, self.replayed_s, self.predicted_s
         rows: list[list[Any]] = [[str(i), k * m[i], k * r[i], k * p[i], _pct(r[i], m[i]), _pct(p[i], m[i]),
                                   k * self.gap_s[i]] for i in range(len(m))]

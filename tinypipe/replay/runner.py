@@ -49,7 +49,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, help="microbatches per step (instead of --batch-tokens)")
     p.add_argument("--gpu-mem", help="GPU memory the run was planned for, e.g. 24GiB (the prediction's capacity)")
     p.add_argument("--iterations", type=int, help=f"iterations the run compiled (default: the trace's, else "
-                   f"min({WINDOW_ITERATIONS}, steps) as `tinypipe run` does)")
+                   f"min({WINDOW_ITERATIONS}, steps), `tinypipe run`'s longest window)")
     p.add_argument("--schedule", help="the schedule's text form the run executed (`tinypipe inspect schedule "
                    "--out`) (default: recompiled from the settings)")
     p.add_argument("--warmup", type=int, default=1, help="iterations left out of the steady state (default 1)")
