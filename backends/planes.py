@@ -160,14 +160,20 @@ def workspace_elems(chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> int:
 
 
 def _join_into(h: torch.Tensor, low: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
-    """fp32 `out` <- planes, in three vectorized passes over a chunk (no strided copies).
+    """fp32 `out` <- planes, in three vectorized passes over a chunk (no strided copies)."""
+    _join_viewed(h.view(torch.bfloat16), low.view(torch.uint16), out, out.view(torch.int32), tmp)
+
+
+def _join_viewed(h_bf16: torch.Tensor, low_u16: torch.Tensor, out: torch.Tensor, out_bits: torch.Tensor,
+                 tmp: torch.Tensor) -> None:
+    """`_join_into` on views made beforehand (the high plane as bf16, the low one as uint16, `out` as int32).
 
     bf16 -> fp32 conversion is exactly `bits << 16`, so it places the high plane; the low plane is
     zero-extended (read as uint16) into int32 and or-ed in.
     """
-    out.copy_(h.view(torch.bfloat16))
-    tmp.copy_(low.view(torch.uint16))
-    out.view(torch.int32).bitwise_or_(tmp)
+    out.copy_(h_bf16)
+    tmp.copy_(low_u16)
+    out_bits.bitwise_or_(tmp)
 
 
 def _join_strided(h: torch.Tensor, low: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
@@ -188,8 +194,13 @@ def _split_strided(x: torch.Tensor, h: torch.Tensor, low: torch.Tensor) -> None:
 def _split_consuming(x32: torch.Tensor, h: torch.Tensor, low: torch.Tensor) -> None:
     """Planes <- int32 bits `x32`, which it overwrites: int32 -> int16 conversion keeps the low 16 bits."""
     low.copy_(x32)
-    x32.bitwise_right_shift_(16)
+    x32.bitwise_right_shift_(_SIXTEEN)
     h.copy_(x32)
+
+
+# 16 as a 0-dim tensor: torch wraps a Python number in a new tensor at every call (a few µs), which shows
+# in the low-precision step's short chunks (backends/moments.py)
+_SIXTEEN = torch.tensor(16, dtype=torch.int32)
 
 
 def _split_shift(x: torch.Tensor, h: torch.Tensor, low: torch.Tensor) -> None:

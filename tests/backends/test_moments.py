@@ -4,6 +4,7 @@ equal to single-process training with the same optimizer, and resume with quanti
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,80 @@ def test_chunks_on_a_pool_of_threads_give_the_same_bits(state: str) -> None:
     (h1, l1, m1), (h2, l2, m2) = out
     assert torch.equal(h1, h2) and torch.equal(l1, l2) and all(torch.equal(m1[k], m2[k]) for k in m1)
     assert moments.pool_workspace_bytes() > 0
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_the_chunk_length_does_not_change_the_bits(state: str) -> None:
+    """Chunks of 1, 3 and 64 blocks and one of the whole tensor leave the same masters and moments, bit for bit:
+    blocks never straddle chunks, and every chunk starts on a block (a multiple of the 64 elements that keep
+    torch's fused AdamW on one code path), so the default chunk length is a speed setting only."""
+    n = 64 * QUANT_BLOCK_ELEMS + 101
+    gen = torch.Generator().manual_seed(3)
+    w, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01
+    out = []
+    for chunk in (QUANT_BLOCK_ELEMS, 3 * QUANT_BLOCK_ELEMS, 64 * QUANT_BLOCK_ELEMS, n):
+        hi, lo = torch.empty(n, dtype=torch.int16), torch.empty(n, dtype=torch.int16)
+        planes.split(w, hi, lo)
+        held = moments.zero_state(n, OptimizerState(state))
+        for t in (1, 2):
+            moments.lowp_adamw_step(hi, lo, g.bfloat16(), held, state=OptimizerState(state), step=t, lr=1e-2,
+                                    beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, chunk_elems=chunk)
+        out.append((hi, lo, held))
+    h0, l0, m0 = out[0]
+    for h, lo_, m in out[1:]:
+        assert torch.equal(h, h0) and torch.equal(lo_, l0) and all(torch.equal(m[k], m0[k]) for k in m0)
+
+
+def test_special_values_quantise_as_the_table_formula() -> None:
+    """Blocks of zeros, of a subnormal absmax (whose reciprocal overflows), and with inf or NaN of either sign
+    in either moment get the codes of `table[(bits(x * (1 / absmax if absmax > 0 else 0)) >> 12) & mask]`
+    and the absmax max |x| (inf or NaN where the block has one), exactly; a block with inf or NaN then
+    dequantises to NaN throughout (its codes are the code of 0, times an absmax of inf or NaN)."""
+    b = QUANT_BLOCK_ELEMS
+    gen = torch.Generator().manual_seed(4)
+    m = torch.randn(6 * b, generator=gen) * 1e-3
+    v = torch.rand(6 * b, generator=gen) * 1e-6
+    for x in (m, v):
+        x[:b] = 0.0  # zeros
+        x[b:2 * b] *= 1e-36  # subnormal values, absmax ~1e-39
+        x[2 * b + 5] = float("inf")
+        x[3 * b + 7] = float("nan")
+        x[4 * b + 9] = -float("nan")
+    m[5 * b + 1] = -float("inf")
+    n = m.numel()
+    held = moments.zero_state(n, OptimizerState.INT8)
+    w = moments._views(torch.empty(moments.workspace_elems(n)), n, n, True)
+    w.m.copy_(m)
+    w.v.copy_(v)
+    parts = [held["exp_avg"], held["exp_avg_sq"], held["exp_avg_absmax"].view(-1, 1),
+             held["exp_avg_sq_absmax"].view(-1, 1)]
+    moments._quantise(parts, w, (moments._maps(True), moments._maps(False)))
+    for x, key, signed in ((m, "exp_avg", True), (v, "exp_avg_sq", False)):
+        blocks = x.view(-1, b)
+        absmax = torch.maximum(blocks.amax(1), -blocks.amin(1))
+        inv = torch.where(absmax > 0, absmax.reciprocal(), torch.zeros_like(absmax))
+        bits = (blocks * inv[:, None]).reshape(-1).view(torch.int32)
+        want = moments._maps(signed)[1][((bits >> moments._SHIFT) & ((1 << moments.TABLE_BITS) - 1)).long()]
+        torch.testing.assert_close(held[key + "_absmax"], absmax, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(held[key], want), key
+        values = moments.dynamic_map(signed)[held[key].long()].view(-1, b) * held[key + "_absmax"][:, None]
+        assert torch.isnan(values[2:5]).all() and torch.isfinite(values[:2]).all()
+
+
+def test_the_chunk_pool_leaves_torchs_thread_count_as_it_was() -> None:
+    """Making the pool (its threads run torch on one core each) leaves the intra-op thread count a new thread
+    starts with, and the caller's, as they were."""
+    def on_new_thread() -> int:
+        out: list[int] = []
+        t = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return out[0]
+
+    torch.set_num_threads(2)
+    before = on_new_thread()
+    moments._pool(3)  # a size no other test makes
+    assert torch.get_num_threads() == 2 and on_new_thread() == before == 2
 
 
 def _widen(st: dict[str, torch.Tensor], state: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,16 +49,17 @@ DEFAULT_GRAD_RING_SLOTS = 4
 QUANT_BLOCK_ELEMS = 256
 
 # The chunked compact step's time with low-precision moments over its time with fp32 ones, both on the
-# same planes, per core: measured at 1 thread on the shared 2-core dev VM, 16M parameters, best of 7,
-# variants in turns (bench/host_optim_precision.py -> bench/results/host_optim_precision.json, 2026-12-02):
-# fp32 0.18 G params/s, bf16 0.15, 8bit 0.06 (torch's fused fp32 AdamW 0.45; three runs
-# gave 1.11-1.24 and 2.8-3.1). Its 2-thread figures swung with the other tenants' load. The 8-bit step's
-# four table look-ups dominate it; a compiled kernel would close the gap. Where `tinypipe profile` has not
-# measured each precision on the host (Host.compact_bf16/8bit_params_per_s), the simulator scales the fp32
-# step by these.
+# same planes, per core: measured at 1 thread by CPU time on the shared 2-core dev VM, 16M parameters, best
+# of 9, variants in turns (bench/host_optim_precision.py -> bench/results/host_optim_precision.json,
+# 2026-12-02): fp32 0.188 G params/s, bf16 0.237, 8bit 0.082 (torch's fused fp32 AdamW 0.53); four other
+# measurements that day gave bf16 0.72-0.87 and 8bit 2.0-2.7. bf16 is below 1 there because its 256K-element
+# chunks stay in that VM's 32 MiB L3 where the fp32 step's 4M-element ones do not (planes.DEFAULT_CHUNK_ELEMS,
+# chosen at 32 threads on an H200 host with a 300 MiB L3): the ratio depends on the host. The simulator
+# scales a profile's measured fp32 step by these; without a profile it takes the host's own rate per
+# precision where calibration measured it (Host.compact_bf16/8bit_params_per_s), else fp32's rate times these.
 STATE_TIME_FACTOR: dict[OptimizerState, float] = {OptimizerState.FP32: 1.0,
-                                                  OptimizerState.BF16: 1.24,
-                                                  OptimizerState.INT8: 2.99}
+                                                  OptimizerState.BF16: 0.79,
+                                                  OptimizerState.INT8: 2.28}
 
 
 def moment_bytes(params: int, state: OptimizerState = OptimizerState.FP32) -> int:
