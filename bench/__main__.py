@@ -52,7 +52,7 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
         _py("calibrate_cost", "results/calibrate_cost.json", "docs/performance.md: Pack size (the calibration)"),
         _py("search_bench", "results/search.json", "docs/performance.md: The search"),
         _py("sim_policies", "results/sim_policies.json", "docs/performance.md: Simulated comparisons"),
-        _py("cli_speed", "results/cli_speed.json", "docs/trust.md: how fast simulate and search are, before and after"),
+        _py("cli_speed", "results/cli_speed.json", "docs/performance.md: How fast the tools are (whole commands)"),
     )),
     "cpu": ("the default job on this machine's CPU", (
         _py("default_run", "results/default_run.json", "README.md: Try it"),

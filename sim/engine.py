@@ -49,6 +49,7 @@ from typing import Any
 import simpy
 
 from tinypipe.common.errors import InputError, ScheduleError
+from tinypipe.common.gcpause import collector_paused
 from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.optimprofile import Phase, StepPhases
@@ -94,7 +95,7 @@ class Engine:
         self._phase: dict[int, Phase] = {}
         self._phase_change: dict[int, simpy.Event] = {}
         self._sets_phase: list[Phase] = [Phase.IDLE] * n
-        self._is_compute = [a.kind.info.cost is Cost.COMPUTE for a in schedule.actions]  # FWD / BWD (issue gaps)
+        self._is_compute = [a.kind.info.is_compute for a in schedule.actions]  # FWD / BWD (issue gaps)
         self._fixed: dict[int, float] = {}  # SEND / RECV half -> measured duration after the rendezvous (replay)
         for aid, d in (durations or {}).items():
             if not 0 <= aid < n or not d >= 0:
@@ -106,19 +107,22 @@ class Engine:
                 self._mode[aid] = OPT if self._mode[aid] in (OPT, PHASED) else TIMED
                 self._cost[aid] = float(d)
         phased = {self._cost[i][1] for i, m in enumerate(self._mode) if m == PHASED}
-        for a in schedule.actions:
+        for a in schedule.actions if phased else ():
             g = resource_gpu(a.resource)
             if g in phased and a.kind.info.cost is Cost.COMPUTE and self._cost[a.id] != 0:
                 self._sets_phase[a.id] = Phase.FWD if a.kind.info.direction is Direction.FORWARD else Phase.BWD
         self._phase = {g: Phase.IDLE for g in phased}
-        self._issuer: list[Issuer | None] = [None] * n  # the loop that issues each action (`issue` given)
+        # the loop that issues each action (`issue` given; else None, and no action has one)
+        self._issuer: list[Issuer | None] | None = None
         if issue is not None:
+            issuers: list[Issuer | None] = [None] * n
             for g in range(schedule.num_gpus):
                 acts = rank_actions(schedule, g)
                 if acts:
                     it = Issuer(self.env, schedule.actions, issue_rules(acts), issue, self.end_s)
                     for a in acts:
-                        self._issuer[a.id] = it
+                        issuers[a.id] = it
+            self._issuer = issuers
         for ids in self.lanes.values():
             if ids:
                 self.env.process(self._run(ids))
@@ -147,9 +151,11 @@ class Engine:
     def _run(self, ids: Sequence[int]) -> Generator[simpy.Event, Any, None]:
         env, actions, end_s, start_s = self.env, self.schedule.actions, self.end_s, self.start_s
         mode, cost, waiters, memory, net = self._mode, self._cost, self._waiters, self.memory, self.network
-        sets_phase, is_compute = self._sets_phase, self._is_compute
+        sets_phase, is_compute, issuers = self._sets_phase, self._is_compute, self._issuer
+        timeout, event = env.timeout, env.event
         lane_gpu = None  # the GPU whose phase this lane sets (its compute actions'), once it has run one
         compute_end = -1.0  # when the lane's last FWD / BWD ended (issue gaps)
+        issuer = None
         for aid in ids:  # one process per lane runs it in order: the predecessor on the stream is done
             a = actions[aid]
             for d in a.deps:
@@ -158,9 +164,10 @@ class Engine:
                         self._set_phase(lane_gpu, Phase.IDLE)  # the lane waits
                     ev = waiters.get(d)
                     if ev is None:
-                        ev = waiters[d] = env.event()
+                        ev = waiters[d] = event()
                     yield ev
-            issuer = self._issuer[aid]
+            if issuers is not None:
+                issuer = issuers[aid]
             if issuer is not None:
                 ev = issuer.wait(aid)
                 if ev is not None:
@@ -173,7 +180,7 @@ class Engine:
                 beside = 1 if self._steps_running else 0
                 wait = compute_end + cost[aid][2 + beside] - env.now
                 if wait > 0 and compute_end >= 0:
-                    yield env.timeout(wait)  # the main thread issuing it
+                    yield timeout(wait)  # the main thread issuing it
             if sets_phase[aid]:
                 lane_gpu = resource_gpu(a.resource)
                 assert lane_gpu is not None
@@ -185,17 +192,17 @@ class Engine:
             if m == TIMED:
                 dur = cost[aid]
                 if dur > 0:
-                    yield env.timeout(dur)
+                    yield timeout(dur)
             elif m == OPT:
                 dur = cost[aid]
                 if dur > 0:
                     self._steps_running += 1
-                    yield env.timeout(dur)
+                    yield timeout(dur)
                     self._steps_running -= 1
             elif m == PHASED:
                 yield from self._phased_step(*cost[aid])
             elif m == LOOP:
-                yield env.timeout(cost[aid][beside])
+                yield timeout(cost[aid][beside])
             elif m == COPY:
                 nbytes, lat, links = cost[aid]
                 yield net.copy(nbytes, lat, links)
@@ -203,16 +210,16 @@ class Engine:
                 fixed = self._fixed.get(aid)
                 other = self._rendezvous.pop(self.partner[aid], None)
                 if other is None:  # first half here: wait for the other to start the copy
-                    mine = self._rendezvous[aid] = env.event()
+                    mine = self._rendezvous[aid] = event()
                     done = yield mine
                 else:  # both here: the copy starts (unless both halves' durations are given)
                     if fixed is not None and self.partner[aid] in self._fixed:
-                        done = env.event().succeed()
+                        done = event().succeed()
                     else:
                         nbytes, lat, links = cost[aid]
                         done = net.copy(nbytes, lat, links)
                     other.succeed(done)
-                yield done if fixed is None else env.timeout(fixed)
+                yield done if fixed is None else timeout(fixed)
             t1 = env.now
             if is_compute[aid]:
                 compute_end = t1
@@ -302,21 +309,22 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
     capacity = {f"g{g}": gpu_cap[g] for g in range(n)}
     capacity[HOST] = hardware.host.memory_bytes if host_mem_bytes is None else host_mem_bytes
     static = {d: schedule.static(d) for d in capacity}
-    wall0 = time.perf_counter()
-    memory = Memory(capacity, static, on_capacity=on_capacity)
-    engine = Engine(schedule, model, hardware, trace, memory, durations=durations, lanes=lanes, issue=issue)
-    timeline = engine.run()
-    peaks, violation = memory.peaks(), memory.violation
-    if schedule.optimizer.is_async and durations is None:
-        slow = _slow_host_memory(schedule, model, hardware, trace, capacity, static, on_capacity, lanes, issue,
-                                 timeline.end_s)
-        peaks = {d: max(b, slow.peaks().get(d, 0)) if d != HOST else b for d, b in peaks.items()}
-        violation = violation or slow.violation
-    wall_s = time.perf_counter() - wall0
-    return build_result(schedule, timeline, partner=engine.partner, lanes=engine.lanes, params=model.params,
-                        capacity_bytes=capacity, peak_bytes=peaks,
-                        link_bytes=dict(engine.network.bytes_moved), violation=violation,
-                        events=engine.events, wall_s=wall_s)
+    with collector_paused():  # events, records and samples by the ten thousand, mostly kept (common/gcpause.py)
+        wall0 = time.perf_counter()
+        memory = Memory(capacity, static, on_capacity=on_capacity)
+        engine = Engine(schedule, model, hardware, trace, memory, durations=durations, lanes=lanes, issue=issue)
+        timeline = engine.run()
+        peaks, violation = memory.peaks(), memory.violation
+        if schedule.optimizer.is_async and durations is None:
+            slow = _slow_host_memory(schedule, model, hardware, trace, capacity, static, on_capacity, lanes, issue,
+                                     timeline.end_s)
+            peaks = {d: max(b, slow.peaks().get(d, 0)) if d != HOST else b for d, b in peaks.items()}
+            violation = violation or slow.violation
+        wall_s = time.perf_counter() - wall0
+        return build_result(schedule, timeline, partner=engine.partner, lanes=engine.lanes, params=model.params,
+                            capacity_bytes=capacity, peak_bytes=peaks,
+                            link_bytes=dict(engine.network.bytes_moved), violation=violation,
+                            events=engine.events, wall_s=wall_s)
 
 
 def _slow_host_memory(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,

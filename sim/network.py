@@ -25,6 +25,7 @@ import simpy
 # Two completion times closer than this are the same instant: it absorbs float rounding in
 # `remaining - rate * dt` (far below any copy latency, which is microseconds).
 SAME_INSTANT_S = 1e-9
+SHARES_KEPT = 4096  # sets of routes in flight whose max-min rates a Network remembers
 
 
 class Flow:
@@ -109,6 +110,9 @@ class Network:
         self.active: list[Flow] = []
         self._last_s = 0.0  # when the remaining bytes of `active` were last brought up to date
         self._generation = 0  # of the one completion timer that is still valid
+        # the rates `max_min_rates` gives each set of routes in flight, in `active`'s order (what the rates
+        # depend on: the capacities are fixed): a schedule meets the same few sets again and again
+        self._shares: dict[tuple[tuple[int, ...], ...], tuple[float, ...]] = {}
 
     @property
     def bytes_moved(self) -> dict[str, float]:
@@ -166,7 +170,15 @@ class Network:
             f.rate = f.solo_rate
             dt = f.remaining / f.rate
         else:
-            max_min_rates(self.active, self.capacity)
+            routes = tuple(f.links for f in self.active)
+            rates = self._shares.get(routes)
+            if rates is None:
+                max_min_rates(self.active, self.capacity)
+                if len(self._shares) < SHARES_KEPT:
+                    self._shares[routes] = tuple(f.rate for f in self.active)
+            else:
+                for f, r in zip(self.active, rates):
+                    f.rate = r
             dt = min((f.remaining / f.rate for f in self.active if f.rate > 0), default=0.0)
         gen = self._generation
         self.env.timeout(max(dt, 0.0)).callbacks.append(lambda _e: self._on_timer(gen))

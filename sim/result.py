@@ -8,6 +8,7 @@ from typing import Any
 
 from tinypipe.common.units import GIB
 from tinypipe.describe.hardware import HOST
+from tinypipe.ir.kinds import Kind
 from tinypipe.ir.order import predecessors
 from tinypipe.ir.schedule import Schedule
 from tinypipe.ir.timeline import Timeline, resource_sort_key, steady_state
@@ -49,7 +50,7 @@ def critical_path(schedule: Schedule, timeline: Timeline, partner: dict[int, int
     cur = max(range(len(acts)), key=lambda i: (end[i], i))
     path: list[int] = []
     by_res: dict[str, float] = {}
-    by_kind: dict[str, float] = {}
+    by_kind: dict[Kind, float] = {}  # by the kind itself (its printed name, an enum property, is slow to read)
     seen: set[int] = set()
     while cur not in seen:
         seen.add(cur)
@@ -59,7 +60,7 @@ def critical_path(schedule: Schedule, timeline: Timeline, partner: dict[int, int
         since = end[best] if best >= 0 else t0
         act = acts[cur]
         by_res[act.resource] = by_res.get(act.resource, 0.0) + end[cur] - since
-        by_kind[act.kind.value] = by_kind.get(act.kind.value, 0.0) + end[cur] - since
+        by_kind[act.kind] = by_kind.get(act.kind, 0.0) + end[cur] - since
         if best < 0:
             break
         cur = best
@@ -67,7 +68,7 @@ def critical_path(schedule: Schedule, timeline: Timeline, partner: dict[int, int
     norm = (lambda x: x / total) if total > 0 else (lambda x: 0.0)
     return CriticalPath(tuple(reversed(path)),
                         {r: norm(by_res[r]) for r in sorted(by_res, key=resource_sort_key)},
-                        {k: norm(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
+                        {k.value: norm(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
 
 
 TABLE_COLUMNS = ("iteration_s", "tokens_per_s", "peak_gpu_gib", "peak_host_gib", "host_bytes_per_param",

@@ -32,7 +32,7 @@ from tinypipe.describe.trace import trace_for
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.cost import gpu_peak_bytes
 from tinypipe.estimate.plan import base_plan
-from tinypipe.partition import mobius
+from tinypipe.partition import milp_memory
 from tinypipe.policy import PRESETS, Policy
 
 MODELS = ("tiny-llama", "pythia-1b", "qwen3-1.7b", "gpt2-xl", "llama-3.1-8b")
@@ -134,7 +134,7 @@ def test_milp_rows_are_the_formula_moments(swap: str) -> None:
     policy = Policy(packing=(5, 5, 5, 5, 5, 5), mapping="round-robin", swap=swap, prefetch_depth=1, microbatches=4)
     plan = make_plan(policy, model, hw, trace)
     sizes = tuple(len(x) for x in plan.pack_layers)
-    rows = mobius.memory_rows(plan, plan.pack_gpu)
+    rows = milp_memory.memory_rows(plan, plan.pack_gpu)
     ev = gpumem.Evaluator(plan, gpumem.vectors(plan), sizes, plan.pack_gpu, len(hw.gpus))
     moments = gpumem.moments(plan.pack_gpu, len(hw.gpus), plan.microbatches, plan.activation_home)
     assert len(rows) == len(moments)

@@ -117,6 +117,22 @@ def test_simulated_search_is_the_same_serial_and_parallel() -> None:
     assert [e.to_json() for e in serial.ranked] == [e.to_json() for e in parallel.ranked]
 
 
+def test_a_pool_starts_the_next_batch_early_and_keeps_what_batches_keep() -> None:
+    """With worker processes the next batch's candidates start before this batch's results are in; what is
+    evaluated, in which order, and how many are pruned is what one batch after the other gives."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tinypipe.search import policy_search as ps
+
+    w = _w()
+    cands = stage1(w, SMALL)
+    alone = ps._evaluate_bounded(w, cands, FakeEvaluator(w), [], None, 2, None)
+    with ProcessPoolExecutor(2, initializer=ps._install, initargs=(FakeEvaluator(w),)) as pool:
+        pooled = ps._evaluate_bounded(w, cands, FakeEvaluator(w), [], pool, 2, None)
+    assert [e.to_json() for e in pooled[0]] == [e.to_json() for e in alone[0]]
+    assert pooled[1:] == alone[1:] and alone[1] > 0
+
+
 def _e(name: str, rate: float, gpu: int, host: int, fits: bool = True) -> Evaluation:
     return Evaluation(Policy(name=name), fits, tokens_per_s=rate, iteration_s=1 / rate, peak_gpu_bytes=gpu,
                       peak_host_bytes=host)

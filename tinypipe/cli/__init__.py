@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--optimizer-state", choices=("fp32", "bf16", "8bit"), default=None,
                      help="hold AdamW's moments as fp32, bf16 or 8-bit blocks in every policy (default: each "
                           "policy's own, fp32)")
+    sim.add_argument("--workers", type=int, default=None,
+                     help="processes simulating the policies side by side (default: all cores)")
     sim.add_argument("--trace", help="write a Chrome trace (Perfetto) of the first policy")
     sim.add_argument("--plot", help="write a PNG timeline of the first policy")
 

@@ -30,7 +30,7 @@ from .util import (
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tinypipe.common import table
     from tinypipe.common.units import parse_bytes
-    from tinypipe.sim.guard import simulate_policy
+    from tinypipe.sim.batch import Task, simulate_policies
 
     names = args.policy or ["resident", "mobius", "tinypipe"]
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
@@ -40,6 +40,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.microbatches is not None:
             raise InputError("--batch-tokens and --microbatches: give one (--batch-tokens sets each policy's "
                              "microbatch count)")
+    workers = _workers(args)
     check_outputs(trace=args.trace, plot=args.plot)
     bar = None if args.json else Progress("simulate")
     loads = workloads(args, names)
@@ -47,22 +48,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if host_note:
         print(host_note, file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    first = None
-    for i, (model, hw, policy, trace) in enumerate(loads):
-        if bar is not None:
-            bar.phase(f"simulating {policy.name} ({i + 1}/{len(loads)})")
-        # a policy that cannot run this model on this hardware is a mistake (InputError, exit 2), not a row
-        sched, res = simulate_policy(policy, model, hw, trace, iterations=args.iterations, gpu_mem_bytes=gpu_mem,
-                                     host_mem_bytes=host_mem)
+    if bar is not None:
+        bar.phase(f"simulating {', '.join(p.name for _, _, p, _ in loads)} ({min(workers, len(loads))} process(es))")
+    # a policy that cannot run this model on this hardware is a mistake (InputError, exit 2), not a row
+    done = simulate_policies([Task(policy, model, hw, trace, args.iterations, gpu_mem, host_mem,
+                                   timeline=i == 0 and bool(args.trace or args.plot))
+                              for i, (model, hw, policy, trace) in enumerate(loads)], workers=workers)
+    for (_, _, policy, trace), (sizes, res) in zip(loads, done):
         rows.append({"policy": policy.name, "tokens_per_step": policy.microbatches * policy.microbatch_size
                      * args.seq_len, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
                      "peak_gpu_bytes": res.peak_gpu_bytes, "peak_host_bytes": res.peak_host_bytes,
                      "host_bytes_per_param": res.host_bytes_per_param, "fits": res.fits,
                      "why": _over_capacity(res.peak_bytes, res.capacity_bytes),
                      "first_violation": res.violation or "", "bottleneck": res.critical_path.bottleneck,
-                     "packs": len(sched.pack_layers), "trace": _trace_json(trace), "detail": res.to_json()})
-        if first is None:
-            first = res
+                     "packs": len(sizes), "trace": _trace_json(trace), "detail": res.to_json()})
+    first = done[0][1] if done else None
     if bar is not None:
         bar.close()
     wrote = []
@@ -113,9 +113,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     for flag in ("seq_len", "batch_tokens", "top"):
         positive("--" + flag.replace("_", "-"), getattr(args, flag))
         at_most("--" + flag.replace("_", "-"), getattr(args, flag), LIMITS[flag])
-    if args.workers is not None:
-        positive("--workers", args.workers)
-        at_most("--workers", args.workers, min(LIMITS["workers"], 4 * (os.cpu_count() or 1)))
+    workers = _workers(args)
     if args.batch_tokens % args.seq_len:
         raise InputError(f"--batch-tokens: {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
     check_outputs(out=args.out, plot=args.plot)
@@ -147,7 +145,6 @@ def cmd_search(args: argparse.Namespace) -> int:
         space = dataclasses.replace(space, microbatch_sizes=tuple(measured))
         print(f"note: searching microbatch sizes {', '.join(map(str, measured))}, those --profile measured",
               file=sys.stderr)
-    workers = args.workers or (os.cpu_count() or 1)
     bar = None if args.json else Progress("search")
     if bar is not None:
         bar.phase(f"search: {model.name} on {hw.name}, {workers} worker process(es)")
@@ -217,6 +214,14 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nwrote the winner to {args.out}")
     return 0
+
+
+def _workers(args: argparse.Namespace) -> int:
+    """`--workers`, checked; by default every core."""
+    if args.workers is not None:
+        positive("--workers", args.workers)
+        at_most("--workers", args.workers, min(LIMITS["workers"], 4 * (os.cpu_count() or 1)))
+    return int(args.workers or (os.cpu_count() or 1))
 
 
 def alike_groups(evals: list[Any]) -> list[list[Any]]:

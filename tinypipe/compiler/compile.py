@@ -10,6 +10,7 @@ after its last), so stream orders follow need and the final ids point dependenci
 from __future__ import annotations
 
 from tinypipe.common.errors import InputError
+from tinypipe.common.gcpause import collector_paused
 from tinypipe.compiler.ops import Op, lower
 from tinypipe.compiler.optimizer import optimizer_pass
 from tinypipe.compiler.passes import compute_ops, gradient_pass, memory_pass, swap_pass, transfer_pass
@@ -88,8 +89,9 @@ def compile_schedule(policy: Policy, model: ModelSpec, hardware: Hardware, trace
     A policy that cannot apply (pack sizes that do not sum to the layer count, a GPU that does not
     exist, more packs than layers, resident layers out of range) is an InputError naming the field.
     """
-    plan = make_plan(policy, model, hardware, trace, iterations=iterations, cost=cost, grad_clip=grad_clip)
-    actions = run_passes(plan)
+    with collector_paused():  # tens of thousands of ops and actions, all kept (common/gcpause.py)
+        plan = make_plan(policy, model, hardware, trace, iterations=iterations, cost=cost, grad_clip=grad_clip)
+        actions = run_passes(plan)
     return Schedule(
         actions=actions, grad_clip=plan.grad_clip, num_gpus=plan.num_gpus,
         num_layers=plan.num_layers,

@@ -282,18 +282,18 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     graphs: set[tuple[int, int]] = set()  # (layer, step): FWDs kept a graph, no BWD yet
     held: dict[tuple[int, int], int] = {}  # (layer, step) -> 1 when its EVICT kept the weights, 2 once re-LOADed
     bwds: dict[tuple[int, int], int] = defaultdict(int)
+    redo = [plan.recomputes(lay) for lay in range(n)]
     for op in ops:
         k, g, lay, m = op.kind, op.gpu, op.layer, op.mb
-        if k is FWD and not plan.recomputes(lay):
-            graphs.add((lay, op.it))
+        if k is FWD:
+            if not redo[lay]:
+                graphs.add((lay, op.it))
+            ws = mem(g, "ws", lay)
+            op.allocs = mem(g, "x", lay + 1, m) + (() if redo[lay] else mem(g, "a", lay, m)) + ws
+            op.frees = ws
         elif k is BWD:
             graphs.discard((lay, op.it))
             bwds[lay, op.it] += 1
-        if k is FWD:
-            ws = mem(g, "ws", lay)
-            op.allocs = mem(g, "x", lay + 1, m) + (() if plan.recomputes(lay) else mem(g, "a", lay, m)) + ws
-            op.frees = ws
-        elif k is BWD:
             # the layer's first BWD of the step allocates its gradient accumulator; a later one holds
             # the weights' fresh gradients until it has added them in (ws.acc)
             gr: tuple[Mem, ...] = ()
@@ -304,7 +304,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             # Recomputing, the backward re-creates the forward's saved activations and holds them
             # while it runs (trace.KindProfile); kept from the forward, it frees them at its end.
             a = mem(g, "a", lay, m)
-            rec = a if plan.recomputes(lay) else ()
+            rec = a if redo[lay] else ()
             op.allocs = mem(g, "dx", lay, m) + gr + ws + rec
             op.frees = mem(g, "x", lay, m) + a + mem(g, "dx", lay + 1, m) + ws
             if bwds[lay, op.it] == plan.microbatches and held.pop((lay, op.it), 0) == 2:

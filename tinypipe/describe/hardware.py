@@ -18,9 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 import tinypipe.traces as shipped
 from tinypipe.common.errors import InputError
@@ -31,6 +29,9 @@ PROVENANCES = ("measured", "spec")
 LINK_KINDS = ("mem", "pcie", "upi", "nvlink")
 SWITCH_PREFIXES = {"rc": "rc", "sw": "switch"}  # name prefix -> node kind
 MAX_GPUS = 4096  # keeps a mistyped gpu_count from building a million-node graph
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,8 @@ class Hardware:
 
     @cached_property
     def _graph(self) -> nx.Graph:
+        import networkx as nx  # ~0.3 s to import, and only `graph()` needs it (routes are ours)
+
         g = nx.Graph(name=self.name)
         g.add_node(HOST, kind="host", memory_bytes=self.host.memory_bytes, dma_gbps=self.host.dma_gbps)
         for s in self.switches:

@@ -14,7 +14,7 @@ gradient `dx.L{l}` backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -78,16 +78,15 @@ class KindInfo:
     label: str  # cell label prefix: `F3.2` is FWD L3 m2 (`Action.label`)
     colour: str  # in timeline pictures (matplotlib's tab10 / tab20 palette)
     per_microbatch: bool  # acts on one microbatch (names `m`)
+    # from `cost`, as fields (read per action in hot loops): a SEND or RECV half of a GPU -> GPU copy (it
+    # names its `peer`); a FWD or BWD, the GPU work that marks an iteration's end and that the executor keeps
+    # in flight
+    is_half: bool = field(init=False, repr=False, compare=False)
+    is_compute: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def is_half(self) -> bool:
-        """A SEND or RECV half of a GPU -> GPU copy (it names its `peer`)."""
-        return self.cost is Cost.PEER
-
-    @property
-    def is_compute(self) -> bool:
-        """A FWD or BWD: the GPU work that marks an iteration's end and that the executor keeps in flight."""
-        return self.cost is Cost.COMPUTE
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_half", self.cost is Cost.PEER)
+        object.__setattr__(self, "is_compute", self.cost is Cost.COMPUTE)
 
 
 _F, _B, _N = Direction.FORWARD, Direction.BACKWARD, Direction.NONE

@@ -54,22 +54,29 @@ class Ledger:
         allocs = action.allocs
         if not allocs:
             return
-        used, peak = self.used_bytes, self.peak_bytes
+        used, peak, samples = self.used_bytes, self.peak_bytes, self.samples
         if len(allocs) == 1:  # the common case, kept cheap: the simulator calls this for every action
             m = allocs[0]
-            per = {m.device: m.nbytes}
-        else:
-            per = {}
-            for m in allocs:
-                per[m.device] = per.get(m.device, 0) + m.nbytes
-        for dev, n in per.items():
+            dev = m.device
             if dev not in used:
                 self._device(dev, action, "allocates")
-            u = used[dev] = used[dev] + n
+            u = used[dev] = used[dev] + m.nbytes
             if u > peak[dev]:
                 peak[dev] = u
-            if self.samples is not None:
-                self.samples[dev].append((t_s, u))
+            if samples is not None:
+                samples[dev].append((t_s, u))
+        else:
+            per: dict[str, int] = {}
+            for m in allocs:
+                per[m.device] = per.get(m.device, 0) + m.nbytes
+            for dev, n in per.items():
+                if dev not in used:
+                    self._device(dev, action, "allocates")
+                u = used[dev] = used[dev] + n
+                if u > peak[dev]:
+                    peak[dev] = u
+                if samples is not None:
+                    samples[dev].append((t_s, u))
         if self.live is not None:
             for m in allocs:
                 key = (m.device, m.buffer)
@@ -79,15 +86,16 @@ class Ledger:
 
     def end(self, action: Action, t_s: float = 0.0) -> None:
         """Apply `action.frees`, at its end (time `t_s`)."""
-        used = self.used_bytes
+        used, samples, live = self.used_bytes, self.samples, self.live
         for m in action.frees:
-            if m.device not in used:
-                self._device(m.device, action, "frees")
-            u = used[m.device] = used[m.device] - m.nbytes
-            if self.samples is not None:
-                self.samples[m.device].append((t_s, u))
-            if self.live is not None and self.live.pop((m.device, m.buffer), None) is None:
-                self.problems.append(f"action {action.id} frees {m.device}:{m.buffer}, which is not live")
+            dev = m.device
+            if dev not in used:
+                self._device(dev, action, "frees")
+            u = used[dev] = used[dev] - m.nbytes
+            if samples is not None:
+                samples[dev].append((t_s, u))
+            if live is not None and live.pop((dev, m.buffer), None) is None:
+                self.problems.append(f"action {action.id} frees {dev}:{m.buffer}, which is not live")
 
     def peaks(self) -> dict[str, int]:
         return dict(self.peak_bytes)

@@ -33,6 +33,9 @@ class UnpairedError(ScheduleError):
         super().__init__(message)
         self.action = action
 
+    def __reduce__(self) -> tuple[type[UnpairedError], tuple[str, int]]:  # pickled back from a worker process
+        return type(self), (str(self), self.action)
+
 
 def sender_receiver(action: Action) -> tuple[int, int]:
     """(sending GPU, receiving GPU) of a SEND or RECV half."""

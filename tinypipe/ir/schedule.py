@@ -34,6 +34,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from tinypipe.common.errors import InputError
@@ -58,11 +59,13 @@ def gpu_resource(gpu: int, stream: str) -> str:
     return f"g{gpu}.{stream}"
 
 
+@lru_cache(maxsize=1024)  # a schedule has a few dozen resources, asked for per action
 def resource_device(resource: str) -> str:
     """The memory device a resource belongs to: `g1.h2d` -> `g1`, `host.optim` -> `host`."""
     return resource.split(".", 1)[0]
 
 
+@lru_cache(maxsize=1024)
 def resource_gpu(resource: str) -> int | None:
     """The GPU index of a resource, or None for host resources."""
     dev = resource_device(resource)

@@ -13,13 +13,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import accumulate
 
-import numpy as np
-
 from tinypipe.common.units import GIB
-from tinypipe.estimate import gpumem
 from tinypipe.estimate.cost import gpu_peak_bytes
 from tinypipe.estimate.plan import Plan
-from tinypipe.policy.modes import ResidentMode
 
 from .mapping import round_robin
 from .packing import Mapper, Partitioner, balanced, uniform
@@ -167,8 +163,11 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     (the full problem finds no feasible point in seconds there); it is exact whenever the best
     partition lies within the window.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp  # ~1 s to import: only when a MILP is solved
+    import numpy as np  # numpy and scipy: ~1 s to import, only when a MILP is solved
+    from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
+
+    from .milp_memory import memory_matrix
 
     n, m, s_n = w.num_layers, w.microbatches, num_packs
     if s_n == 1:
@@ -185,14 +184,14 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
 
     for layer in range(n):
         for s in range(s_n - 2):  # c[l,s] <= c[l,s+1]
-            rows.append(({layer * (s_n - 1) + s: 1.0, layer * (s_n - 1) + s + 1: -1.0}, -np.inf, 0.0))
+            rows.append(({layer * (s_n - 1) + s: 1.0, layer * (s_n - 1) + s + 1: -1.0}, -math.inf, 0.0))
         if layer + 1 < n:
             for s in range(s_n - 1):  # c[l+1,s] <= c[l,s]
-                rows.append(({(layer + 1) * (s_n - 1) + s: 1.0, layer * (s_n - 1) + s: -1.0}, -np.inf, 0.0))
+                rows.append(({(layer + 1) * (s_n - 1) + s: 1.0, layer * (s_n - 1) + s: -1.0}, -math.inf, 0.0))
     ones = [1.0] * n
     for s in range(s_n):
         coef, const = pack_sum(s, ones)
-        rows.append((coef, 1.0 - const, np.inf))  # non-empty
+        rows.append((coef, 1.0 - const, math.inf))  # non-empty
     by_gpu: dict[int, list[int]] = {}
     for s, g in enumerate(mapping):
         by_gpu.setdefault(g, []).append(s)
@@ -200,18 +199,17 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
         rate = w.h2d_gbps[g] * 1e9 * w.cost.h2d_efficiency / GIB  # GiB/s
         for i, s in enumerate(packs):
             cc, ck = pack_sum(s, comp)
-            rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (cc, ck, -1.0))[0], w.cost.pack_overhead_s + ck, np.inf))
-            rows.append((_add(({tB: 1.0}, 0.0, 1.0), (cc, ck, -1.0 / m))[0], ck / m, np.inf))
+            rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (cc, ck, -1.0))[0], w.cost.pack_overhead_s + ck, math.inf))
+            rows.append((_add(({tB: 1.0}, 0.0, 1.0), (cc, ck, -1.0 / m))[0], ck / m, math.inf))
             if i + 1 < len(packs):
                 nx, nk = pack_sum(packs[i + 1], wts)
-                rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (nx, nk, -1.0 / rate))[0], nk / rate, np.inf))
+                rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (nx, nk, -1.0 / rate))[0], nk / rate, math.inf))
         fx, fk = pack_sum(packs[0], wts)
         span: dict[int, float] = {tT: 1.0}
         for s in packs:
             span[t0 + s] = -1.0
         coef, const = _add((span, 0.0, 1.0), (fx, fk, -1.0 / rate))
-        rows.append((coef, -const, np.inf))
-    rows += memory_rows(w, mapping)
+        rows.append((coef, -const, math.inf))
     data, ri, ci, lb, ub = [], [], [], [], []
     for r, (coef, lo, hi) in enumerate(rows):
         for i, x in coef.items():
@@ -221,7 +219,14 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
                 data.append(x)
         lb.append(lo)
         ub.append(hi)
-    a_mat = coo_matrix((data, (ri, ci)), shape=(len(rows), nvar)).tocsr()
+    mem, caps = memory_matrix(w, mapping)  # the memory rows (`milp_memory.memory_rows`), nonzeros at once
+    mr, mc = np.nonzero(mem)
+    a_mat = coo_matrix((np.concatenate([np.array(data, dtype=float), mem[mr, mc]]),
+                        (np.concatenate([np.array(ri, dtype=np.int64), mr + len(rows)]),
+                         np.concatenate([np.array(ci, dtype=np.int64), mc]))),
+                       shape=(len(rows) + len(caps), nvar)).tocsr()
+    lb += [-math.inf] * len(caps)
+    ub += caps
     obj = np.zeros(nvar)
     obj[tT] = 1.0
     obj[tB] = min(len(by_gpu), s_n) - 1  # pipeline fill: (GPUs - 1) steps of the slowest pack
@@ -251,44 +256,3 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     if any(k < 1 for k in sizes):
         return None
     return (float(res.fun), sizes)
-
-
-def memory_rows(w: Plan, mapping: tuple[int, ...]) -> list[tuple[dict[int, float], float, float]]:
-    """One row per moment of the GPU-memory formula: its terms as linear expressions in c[l,s] (GiB)
-    <= the GPU's capacity less the reserve. FIRST of pack s >= 1 reads v_l (c[l-1,s-1] - c[l,s-1]),
-    1 only where pack s starts; LAST of pack s < last, v_l (c[l,s] - c[l+1,s])."""
-    n, s_n, g_n = w.num_layers, len(mapping), w.num_gpus
-    pinned = frozenset(range(n)) if w.resident == ResidentMode.ALL else (
-        frozenset(w.resident) if isinstance(w.resident, tuple) else frozenset())
-    kept_last = (True,) * g_n if w.resident == ResidentMode.AUTO else ()
-    vec = {k: [b / GIB for b in v] for k, v in gpumem.vectors(w, pinned=pinned).items()}
-    packs = gpumem.gpu_packs(mapping, g_n)
-
-    def var(layer: int, s: int) -> int:
-        return layer * (s_n - 1) + s
-
-    def term(t: gpumem.Term) -> Linear:
-        v = vec[t.vector]
-        if t.how == gpumem.SUM:
-            c, k = linear_pack_sum(n, s_n, t.pack, v)
-        elif t.how == gpumem.UPTO:
-            c, k = _add(*((*linear_pack_sum(n, s_n, s, v), 1.0) for s in packs[t.gpu][:t.pack + 1]))
-        elif t.how == gpumem.FIRST and t.pack == 0:
-            c, k = {}, v[0]
-        elif t.how == gpumem.LAST and t.pack == s_n - 1:
-            c, k = {}, v[n - 1]
-        else:
-            c, k, s = {}, 0.0, t.pack - 1 if t.how == gpumem.FIRST else t.pack
-            for layer in range(n - 1):  # between layer and layer + 1
-                x = v[layer + 1] if t.how == gpumem.FIRST else v[layer]
-                c[var(layer, s)] = c.get(var(layer, s), 0.0) + x
-                c[var(layer + 1, s)] = c.get(var(layer + 1, s), 0.0) - x
-        return {i: t.factor * x for i, x in c.items()}, t.factor * k
-
-    rows = []
-    for mo in gpumem.moments(mapping, g_n, w.microbatches, w.activation_home, kept_last):
-        terms = mo.shared + mo.terms + gpumem.window_terms(mo, mapping, g_n, w.prefetch_depth, w.swap, kept_last)
-        coef, const = _add(*((*term(t), 1.0) for t in terms))
-        cap = (w.gpu_memory_bytes[mo.gpu] - w.cost.gpu_reserve_bytes) / GIB
-        rows.append((coef, -np.inf, cap - const))
-    return rows

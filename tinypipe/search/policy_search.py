@@ -21,7 +21,7 @@ peak host). Last, the policy's JSON text, so the same inputs give the same answe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 from tinypipe.common.errors import InputError
@@ -164,7 +164,8 @@ def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = 
     pruned = 0
     considered = 0
     rejected = 0
-    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+    pool = (ProcessPoolExecutor(max_workers=workers, initializer=_install, initargs=(evaluate,))
+            if workers > 1 else None)
     try:
         for stage in (1, 2):
             if stage == 1:
@@ -182,7 +183,7 @@ def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = 
             rejected += n_rejected
     finally:
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(cancel_futures=True)
     result = SearchResult(w, rank(evals, prefer, band), pruned, considered, rejected, prefer=prefer, band=band)
     if result.winner is None:
         result.advice = advise(w, result.ranked)
@@ -194,7 +195,9 @@ def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator,
                       progress: Callable[[int, int], None] | None,
                       slack: float = 1.0) -> tuple[list[Evaluation], int, int]:
     """Evaluate candidates in order of their lower bound, in batches, pruning once bounds pass the best
-    time found times `slack`."""
+    time found times `slack`. With a pool, the next batch's candidates start while this batch's last ones
+    still run, so that no worker idles at a batch's end; those the batch's results then prune are dropped
+    unused, so what is evaluated and kept is the same as one batch after the other."""
     bounded = []
     out: list[Evaluation] = []
     for c in cands:
@@ -206,12 +209,26 @@ def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator,
     bounded.sort(key=lambda t: (t[0], t[1]))
     best = slack * min((e.iteration_s for e in prior + out if e.fits), default=float("inf"))
     batch = max(1, workers) * 2
+    started: dict[int, Future[Evaluation]] = {}  # index into `bounded` -> its evaluation in the pool
+
+    def start(first: int) -> None:
+        """The batch from `first` on, as far as the best time so far keeps it (it only falls, so a batch chosen
+        later holds none that this one leaves out)."""
+        if pool is None:
+            return
+        for j in range(first, min(first + batch, len(bounded))):
+            if bounded[j][0] < best and j not in started:
+                started[j] = pool.submit(_installed, bounded[j][2])
+
+    start(0)
     i = 0
     while i < len(bounded):
         if bounded[i][0] >= best:
             break
-        chunk = [c for lb, _, c in bounded[i:i + batch] if lb < best]
-        results: Iterable[Evaluation] = pool.map(evaluate, chunk) if pool is not None else map(evaluate, chunk)
+        chunk = [j for j in range(i, min(i + batch, len(bounded))) if bounded[j][0] < best]
+        start(i + batch)
+        results: Iterable[Evaluation] = (started.pop(j).result() for j in chunk) if pool is not None else (
+            evaluate(bounded[j][2]) for j in chunk)
         for e in results:
             out.append(e)
             if e.fits:
@@ -219,8 +236,24 @@ def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator,
         i += batch
         if progress is not None:
             progress(min(i, len(bounded)), len(bounded))
+    for f in started.values():  # started ahead and then pruned
+        f.cancel()
     rejected = len(cands) - len(bounded)
     return out, len(bounded) - min(i, len(bounded)), rejected
+
+
+# A worker process's evaluator, installed once when the pool starts it (`_install`), so that tasks carry only a
+# policy: sent with every task, the evaluator would be unpickled afresh each time, and with it its model,
+# hardware and traces, whose identity the simulator's cache of equal schedules keys on (sim/guard.py).
+_INSTALLED: list[Evaluator] = []
+
+
+def _install(evaluate: Evaluator) -> None:
+    _INSTALLED[:] = [evaluate]
+
+
+def _installed(policy: Policy) -> Evaluation:
+    return _INSTALLED[0](policy)
 
 
 def describe(p: Policy) -> str:
