@@ -52,7 +52,7 @@ def with_lora(layer: nn.Module, variant: str, rank: int, alpha: float) -> list[n
                 p.requires_grad_(True)
                 params.append(p)
         return params
-    from backends.lora_linear import LoraLinear
+    from tinypipe.backends.lora_linear import LoraLinear
 
     params = []
     for name, module in list(layer.named_modules()):

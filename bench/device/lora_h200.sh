@@ -28,7 +28,7 @@ fi
 if part run; then
   PROF=""; [ -d "$OUT/profile-lora" ] && PROF="--profile $OUT/profile-lora"
   timeout -k 10 ${CASE_TIMEOUT:-330} python3 bench/cuda_bench.py --cases 1gpu-lora-lean --label=-llama8b-r16 \
-    --steps 8 --out "$OUT/lora_h200.jsonl" --extra $LORA $PROF --calibrate now >>"$OUT/log.txt" 2>&1
+    --steps 8 --out "$OUT/lora_h200.jsonl" --extra $LORA $PROF --calibrate now --keep-checkpoints 0 >>"$OUT/log.txt" 2>&1
   echo "llama-3.1-8b: exit $?"; grep -v "^training \[" "$OUT/log.txt" | tail -4
 fi
 if part qwen; then
