@@ -10,7 +10,6 @@ trained stack is `hf_save.py`'s.
 from __future__ import annotations
 
 import copy
-
 import hashlib
 import json
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""LoRA adapters on a frozen, streamed base: peft's own modules in each block, their tensors on the owner device.
+"""LoRA adapters on a frozen, streamed base: LoRA linears with peft's names in each block, tensors on the device.
 
 `inject` wraps the targeted linears of the decoder blocks a rank owns in `lora_linear.LoraLinear`s, which
 have peft's structure and names and compute W x + (alpha / r) B A dropout(x) as peft does under bf16
@@ -61,7 +61,8 @@ def peft_config(lora: LoraSpec) -> Any:
 
 def inject(stack: LayerStack, lora: LoraSpec, layers: list[int], *, seed: int
            ) -> tuple[dict[int, dict[str, str]], dict[int, dict[str, torch.Tensor]]]:
-    """LoRA linears (peft's structure and names) into the owned blocks of `stack` (in place, before their parameters are stripped).
+    """LoRA linears (peft's structure and names) into the owned blocks of `stack` (in place, before their
+    parameters are stripped).
 
     Returns, per owned layer: {base parameter name -> its name in the injected module} (the LOAD names
     for `functional_call`) and the adapters' initial fp32 tensors by name in the layer."""

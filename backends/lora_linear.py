@@ -13,6 +13,8 @@ the order of one addition.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,8 +35,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
-        a = self.lora_A[ADAPTER].weight.to(x.dtype)
-        b = self.lora_B[ADAPTER].weight.to(x.dtype)
+        a = cast(nn.Linear, self.lora_A[ADAPTER]).weight.to(x.dtype)
+        b = cast(nn.Linear, self.lora_B[ADAPTER]).weight.to(x.dtype)
         h = F.linear(self.lora_dropout[ADAPTER](x), a)
         out = torch.addmm(y.reshape(-1, self.out_features), h.reshape(-1, h.shape[-1]), b.t(), alpha=self.scaling)
         return out.view(y.shape)

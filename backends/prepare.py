@@ -37,7 +37,7 @@ from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
 from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
-from tinypipe.policy.lora import LoraSpec, lora_from_args
+from tinypipe.policy.lora import LoraSpec, lora_from_args, lora_text
 
 from .calibrate import calibrate_run
 from .hf import ModelSource
@@ -228,7 +228,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     if len(hardware.gpus) > args.gpus:
         hardware = _first_gpus(hardware, args.gpus)
     compile_blocks = args.backend == "cuda" if args.compile is None else args.compile
-    lora = policy.lora.text() if policy.lora else ""
+    lora = lora_text(policy.lora)
     asked = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
                       compiled=compile_blocks, lora=lora)
     note = unmatched_note(profiles, asked, spec, compiled=compile_blocks)

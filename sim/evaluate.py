@@ -11,6 +11,7 @@ from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.policy import Policy
+from tinypipe.policy.lora import lora_text
 from tinypipe.search.policy_search import Evaluation
 
 
@@ -30,7 +31,7 @@ class SimEvaluator:
     _traces: dict[tuple[int, str], ProfileTrace] = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, policy: Policy) -> Evaluation:
-        lora = policy.lora.text() if policy.lora else ""
+        lora = lora_text(policy.lora)
         trace = self._traces.get((policy.microbatch_size, lora))
         if trace is None:
             trace = self._traces[(policy.microbatch_size, lora)] = trace_for(

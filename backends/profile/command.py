@@ -331,6 +331,7 @@ def _report(model: str, gpu_model: str, on: str, traces: list[ProfileTrace], rat
     hw = f" --hardware {folder / HARDWARE_FILE}" if any(p.name == HARDWARE_FILE for p in written) else " --hardware H"
     lines.append(f"use: tinypipe simulate --model {model} --profile {folder}{hw} --seq-len {t.seq_len} "
                  f"--microbatch-size {t.microbatch_size}" + ("" if t.dtype == "bf16" else f" --dtype {t.dtype}")
-                 + (f" {lora_flags(t.lora)}" if t.lora else "") + f" (a trace is used where the hardware's GPU model is {gpu_model!r}"
+                 + (f" {lora_flags(t.lora)}" if t.lora else "")
+                 + f" (a trace is used where the hardware's GPU model is {gpu_model!r}"
                  + (", as `run --backend cpu` describes this CPU)" if gpu_model == "CPU" else ")"))
     return "\n".join(lines)

@@ -45,13 +45,13 @@ from tinypipe.describe.model import LayerKind, ModelSpec, head_workspace_bytes, 
 from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.describe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
 from tinypipe.ir.schedule import Action, Kind, Schedule, gpu_resource
-from tinypipe.policy.lora import LoraSpec
+from tinypipe.policy.lora import LoraSpec, lora_text
 from tinypipe.policy.modes import HostMemory
 
 from ..compiled import LayerCaller
 from ..hf import build_model
-from ..host_states import make_host_state
 from ..host_frozen import frozen_host_state
+from ..host_states import make_host_state
 from ..hoststate import DTYPES, AdamWConfig, HostState
 from ..interpreter import Interpreter, StepData
 from ..worker import strip_parameters
@@ -128,7 +128,7 @@ def profile_trace(measured: list[KindMeasurement], spec: ModelSpec, *, gpu_model
                         kinds={k: kind_profile(by_kind[k], spec, (optimizer or {}).get(k))
                                for k in (x.value for x in LayerKind)},
                         analytic=False, source=source, model=spec.name, compiled=compiled, layers=model_shapes(spec),
-                        lora=lora.text() if lora else "")
+                        lora=lora_text(lora))
 
 
 class _Clock:
@@ -187,13 +187,12 @@ class LayerBench:
         self.lora = lora
         # the layers' masters, which the optimizer's profile (optim.py) also reads; a frozen base with its
         # adapters on the device for `profile --lora` (as a LoRA run holds them)
-        self.host: HostState
-        if lora is not None:
-            self.host = host = frozen_host_state(stack, lora, sorted(stack.owned()), device=device,
-                                                 compute_dtype=DTYPES[dtype], optim=AdamWConfig(), seed=seed)
-        else:
-            self.host = host = make_host_state(stack.state(), host_memory=HostMemory.REPLICATED,
-                                               compute_dtype=DTYPES[dtype], optim=AdamWConfig())
+        host: HostState = (
+            frozen_host_state(stack, lora, sorted(stack.owned()), device=device, compute_dtype=DTYPES[dtype],
+                              optim=AdamWConfig(), seed=seed) if lora is not None else
+            make_host_state(stack.state(), host_memory=HostMemory.REPLICATED, compute_dtype=DTYPES[dtype],
+                            optim=AdamWConfig()))
+        self.host = host
         for i in stack.owned():
             strip_parameters(stack.layers[i])  # type: ignore[arg-type]
         caller = LayerCaller(compile_blocks=compile_blocks)  # one, so both interpreters share its graphs

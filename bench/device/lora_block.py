@@ -18,7 +18,8 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ def with_lora(layer: nn.Module, variant: str, rank: int, alpha: float) -> list[n
     from tinypipe.backends.lora_linear import LoraLinear
 
     params = []
-    for name, module in list(layer.named_modules()):
+    for module in list(layer.modules()):
         for t in TARGETS:
             child = getattr(module, t, None)
             if isinstance(child, nn.Linear):
@@ -122,7 +123,6 @@ def measure(variant: str, compiled: bool, args: argparse.Namespace) -> dict[str,
     row = {"variant": variant, "compiled": compiled, "fwd_ms": 1e3 * timeit(fwd, args.warmup, args.repeat),
            "recompute_bwd_ms": 1e3 * timeit(bwd, args.warmup, args.repeat), "first_s": first,
            "adapter_params": sum(p.numel() for p in adapters)}
-    del layer, fn
     torch.cuda.empty_cache()
     return row
 

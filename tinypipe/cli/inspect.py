@@ -124,7 +124,13 @@ def cmd_inspect_coverage(args: argparse.Namespace) -> int:
     from tinypipe.common import table
     from tinypipe.describe.hardware import load_hardware, shipped_hardware
     from tinypipe.describe.hfconfig import load_model
-    from tinypipe.estimate.coverage import COVERAGE_MODELS, LORA, PEER_BYTES_PER_PARAM, PEER_LORA_BYTES_PER_PARAM, coverage
+    from tinypipe.estimate.coverage import (
+        COVERAGE_MODELS,
+        LORA,
+        PEER_BYTES_PER_PARAM,
+        PEER_LORA_BYTES_PER_PARAM,
+        coverage,
+    )
 
     positive("--seq-len", args.seq_len)
     models = [load_model(n) for n in COVERAGE_MODELS]

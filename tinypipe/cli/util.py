@@ -46,7 +46,7 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any, hw: Any 
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import trace_for
     from tinypipe.policy import load_policy
-    from tinypipe.policy.lora import lora_from_args
+    from tinypipe.policy.lora import lora_from_args, lora_text
 
     for flag in ("seq_len", "iterations", "microbatches", "microbatch_size"):
         v = getattr(args, flag, None)
@@ -73,7 +73,7 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any, hw: Any 
                              f"({policy.microbatch_size} sequence(s) x {args.seq_len} tokens = {per_mb})")
         policy = policy.replace(microbatches=batch_tokens // per_mb)
     trace = trace_for(model, hw.gpus[0], microbatch_size=policy.microbatch_size, seq_len=args.seq_len,
-                      dtype=args.dtype, profiles=profiles, lora=policy.lora.text() if policy.lora else "")
+                      dtype=args.dtype, profiles=profiles, lora=lora_text(policy.lora))
     return model, hw, policy, trace
 
 

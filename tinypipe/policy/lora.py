@@ -86,6 +86,11 @@ class LoraSpec:
                    dropout=f.float("dropout", 0.0), targets=tuple(targets))
 
 
+def lora_text(lora: LoraSpec | None) -> str:
+    """`lora.text()`, or "" for full training: how a profile trace names the adapters it measured."""
+    return lora.text() if lora is not None else ""
+
+
 def parse_targets(text: str, where: str = "--lora-targets") -> tuple[str, ...]:
     """`q,k,v,o,gate,up,down` (or `all`) as roles; an unknown name is a one-line InputError."""
     names = tuple(t.strip() for t in text.split(",") if t.strip())

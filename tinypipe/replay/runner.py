@@ -26,6 +26,7 @@ from tinypipe.ir.order import pair_halves
 from tinypipe.ir.schedule import Schedule
 from tinypipe.ir.timeline import Record, Timeline, issue_s_per_iteration
 from tinypipe.policy import Policy, load_policy
+from tinypipe.policy.lora import lora_text
 from tinypipe.replay.report import ReplayReport, critical_gaps, kind_rows, resource_rows
 from tinypipe.replay.trace_match import (
     RunTrace,
@@ -130,7 +131,7 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
         profile = ProfileTrace.from_json(run["profile"], where=f"{where}: otherData.run.profile")
     else:
         profile = trace_for(model, hardware.gpus[0], policy.microbatch_size, seq_len, dtype,
-                            lora=policy.lora.text() if policy.lora else "")
+                            lora=lora_text(policy.lora))
     iterations = args.iterations or run.get("iterations") or min(WINDOW_ITERATIONS, trace.steps)
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else run.get("gpu_mem_bytes")
     schedule = _read_schedule(args.schedule, trace.gpus) if args.schedule else None

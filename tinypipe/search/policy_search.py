@@ -33,6 +33,7 @@ from tinypipe.estimate.lora import frozen_host_bytes, trace_for_policy
 from tinypipe.estimate.plan import base_plan
 from tinypipe.ir.schedule import recomputes
 from tinypipe.policy import Policy
+from tinypipe.policy.lora import lora_text
 from tinypipe.policy.modes import (
     HostMemory,
     OptimizerState,
@@ -116,7 +117,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     """
     hw, model = w.hardware, w.model
     trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len, dtype=w.dtype,
-                      profiles=w.profiles, lora=p.lora.text() if p.lora else "")
+                      profiles=w.profiles, lora=lora_text(p.lora))
     raw = trace
     # a frozen base (LoRA): its measured or scaled times, no host step, one compute-dtype copy on the host
     trace = trace_for_policy(trace, model, p.lora)
@@ -287,9 +288,7 @@ def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
         lines.append(f"host memory falls short by {gib(closest.host_short_bytes)} in the closest candidate "
                      f"({describe(closest.policy)}): the frozen base ({gib(frozen)}) and the activations parked "
                      "on the host")
-    elif lora is not None:
-        pass
-    elif compact > w.host_limit:
+    elif lora is None and compact > w.host_limit:
         lines.append(f"host memory falls short: the compact layout needs {gib(compact)} for parameters and "
                      f"{state} optimizer state, the limit is {gib(w.host_limit)}; add at least "
                      f"{gib(compact - w.host_limit)} of host DRAM")
