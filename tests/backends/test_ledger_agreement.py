@@ -90,7 +90,8 @@ def test_async_ledgers_agree_in_order(layout: str) -> None:
 
 @pytest.mark.parametrize("layout", ["compact", "replicated"])
 def test_async_gpu_peak_holds_on_a_slow_host(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Async, one GPU, six packs, the host optimizer slowed to 50 ms a step: gradients wait on the GPU for
+    """Async, one GPU, six packs, the host optimizer slowed to 200 ms a step (slow beside the
+    compute even on a loaded 2-core machine, where 50 ms was not): gradients wait on the GPU for
     their steps, and the run's ledger goes above the simulator's ledger at the trace's optimizer rate
     (what was predicted before) but not above the predicted GPU peak (`engine._slow_host_memory`)."""
     import time
@@ -101,7 +102,7 @@ def test_async_gpu_peak_holds_on_a_slow_host(layout: str, monkeypatch: pytest.Mo
 
     def slow(self: hostwork.HostWorker, before: object, work: object) -> object:
         def late() -> object:
-            time.sleep(0.05)
+            time.sleep(0.2)
             return work()  # type: ignore[operator]
         return submit(self, before, late)  # type: ignore[arg-type]
 

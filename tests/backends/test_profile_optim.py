@@ -120,13 +120,15 @@ def test_steps_by_phase_run_beside_each_phases_loop(bench: LayerBench) -> None:
         assert w.done_before_start == [False, False] and min(w.windows) >= 1  # the sync step, then the async
     loops = {only: w.loop for only, w in phases.items()}
     opt, steps, _ = measure_optimizer(bench, mixed.loop, threads=1, max_steps=1, phases=loops)
-    block = opt["block"]
+    block, med = opt["block"], statistics.median
     for layout in tuple(HostMemory):
+        # one step per round; a round under steal is taken again, and when no round was quiet the
+        # medians are over every round's steps (`quiet_rounds`): compare with the medians of what was kept
         k = steps["block"][layout]
-        assert block.phases_s(layout, block.params) == (k.alone_s[0], k.phases_s["beside_fwd_s"][0],
-                                                        k.phases_s["beside_bwd_s"][0])
+        assert block.phases_s(layout, block.params) == (med(k.alone_s), med(k.phases_s["beside_fwd_s"]),
+                                                        med(k.phases_s["beside_bwd_s"]))
         assert block.phases_s(layout, block.params, asynchronous=True) == tuple(
-            k.phases_s[f][0] for f in ("async_alone_s", "async_beside_fwd_s", "async_beside_bwd_s"))
+            med(k.phases_s[f]) for f in ("async_alone_s", "async_beside_fwd_s", "async_beside_bwd_s"))
 
 
 class _FakeSteal:
