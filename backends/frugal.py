@@ -2,9 +2,11 @@
 
 `check_disk` refuses a run whose checkpoints the disk cannot hold, before any worker starts: one
 checkpoint's bytes come from the same formula as the host state (`hostmem.checkpoint_bytes`, for the
-layers each rank holds), and the disk must hold `--keep-checkpoints` + 1 of them (the next is written
-beside the kept ones before the oldest goes) and the fine-tuned model in its save dtype (once at the end,
-and once more per `--save-every` N steps), less what earlier checkpoints of this run already hold there.
+layers each rank holds; under LoRA the adapters and their moments, `estimate.lora.adapter_checkpoint_bytes`),
+and the disk must hold `--keep-checkpoints` + 1 of them (the next is written beside the kept ones before
+the oldest goes) and the fine-tuned model in its save dtype, or a LoRA run's adapter directory and its
+merged model if asked for (once at the end, and once more per `--save-every` N steps), less what earlier
+checkpoints of this run already hold there.
 """
 
 from __future__ import annotations
@@ -31,10 +33,15 @@ def add_frugal_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def checkpoint_plan_bytes(spec: Any, schedule: Any) -> int:
-    """Bytes of one checkpoint of all ranks of `schedule` (each rank's layers by `hostmem.checkpoint_bytes`)."""
+    """Bytes of one checkpoint of all ranks of `schedule` (each rank's layers by `hostmem.checkpoint_bytes`, or
+    under LoRA by `estimate.lora.adapter_checkpoint_bytes`: the adapters and their moments, not the base)."""
     from tinypipe.estimate.hostmem import checkpoint_bytes
+    from tinypipe.estimate.lora import adapter_checkpoint_bytes
     from tinypipe.ir.schedule import owned_layers
 
+    if schedule.lora is not None:
+        return sum(adapter_checkpoint_bytes(spec, schedule.lora, tuple(owned_layers(schedule, r)))
+                   for r in range(schedule.num_gpus))
     return sum(checkpoint_bytes(spec, schedule.host_memory, compute_dtype=schedule.compute_dtype,
                                 layers=tuple(owned_layers(schedule, r)), optimizer=schedule.optimizer,
                                 optimizer_state=schedule.optimizer_state) for r in range(schedule.num_gpus))
@@ -47,6 +54,18 @@ def model_bytes(spec: Any, dtype: str = "fp32") -> int:
     return DTYPE_BYTES[dtype] * int(spec.params)
 
 
+def output_bytes(spec: Any, schedule: Any, dtype: str = "fp32", *, merge: bool = False) -> int:
+    """Bytes of one saved output: the fine-tuned model in `dtype`, or under LoRA the peft adapter directory
+    (fp32 adapters) and, with `merge`, the merged model in `dtype` beside it."""
+    from tinypipe.estimate.lora import model_adapter_params
+    from tinypipe.policy.lora import ADAPTER_WEIGHT_BYTES_PER_PARAM
+
+    if schedule.lora is None:
+        return model_bytes(spec, dtype)
+    adapters = ADAPTER_WEIGHT_BYTES_PER_PARAM * model_adapter_params(spec, schedule.lora)
+    return adapters + (model_bytes(spec, dtype) if merge else 0)
+
+
 def free_bytes(out: Path) -> int:
     """Free bytes of the filesystem `out` is (or will be) on: that of its nearest existing ancestor."""
     p = out.resolve()
@@ -56,14 +75,16 @@ def free_bytes(out: Path) -> int:
 
 
 def check_disk(out: str, spec: Any, schedule: Any, *, keep: int, checkpoints: bool, save_model: bool = True,
-               save_dtype: str = "fp32", model_copies: int = 1, free: int | None = None) -> dict[str, int]:
+               save_dtype: str = "fp32", model_copies: int = 1, merge: bool = False,
+               free: int | None = None) -> dict[str, int]:
     """The bytes a run's output needs on disk (`need`, `free`, `checkpoint`, `model`); InputError when
     `out`'s filesystem cannot hold them, saying how much and what to change. `model_copies`: the saved
-    models the run writes (the end's, and one per --save-every)."""
+    models the run writes (the end's, and one per --save-every); `merge`: a LoRA run also writes the merged
+    model (`output_bytes`)."""
     from . import checkpoint
 
     one = checkpoint_plan_bytes(spec, schedule) if checkpoints and keep > 0 else 0
-    model = model_copies * model_bytes(spec, save_dtype) if save_model else 0
+    model = model_copies * output_bytes(spec, schedule, save_dtype, merge=merge) if save_model else 0
     reused = checkpoint.held_bytes(out) if one else 0  # this run's own earlier checkpoints make way
     need = max(0, (keep + 1) * one - reused) + model
     free = free_bytes(Path(out)) if free is None else free
@@ -80,7 +101,7 @@ def check_disk(out: str, spec: Any, schedule: Any, *, keep: int, checkpoints: bo
             fixes.append(f"--keep-checkpoints {keep - 1}")
         if one and model <= free:
             fixes.append("--keep-checkpoints 0 (no checkpoints: the run cannot be resumed)")
-        if schedule.optimizer_state != OptimizerState.INT8 and one:
+        if schedule.optimizer_state != OptimizerState.INT8 and one and schedule.lora is None:
             fixes.append("--optimizer-state 8bit (smaller checkpoints)")
         fixes.append("an --out on a larger filesystem")
         raise InputError(f"--out {out}: the run needs {gib(need)} on disk ({', '.join(parts)}) and its filesystem "

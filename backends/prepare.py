@@ -280,7 +280,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
 
     save_dtype = args.save_dtype or model_dtype(args.model)
     check_disk(out, spec, schedule, keep=args.keep_checkpoints, checkpoints=True, save_dtype=save_dtype,
-               save_model=args.save or bool(args.save_every),
+               save_model=args.save or bool(args.save_every), merge=args.merge,
                model_copies=1 + (args.steps // args.save_every if args.save_every else 0))
     if args.resume:  # the same checks the workers make, before any of them starts
         from . import checkpoint

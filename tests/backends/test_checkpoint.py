@@ -123,6 +123,29 @@ def test_a_disk_too_small_refuses_the_run_before_training_in_one_line(tmp_path: 
     assert frugal.check_disk(out, spec, sched, keep=0, checkpoints=True, free=model)["need"] == model
 
 
+def test_a_lora_run_needs_disk_for_its_adapters_not_the_base() -> None:
+    """Under LoRA a checkpoint is the adapters' fp32 weights and two moments per rank (plus its slack) and
+    the output the fp32 adapter directory; `--merge` adds the merged model in the save dtype."""
+    from tinypipe.estimate.hostmem import CHECKPOINT_SLACK_BYTES
+    from tinypipe.estimate.lora import model_adapter_params
+    from tinypipe.policy.lora import LoraSpec
+
+    spec, lora = load_model("tiny-llama"), LoraSpec(rank=2)
+    sched = compiled("tiny-llama", PRESETS["tinypipe"].replace(packing=(3, 3), mapping=(0, 1), lora=lora), 2)
+    adapters = model_adapter_params(spec, lora)
+    assert 0 < adapters < spec.params // 10
+    one = frugal.checkpoint_plan_bytes(spec, sched)
+    assert one == 12 * adapters + 2 * CHECKPOINT_SLACK_BYTES
+    got = frugal.check_disk("unused", spec, sched, keep=1, checkpoints=True, save_dtype="bf16", free=1 << 40)
+    assert got["need"] == 2 * one + 4 * adapters and got["model"] == 4 * adapters
+    merged = frugal.check_disk("unused", spec, sched, keep=1, checkpoints=True, save_dtype="bf16", merge=True,
+                               free=1 << 40)
+    assert merged["model"] == 4 * adapters + frugal.model_bytes(spec, "bf16")
+    with pytest.raises(InputError, match="--keep-checkpoints 0") as info:
+        frugal.check_disk("unused", spec, sched, keep=1, checkpoints=True, free=one)
+    assert "--optimizer-state" not in str(info.value)  # a LoRA checkpoint holds no host moments
+
+
 def test_run_refuses_a_disk_too_small_with_exit_code_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """`tinypipe run` on a filesystem with 1 KiB free: exit 2, one `error:` line naming --keep-checkpoints,

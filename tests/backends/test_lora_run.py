@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 from conftest import TINY_QWEN3  # noqa: E402
-from tinypipe.backends import checkpoint  # noqa: E402
+from tinypipe.backends import checkpoint, frugal  # noqa: E402
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.hf import build_model  # noqa: E402
@@ -28,6 +28,7 @@ from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
 
 from tinypipe.common.errors import InputError  # noqa: E402
+from tinypipe.estimate.hostmem import CHECKPOINT_SLACK_BYTES  # noqa: E402
 from tinypipe.policy.lora import LoraSpec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -161,7 +162,8 @@ def test_lora_through_the_pipeline_equals_peft(tmp_path: Path, tied: bool, gpus:
 
 
 def test_resume_is_bit_exact_and_async_trains_the_same(tmp_path: Path) -> None:
-    """Stopped after 2 of 5 steps and resumed, the adapters equal an uninterrupted run's bit for bit; under the
+    """Stopped after 2 of 5 steps and resumed, the adapters equal an uninterrupted run's bit for bit (the
+    checkpoint on disk is the size `check_disk` plans for); under the
     asynchronous optimizer mode (nothing runs on the host: the adapters step on the device in stream order)
     the losses and adapters equal the synchronous run's."""
     model = config(tmp_path)
@@ -172,6 +174,9 @@ def test_resume_is_bit_exact_and_async_trains_the_same(tmp_path: Path) -> None:
     _, first = pipeline(part_dir, model, 2, "--steps", "5", "--checkpoint-every", "2", stop_after=2)
     assert all(r.interrupted for r in first) and checkpoint.find(part_dir / "out") is not None
     plan = make_run_plan(parse("--gpus", "2", "--out", str(part_dir / "out"), "--resume"))
+    # the checkpoint holds the adapters and their moments, not the base: the formula `check_disk` sizes it by
+    formula = frugal.checkpoint_plan_bytes(plan.spec, plan.schedule)
+    assert formula - 2 * CHECKPOINT_SLACK_BYTES <= checkpoint.held_bytes(part_dir / "out") <= formula
     assert plan.schedule.lora == LoraSpec(rank=RANK, alpha=ALPHA, targets=("q", "k", "v", "o", "gate", "up", "down"))
     second = run_threads(dataclasses.replace(plan.job, progress=False, checkpoint_s=0.0), 2)
     assert [r.start_step for r in second] == [2, 2]

@@ -28,6 +28,7 @@ from tinypipe.policy.modes import HostMemory
 # 28 bytes a parameter, at the share of the GPU's memory bandwidth streaming kernels reach
 # (`describe.trace.MEM_FRACTION`); plus one multi-tensor launch per layer. Spec-derived, not measured.
 ADAM_BYTES_PER_PARAM = 28
+ADAPTER_MOMENT_BYTES_PER_PARAM = 8  # AdamW's exp_avg and exp_avg_sq, fp32, in a checkpoint
 ADAPTER_STEP_LAUNCH_S = 20e-6
 STREAM_FRACTION = 0.8
 HEAD_FROZEN_BWD_SHARE = 2 / 3  # the chunked head's backward: logits again, the input's gradient (not the weight's)
@@ -60,6 +61,17 @@ def adapter_state_bytes(layer: LayerSpec, lora: LoraSpec) -> int:
 def adapter_weight_bytes(layer: LayerSpec, lora: LoraSpec) -> int:
     """The adapters' fp32 weights: an adapter step's `nbytes` (its parameters x 4, as OPT_STEP's master)."""
     return adapter_params(layer, lora) * ADAPTER_WEIGHT_BYTES_PER_PARAM
+
+
+def adapter_checkpoint_bytes(model: ModelSpec, lora: LoraSpec, layers: tuple[int, ...] | None = None) -> int:
+    """Bytes of one LoRA checkpoint of `layers` (default all) on disk: the adapters' fp32 weights and AdamW's two
+    fp32 moments (the frozen base is the model's own and is not written), plus the rank's
+    CHECKPOINT_SLACK_BYTES (step counters, RNG states, the JSON beside them)."""
+    from tinypipe.estimate.hostmem import CHECKPOINT_SLACK_BYTES
+
+    chosen = range(len(model.layers)) if layers is None else layers
+    params = sum(adapter_params(model.layers[i], lora) for i in chosen)
+    return params * (ADAPTER_WEIGHT_BYTES_PER_PARAM + ADAPTER_MOMENT_BYTES_PER_PARAM) + CHECKPOINT_SLACK_BYTES
 
 
 def adapter_step_s(params: int, gpu: GPU) -> float:
