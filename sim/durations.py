@@ -3,8 +3,9 @@
 `action_costs` is the table sim/engine.py runs from, one entry per action, by its kind's cost class
 (`tinypipe.ir.kinds.KINDS`; docs/schedule-contract.md): compute (FWD / BWD) from the trace
 (`KindProfile.compute_s`, with loop times alone and beside the optimizer and the loop's issue gaps; a
-frozen base's as `estimate.lora.frozen_trace` scales them), a free kind no time, a GPU optimizer step
-(ADAPT_STEP) `estimate.lora.adapter_step_s`, the optimizer `hostmem.optimizer_step_s` (or, measured by phase,
+frozen base's from a trace measured with its adapters as it is, from a full-training one scaled:
+`estimate.lora.trace_for_policy`), a free kind no time, a GPU optimizer step (ADAPT_STEP)
+`estimate.lora.adapter_step_s`, the optimizer `hostmem.optimizer_step_s` (or, measured by phase,
 `hostmem.optimizer_step_phases_s` and the rank whose compute phase sets its rate), and copies as
 (bytes, latency, the capacities of the route they cross: every directed link and the host's DMA cap).
 """
@@ -18,7 +19,7 @@ from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace
 from tinypipe.estimate.hostmem import optimizer_step_phases_s, optimizer_steps_s
-from tinypipe.estimate.lora import adapter_step_s, frozen_trace
+from tinypipe.estimate.lora import adapter_step_s, trace_for_policy
 from tinypipe.ir.kinds import Cost, Direction
 from tinypipe.ir.order import layer_owner
 from tinypipe.ir.schedule import Schedule, resource_gpu
@@ -60,8 +61,8 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
         raise InputError(f"trace was profiled at {trace.tokens_per_microbatch} tokens per microbatch but the "
                          f"schedule uses {schedule.tokens_per_microbatch}; use a trace for this microbatch size "
                          "(ProfileTrace.scaled_to scales one linearly)")
-    if schedule.lora is not None:  # a frozen base: the trace's times as LoRA changes them (estimate/lora.py)
-        trace = frozen_trace(trace, model, schedule.lora)
+    # a frozen base: a trace measured with the adapters as it is, a full one as LoRA changes it (estimate/lora.py)
+    trace = trace_for_policy(trace, model, schedule.lora)
     cap = link_capacities(hardware)
     routes: dict[tuple[str, str], tuple[float, tuple[str, ...]]] = {}
 

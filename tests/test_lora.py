@@ -151,3 +151,33 @@ def test_cli_lora_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--lora-alpha", "3"]) == 2
     assert "needs --lora R" in capsys.readouterr().err
 
+
+def test_a_trace_measured_with_the_adapters_is_not_scaled_again() -> None:
+    """`profile --lora` measures the frozen block with its adapters: the floor and the simulator take those times as
+    they are (every FWD / BWD at the trace's time, and the adapter steps), where a full-training trace is scaled for
+    the frozen base; the same trace marked as measured with other adapters is refused."""
+    from tinypipe.estimate.floor import schedule_floor
+    from tinypipe.estimate.lora import adapter_step_s
+    from tinypipe.ir.kinds import Cost, Direction
+
+    m = load_model("llama-3.1-8b")
+    hw = load_hardware("h200x1")
+    tr = trace_for(m, hw.gpus[0], 1, 2048)
+    measured = dataclasses.replace(tr, lora=ALL.text())  # the full trace's times, as if measured with the adapters
+    sched = compile_schedule(PRESETS["tinypipe"].replace(lora=ALL, microbatches=8), m, hw, measured, iterations=1)
+    want = 0.0
+    for a in sched.actions:
+        info = a.kind.info
+        if info.cost is Cost.COMPUTE:
+            kp = tr.layer(m.layers[a.layer])
+            want += kp.least_compute_s(info.direction is Direction.FORWARD, sched.recomputes(a.layer), issue=False)
+        elif info.cost is Cost.DEVICE_OPTIMIZER:
+            want += adapter_step_s(a.nbytes // 4, hw.gpus[0])
+    assert schedule_floor(sched, m, hw, measured).compute_s == pytest.approx(want, rel=1e-12)
+    assert schedule_floor(sched, m, hw, tr).compute_s < 0.9 * want  # a full trace: the frozen backward is cheaper
+    sim = simulate(sched, m, hw, measured)
+    assert sim.busy_fraction["g0.compute"] * sim.iteration_s == pytest.approx(want, rel=0.02)
+    other = dataclasses.replace(tr, lora=LoraSpec(rank=4).text())
+    with pytest.raises(InputError, match="measured with LoRA"):
+        simulate(sched, m, hw, other)
+

@@ -38,11 +38,18 @@ LLAMA8B = load_model("llama-3.1-8b")
 
 
 def test_shipped_traces() -> None:
-    """Four measured H200 Llama-3.1-8B traces ship, at 1, 2, 4 and 8 sequences of 2048 tokens, eager, and
-    one of compiled blocks at 4 sequences."""
+    """Four measured H200 Llama-3.1-8B traces ship, at 1, 2, 4 and 8 sequences of 2048 tokens, eager, one of
+    compiled blocks at 4 sequences, and one of compiled blocks on a frozen base with LoRA r16 on all seven
+    linears (`profile --lora`), which only a run with those adapters takes."""
+    lora = "h200-llama-3.1-8b-mb4-seq2048-compiled-lora-r16-a32-d0-q-k-v-o-gate-up-down"
     assert shipped_traces() == ([f"h200-llama-3.1-8b-mb{n}-seq2048" for n in (1, 2, 4)]
-                                + ["h200-llama-3.1-8b-mb4-seq2048-compiled", "h200-llama-3.1-8b-mb8-seq2048"])
-    assert [load_trace(n).compiled for n in shipped_traces()] == [False, False, False, True, False]
+                                + ["h200-llama-3.1-8b-mb4-seq2048-compiled", lora, "h200-llama-3.1-8b-mb8-seq2048"])
+    assert [load_trace(n).compiled for n in shipped_traces()] == [False, False, False, True, True, False]
+    assert [n for n in shipped_traces() if load_trace(n).lora] == [lora]
+    adapters = "r16,a32,d0,q+k+v+o+gate+up+down"
+    assert trace_for(LLAMA8B, H200, 4, 2048, compiled=True, lora=adapters) == load_trace(lora)
+    assert not trace_for(LLAMA8B, H200, 4, 2048, compiled=True).lora  # a full-training run never takes it
+    assert not trace_for(LLAMA8B, H200, 4, 2048, compiled=True, lora="r8,a8,d0,q+v").lora
 
 
 def test_trace_for_matches_compiled_blocks() -> None:
