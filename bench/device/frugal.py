@@ -62,7 +62,8 @@ def run_once(argv: list[str]) -> dict[str, Any]:
     """One `tinypipe run` in this process's launcher: what it measured and predicted."""
     from tinypipe.backends.launch import launch
     from tinypipe.backends.prepare import make_run_plan
-    from tinypipe.backends.run import add_run_arguments, timeline
+    from tinypipe.backends.run_args import add_run_arguments
+    from tinypipe.backends.runtrace import timeline
 
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
@@ -106,7 +107,7 @@ def part_checkpoint(out: Path, dry: bool) -> None:
     if dry:
         from tinypipe.backends import frugal
         from tinypipe.backends.prepare import make_run_plan
-        from tinypipe.backends.run import add_run_arguments
+        from tinypipe.backends.run_args import add_run_arguments
 
         from tinypipe.common.errors import InputError
 
