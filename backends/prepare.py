@@ -250,8 +250,10 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
                     lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip))
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
+        slack = hardware.gpus[0].allocator_slack_bytes
+        kept = f" ({gib(slack)} of each GPU's room is kept for PyTorch's allocator)" if slack else ""
         raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
-                         f"{prediction.violation}")
+                         f"{prediction.violation}{kept}")
     used = sorted(set(schedule.pack_gpu))
     if used != list(range(args.gpus)):
         spread = _on_every_gpu(policy, spec, hardware, trace, iterations, grad_clip=clip)

@@ -35,7 +35,7 @@ def train(data: str | None, state: str, seed: int, steps: int) -> list[float]:
     """The per-step losses of one run through the pipeline (2 CPU workers, no checkpoints, nothing saved)."""
     from tinypipe.backends.launch import launch
     from tinypipe.backends.prepare import make_run_plan
-    from tinypipe.backends.run import add_run_arguments
+    from tinypipe.backends.run_args import add_run_arguments
 
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)

@@ -298,15 +298,14 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
     n = schedule.num_gpus
     if n > len(hardware.gpus):
         raise InputError(f"schedule uses {n} GPUs but hardware {hardware.name!r} has {len(hardware.gpus)}")
-    if gpu_mem_bytes is None:
-        gpu_cap = [hardware.gpus[g].memory_bytes for g in range(n)]
-    elif isinstance(gpu_mem_bytes, int):
-        gpu_cap = [gpu_mem_bytes] * n
+    if gpu_mem_bytes is None or isinstance(gpu_mem_bytes, int):
+        caps: list[int | None] = [gpu_mem_bytes] * n
     else:
-        gpu_cap = list(gpu_mem_bytes)
-        if len(gpu_cap) != n:
-            raise InputError(f"gpu_mem_bytes lists {len(gpu_cap)} GPUs; the schedule uses {n}")
-    capacity = {f"g{g}": gpu_cap[g] for g in range(n)}
+        caps = list(gpu_mem_bytes)
+        if len(caps) != n:
+            raise InputError(f"gpu_mem_bytes lists {len(caps)} GPUs; the schedule uses {n}")
+    # the ledger's room: the memory or the cap, less what the allocator keeps reserved (`GPU.usable_bytes`)
+    capacity = {f"g{g}": hardware.gpus[g].usable_bytes(caps[g]) for g in range(n)}
     capacity[HOST] = hardware.host.memory_bytes if host_mem_bytes is None else host_mem_bytes
     static = {d: schedule.static(d) for d in capacity}
     with collector_paused():  # events, records and samples by the ten thousand, mostly kept (common/gcpause.py)

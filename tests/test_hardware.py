@@ -161,6 +161,25 @@ def test_bad_fields_name_file_and_field(tmp_path: Path, mutate: Any, message: st
     assert "\n" not in str(info.value)
 
 
+def test_a_gpu_keeps_the_allocators_slack(tmp_path: Path) -> None:
+    """A hardware JSON's GPUs keep ALLOCATOR_SLACK_BYTES free for PyTorch's allocator unless the field says
+    otherwise; it round-trips, and a slack of the whole memory is refused."""
+    from tinypipe.describe.hardware import ALLOCATOR_SLACK_BYTES
+
+    hw = load_hardware("h200x1")
+    assert hw.gpus[0].allocator_slack_bytes == ALLOCATOR_SLACK_BYTES == 512 << 20
+    assert hw.gpus[0].usable_bytes(24 << 30) == (24 << 30) - (512 << 20)
+    assert hw.gpus[0].usable_bytes() == hw.gpus[0].memory_bytes - (512 << 20)
+    obj = _preset_json("h200x2")
+    obj["gpu"]["allocator_slack_bytes"] = 0
+    zero = load_hardware(_write(tmp_path, obj))
+    assert [g.allocator_slack_bytes for g in zero.gpus] == [0, 0]
+    assert Hardware.from_json(zero.to_json()) == zero
+    obj["gpu"]["allocator_slack_bytes"] = obj["gpu"]["memory_bytes"]
+    with pytest.raises(InputError, match=r"gpu\.allocator_slack_bytes: must be less than memory_bytes"):
+        load_hardware(_write(tmp_path, obj))
+
+
 def test_unreachable_gpu_is_named(tmp_path: Path) -> None:
     """A GPU joined to the others only by NVLink, not to the host over PCIe, is an error naming it."""
     obj = _preset_json("h200x2")

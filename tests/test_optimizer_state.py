@@ -118,7 +118,7 @@ def test_search_finds_a_full_fine_tuning_of_llama_8b_on_a_64gb_workstation_only_
 
     model, hw = load_model("llama-3.1-8b"), load_hardware("rtx4090x1")
     w = SearchTarget(model, hw, 2048, 32)
-    narrow = dict(microbatch_sizes=(4,), pack_sizes=(2,), packers=(), swaps=(SwapMode.LAYER,), recompute=(True,),
+    narrow = dict(microbatch_sizes=(2,), pack_sizes=(2,), packers=(), swaps=(SwapMode.LAYER,), recompute=(True,),
                   activation_homes=(ActivationHome.GPU,), mappings=("cross",), prefetch_depths=(1,),
                   residents=(ResidentMode.AUTO,))
     evaluate = SimEvaluator(model, hw, 2048, None, None)
@@ -182,9 +182,9 @@ def test_parked_activations_count_against_host_memory_and_a_tight_host_keeps_the
     from tinypipe.estimate.plan import base_plan
 
     model, hw = load_model("llama-3.1-8b"), load_hardware("rtx4090x1")
-    p = PRESETS["tinypipe"].replace(packing="uniform", pack_size=2, mapping="cross", prefetch_depth=1, microbatches=8,
-                                    microbatch_size=4, optimizer="sync", optimizer_state="8bit")
-    trace = analytic_trace(model, hw.gpus[0], microbatch_size=4, seq_len=2048)
+    p = PRESETS["tinypipe"].replace(packing="uniform", pack_size=2, mapping="cross", prefetch_depth=1, microbatches=16,
+                                    microbatch_size=2, optimizer="sync", optimizer_state="8bit")
+    trace = analytic_trace(model, hw.gpus[0], microbatch_size=2, seq_len=2048)
     peaks = {}
     for home in ActivationHome:
         q = p.replace(activation_home=home)
@@ -198,7 +198,7 @@ def test_parked_activations_count_against_host_memory_and_a_tight_host_keeps_the
     for home, want in fits.items():
         for limit, ok in want.items():
             assert SimEvaluator(model, hw, 2048, None, limit)(p.replace(activation_home=home)).fits == ok, home
-    narrow = dict(microbatch_sizes=(4,), pack_sizes=(2,), packers=(), swaps=(SwapMode.LAYER,), recompute=(True,),
+    narrow = dict(microbatch_sizes=(2,), pack_sizes=(2,), packers=(), swaps=(SwapMode.LAYER,), recompute=(True,),
                   mappings=("cross",), prefetch_depths=(1,), residents=(ResidentMode.AUTO,), optimizer_state="8bit")
     w = SearchTarget(model, hw, 2048, 32, host_mem_bytes=tight)
     res = search(w, SimEvaluator(model, hw, 2048, None, tight), space=SearchSpace(**narrow))

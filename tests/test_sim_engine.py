@@ -228,6 +228,19 @@ def test_over_capacity_recorded_and_run_continues() -> None:
     assert sim(_two_loads()).fits
 
 
+def test_the_allocators_slack_comes_off_the_gpu_capacity() -> None:
+    """A GPU's `allocator_slack_bytes` is kept free below its memory or the cap: two loads (6 MB at once) fit a
+    6 MB cap without slack and not with 1 byte of it; the recorded capacity is the cap less the slack."""
+    import dataclasses
+
+    hw = tiny_hardware()
+    slack = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, allocator_slack_bytes=1) for g in hw.gpus))
+    assert sim(_two_loads(), gpu_mem_bytes=6_000_000).fits
+    r = sim(_two_loads(), slack, gpu_mem_bytes=6_000_000, on_capacity="record")
+    assert not r.fits and r.capacity_bytes["g0"] == 5_999_999
+    assert sim(_two_loads(), slack).capacity_bytes["g0"] == 10**9 - 1  # the whole GPU, less the slack
+
+
 def test_static_host_bytes_count_and_per_param() -> None:
     """Static host bytes are held from t=0; host bytes per parameter = peak host / model params (4M)."""
     b = Builder()

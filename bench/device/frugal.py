@@ -3,9 +3,10 @@
 Three parts, each appending JSON records to OUT/frugal_h200.jsonl:
 - `optim`: host AdamW speed per optimizer-state precision and thread count beside torch's fused fp32 AdamW
   (bench/host_optim_precision.py, 64M parameters; OUT/host_optim_precision_h200.json).
-- `runs`: Llama-3.1-8B (all 32 layers), 1 GPU, --gpu-mem 24GiB, 65,536 tokens per step, the searched lean
-  policy (bench/policies/h200x1-24g-lean-sync.json) with fp32, bf16 and 8-bit moments: steady tokens/s
-  (mean after 2 warm-up iterations), peak host RSS (summed over ranks) and its bytes per parameter, the
+- `runs`: Llama-3.1-8B (all 32 layers), 1 GPU, --gpu-mem 24GiB, 65,536 tokens per step, the lean policy with
+  one layer a pack (bench/policies/h200x1-24g-lean1-sync.json; with two a pack, predicted at 23.82 GiB, it
+  leaves the allocator too little of the 24 GiB and is refused) with fp32, bf16 and 8-bit moments: steady
+  tokens/s (mean after 2 warm-up iterations), peak host RSS (summed over ranks) and its bytes per parameter, the
   rank's RSS phases, peak GPU memory, and the simulator's prediction beside each. Targets: 8-bit peak RSS
   <= 60 GiB (<= 8 B/param) and >= 9,000 tokens/s.
 - `checkpoint`: the 8B run with checkpoints on this machine's disk (64 GiB): `tinypipe run` refused before
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-LEAN = str(ROOT / "bench" / "policies" / "h200x1-24g-lean-sync.json")
+LEAN = str(ROOT / "bench" / "policies" / "h200x1-24g-lean1-sync.json")
 WARMUP = 2
 
 

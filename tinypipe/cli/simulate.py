@@ -7,11 +7,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.progress import Progress
 from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState
+
+if TYPE_CHECKING:
+    from tinypipe.describe.hardware import Hardware
 
 from .util import (
     LIMITS,
@@ -54,12 +57,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     done = simulate_policies([Task(policy, model, hw, trace, args.iterations, gpu_mem, host_mem,
                                    timeline=i == 0 and bool(args.trace or args.plot))
                               for i, (model, hw, policy, trace) in enumerate(loads)], workers=workers)
-    for (_, _, policy, trace), (sizes, res) in zip(loads, done):
+    for (_, hw, policy, trace), (sizes, res) in zip(loads, done):
         rows.append({"policy": policy.name, "tokens_per_step": policy.microbatches * policy.microbatch_size
                      * args.seq_len, "tokens_per_s": res.tokens_per_s, "iteration_s": res.iteration_s,
                      "peak_gpu_bytes": res.peak_gpu_bytes, "peak_host_bytes": res.peak_host_bytes,
                      "host_bytes_per_param": res.host_bytes_per_param, "fits": res.fits,
-                     "why": _over_capacity(res.peak_bytes, res.capacity_bytes),
+                     "why": _over_capacity(res.peak_bytes, res.capacity_bytes, hw),
                      "first_violation": res.violation or "", "bottleneck": res.critical_path.bottleneck,
                      "packs": len(sizes), "trace": _trace_json(trace), "detail": res.to_json()})
     first = done[0][1] if done else None
@@ -243,8 +246,9 @@ def _clip(text: str, width: int = 110) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
-    """`host 143.75 > 64.00 GiB; GPU 46.42 > 24.00 GiB` for every kind of device over its capacity."""
+def _over_capacity(peak: dict[str, int], capacity: dict[str, int], hardware: Hardware) -> str:
+    """`host 143.75 > 64.00 GiB; GPU 46.42 > 23.50 GiB (24.00 less 0.50 the allocator keeps)` for every kind of
+    device over its capacity (a GPU's: its memory or the cap, less `GPU.allocator_slack_bytes`)."""
     from tinypipe.common.units import GIB
     from tinypipe.describe.hardware import HOST
 
@@ -253,7 +257,9 @@ def _over_capacity(peak: dict[str, int], capacity: dict[str, int]) -> str:
         over = [d for d in devs if peak[d] > capacity.get(d, peak[d])]
         if over:
             d = max(over, key=lambda x: peak[x] - capacity[x])
-            parts.append(f"{label} {peak[d] / GIB:.2f} > {capacity[d] / GIB:.2f} GiB")
+            slack = 0 if d == HOST else hardware.gpus[int(d[1:])].allocator_slack_bytes
+            kept = f" ({(capacity[d] + slack) / GIB:.2f} less {slack / GIB:.2f} the allocator keeps)" if slack else ""
+            parts.append(f"{label} {peak[d] / GIB:.2f} > {capacity[d] / GIB:.2f} GiB{kept}")
     return "; ".join(parts)
 
 

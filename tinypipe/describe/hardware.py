@@ -29,6 +29,10 @@ PROVENANCES = ("measured", "spec")
 LINK_KINDS = ("mem", "pcie", "upi", "nvlink")
 SWITCH_PREFIXES = {"rc": "rc", "sw": "switch"}  # name prefix -> node kind
 MAX_GPUS = 4096  # keeps a mistyped gpu_count from building a million-node graph
+# PyTorch's allocator holds bytes reserved but unallocated at a peak, and the memory or `--gpu-mem` caps the
+# reserved bytes: the ledger stays this far below (three 8B H200 runs capped at 24 GiB died holding 205-347 MiB
+# so, ledgers within 0.2 GiB of the cap: bench/results/cuda_h200.jsonl). Default of a hardware JSON's GPUs.
+ALLOCATOR_SLACK_BYTES = 512 << 20
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -41,6 +45,11 @@ class GPU:
     memory_bytes: int  # total device memory as CUDA reports it (measured) or the nameplate size (spec)
     matmul_flops: float  # achieved dense bf16 matmul rate, FLOP/s
     mem_gbps: float  # device memory bandwidth, for memory-bound parts
+    allocator_slack_bytes: int = 0  # kept free below the capacity for the allocator (ALLOCATOR_SLACK_BYTES)
+
+    def usable_bytes(self, cap: int | None = None) -> int:
+        """What a schedule's ledger may hold here: the memory (or `--gpu-mem` cap) less the allocator's slack."""
+        return (self.memory_bytes if cap is None else cap) - self.allocator_slack_bytes
 
 
 @dataclass(frozen=True)
@@ -260,7 +269,8 @@ class Hardware:
                                                            "compact_8bit_params_per_s")
                         if getattr(self.host, k) is not None}},
             "gpus": [{"name": g.name, "model": g.model, "memory_bytes": g.memory_bytes,
-                      "matmul_flops": g.matmul_flops, "mem_gbps": g.mem_gbps} for g in self.gpus],
+                      "matmul_flops": g.matmul_flops, "mem_gbps": g.mem_gbps,
+                      "allocator_slack_bytes": g.allocator_slack_bytes} for g in self.gpus],
             "switches": list(self.switches),
             "links": [{"a": x.a, "b": x.b, "kind": x.kind, "gbps": x.gbps, "latency_s": x.latency_s}
                       for x in self.links],
@@ -301,10 +311,14 @@ class Hardware:
 
 def _parse_gpus(f: Fields) -> list[GPU]:
     def gpu(g: Fields, name: str) -> GPU:
-        g.only("name", "model", "memory_bytes", "matmul_flops", "mem_gbps")
-        return GPU(name=name, model=g.str("model"), memory_bytes=g.int("memory_bytes", minimum=1),
+        g.only("name", "model", "memory_bytes", "matmul_flops", "mem_gbps", "allocator_slack_bytes")
+        memory = g.int("memory_bytes", minimum=1)
+        slack = g.int("allocator_slack_bytes", ALLOCATOR_SLACK_BYTES, minimum=0)
+        if slack >= memory:
+            raise InputError(f"{g._at('allocator_slack_bytes')}: must be less than memory_bytes ({memory})")
+        return GPU(name=name, model=g.str("model"), memory_bytes=memory,
                    matmul_flops=g.float("matmul_flops", positive=True),
-                   mem_gbps=g.float("mem_gbps", positive=True))
+                   mem_gbps=g.float("mem_gbps", positive=True), allocator_slack_bytes=slack)
 
     if f.has("gpus"):
         if f.has("gpu") or f.has("gpu_count"):
