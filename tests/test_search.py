@@ -167,3 +167,22 @@ def test_search_prefers_footprint_among_equals() -> None:
     assert foot.winner.peak_gpu_bytes == min(e.peak_gpu_bytes for e in near)
     assert "2%" in Prefer.FOOTPRINT.rule() and "least peak GPU memory" in Prefer.FOOTPRINT.rule()
     assert "fastest" in Prefer.SPEED.rule()
+
+
+def test_when_nothing_fits_stage_two_refines_the_closest() -> None:
+    """Llama-3.1-8B on one H200 at 24 GiB with 8-bit moments and 60 GiB of host: stage 1's candidate (layers kept
+    resident by `auto`) is short of GPU memory; stage 2 refines it anyway and finds that without resident
+    layers it fits (it would otherwise have nothing to refine)."""
+    from tinypipe.sim.evaluate import SimEvaluator
+
+    model, hw = load_model("llama-3.1-8b"), load_hardware("h200x1")
+    gpu, host = 24 << 30, 60 << 30
+    w = SearchTarget(model, hw, 2048, 32, gpu_mem_bytes=gpu, host_mem_bytes=host)
+    space = SearchSpace(microbatch_sizes=(2,), pack_sizes=(1,), packers=(), swaps=("layer",), recompute=(True,),
+                        activation_homes=("gpu",), mappings=("cross",), prefetch_depths=(1,),
+                        residents=("auto", "none"), optimizer_state="8bit")
+    res = search(w, SimEvaluator(model, hw, 2048, gpu, host), space=space)
+    first = [e for e in res.ranked if e.policy.resident == "auto"]
+    assert len(first) == 1 and not first[0].fits and first[0].gpu_short_bytes > 0 and not first[0].host_short_bytes
+    assert res.winner is not None and res.winner.policy.resident == "none"
+    assert res.winner.peak_gpu_bytes <= hw.gpus[0].usable_bytes(gpu) and res.winner.peak_host_bytes <= host

@@ -10,7 +10,9 @@ simulator's. The search is a branch-and-bound beam search:
    evaluated in order of that bound; once a bound exceeds the best simulated time found so far
    the rest of that stage is pruned (a lower bound above a real time cannot win).
 3. Stage 2 refines the best `beam` fitting candidates over the secondary choices (mapping,
-   prefetch depth, resident layers, host memory layout, optimizer mode), again pruned by bound.
+   prefetch depth, resident layers, host memory layout, optimizer mode), again pruned by bound; when
+   none fits, the `beam` that fall shortest of fitting on the GPU alone and on the host alone (a tight
+   GPU can need no resident layers).
 
 Ranking (`Prefer.FOOTPRINT`, the default): by tokens/s; then, among the fitting candidates within the
 simulator's error band (`BAND`) of the fastest, the least peak GPU memory, then the least peak host memory:
@@ -174,6 +176,8 @@ def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = 
             else:
                 top = [e.policy for e in sorted(evals, key=Evaluation.key) if e.fits][:beam]
                 small = [e.policy for e in rank(evals, prefer, band) if e.fits][:beam]
+                if not top:  # nothing fits with stage 1's defaults (resident layers, prefetch): refine the closest
+                    top = _closest(evals, beam)
                 cands = stage2(list({p.dumps(): p for p in top + small}.values()), space, len(w.hardware.gpus))
                 done = {e.policy.dumps() for e in evals}
                 cands = [c for c in cands if c.dumps() not in done]
@@ -189,6 +193,15 @@ def search(w: SearchTarget, evaluate: Evaluator, *, space: SearchSpace | None = 
     if result.winner is None:
         result.advice = advise(w, result.ranked)
     return result
+
+
+def _closest(evals: list[Evaluation], beam: int) -> list[Policy]:
+    """The `beam` candidates short of GPU memory only, least short first, and the `beam` short of host memory
+    only: what stage 2's choices (resident layers, prefetch depth, host layout) may still make fit."""
+    simulated = [e for e in evals if e.peak_gpu_bytes > 0]
+    gpu = sorted((e for e in simulated if not e.host_short_bytes), key=lambda e: (e.gpu_short_bytes, e.key()))
+    host = sorted((e for e in simulated if not e.gpu_short_bytes), key=lambda e: (e.host_short_bytes, e.key()))
+    return [e.policy for e in gpu[:beam] + host[:beam]]
 
 
 def _evaluate_bounded(w: SearchTarget, cands: list[Policy], evaluate: Evaluator, prior: list[Evaluation],
