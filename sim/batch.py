@@ -78,7 +78,8 @@ def simulate_policies(tasks: Sequence[Task], *, workers: int = 1) -> list[Outcom
 
 def run_task(task: Task, policy: Policy | None = None) -> Outcome:
     """Compile and simulate `policy` (the task's own when None) on the task's workload, capacities recorded."""
-    sched = compile_schedule(policy or task.policy, task.model, task.hardware, task.trace, iterations=task.iterations)
+    sched = compile_schedule(policy or task.policy, task.model, task.hardware, task.trace, iterations=task.iterations,
+                             gpu_mem_bytes=task.gpu_mem_bytes)
     res = simulate(sched, task.model, task.hardware, task.trace, gpu_mem_bytes=task.gpu_mem_bytes,
                    host_mem_bytes=task.host_mem_bytes, on_capacity="record")
     return _slim(task, _sizes_and_result(sched, res))

@@ -32,7 +32,8 @@ def simulate_policy(policy: Policy, model: ModelSpec, hardware: Hardware, trace:
     """`policy` compiled and simulated (capacities recorded, not raised); for `packing: mobius` the fastest
     of the MILP's partition and the uniform ones with its pack count. A policy that cannot compile raises."""
     def run(p: Policy) -> tuple[Schedule, SimResult]:
-        sched = compile_schedule(p, model, hardware, trace, iterations=iterations, grad_clip=grad_clip)
+        sched = compile_schedule(p, model, hardware, trace, iterations=iterations, grad_clip=grad_clip,
+                                 gpu_mem_bytes=gpu_mem_bytes)
         key = _Key(sched, (id(model), id(hardware), id(trace), gpu_mem_bytes, host_mem_bytes))
         hit = _SIMULATED.get(key)
         if hit is not None and hit[0] is model and hit[1] is hardware and hit[2] is trace:

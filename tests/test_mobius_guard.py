@@ -42,3 +42,21 @@ def test_mobius_is_at_least_as_fast_as_uniform(model: str, hardware: str, microb
             times.append(r.iteration_s)
     assert times and res.iteration_s <= min(times)
     assert (sizes not in same_count_uniform(len(spec.layers), len(sizes))) == milp_kept
+
+
+def test_a_gpu_memory_cap_is_what_the_plan_is_made_for() -> None:
+    """Under `--gpu-mem` the packers and `auto` residency plan for the cap, not the whole GPU: Llama-3.1-8B on one
+    H200 capped at 24 GiB, one layer a pack, activations kept on the GPU, resident `auto` keeps what fits the
+    cap (it kept all 34 layers, 35.7 GiB, when planned for the H200's 139.8 GiB) and the simulation fits."""
+    from tinypipe.policy import Policy
+
+    model, hw = load_model("llama-3.1-8b"), load_hardware("h200x1")
+    cap = 24 << 30
+    p = Policy(name="x", packing="uniform", pack_size=1, mapping="cross", resident="auto", microbatches=8,
+               microbatch_size=4, activation_home="gpu")
+    trace = trace_for(model, hw.gpus[0], 4, 2048)
+    sched, res = simulate_policy(p, model, hw, trace, iterations=2, gpu_mem_bytes=cap)
+    assert res.fits and res.peak_bytes["g0"] <= hw.gpus[0].usable_bytes(cap)
+    whole = compile_schedule(p, model, hw, trace, iterations=2)
+    assert simulate(whole, model, hw, trace).peak_bytes["g0"] > 35 << 30  # planned for the whole GPU
+    assert compile_schedule(p, model, hw, trace, iterations=2, gpu_mem_bytes=cap) == sched

@@ -9,6 +9,8 @@ after its last), so stream orders follow need and the final ids point dependenci
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tinypipe.common.errors import InputError
 from tinypipe.common.gcpause import collector_paused
 from tinypipe.compiler.ops import Op, lower
@@ -56,9 +58,11 @@ def run_passes(plan: Plan) -> tuple[Action, ...]:
 # ---- the entry point ----------------------------------------------------------------------------
 
 def make_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
-              iterations: int = 3, cost: CostModel | None = None, grad_clip: bool = False) -> Plan:
+              iterations: int = 3, cost: CostModel | None = None, grad_clip: bool = False,
+              gpu_mem_bytes: int | None = None) -> Plan:
     """Check the policy against the model, pack, map and choose residency: the passes' input.
-    `grad_clip`: clipping by the global gradient norm (`Plan.grad_clip`)."""
+    `grad_clip`: clipping by the global gradient norm (`Plan.grad_clip`); `gpu_mem_bytes`: a cap on each GPU's
+    memory (`--gpu-mem`), which the packers, the Mobius MILP and `auto` residency then plan for."""
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise InputError(f"iterations must be an integer >= 1; got {iterations!r}")
     if policy.microbatch_size != trace.microbatch_size:
@@ -67,6 +71,8 @@ def make_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     if not model.layers:
         raise InputError(f"model {model.name!r} has no layers")
     base = base_plan(policy, model, hardware, trace, iterations=iterations, cost=cost, grad_clip=grad_clip)
+    if gpu_mem_bytes is not None:
+        base = replace(base, gpu_memory_bytes=tuple(min(m, gpu_mem_bytes) for m in base.gpu_memory_bytes))
     sizes, mapping = resolve(policy, base, hardware, model_name=f"model {model.name!r}",
                             tied=model.tied_embeddings and len(model.layers) > 1)
     kept, pinned = residency(policy, base, sizes, mapping)
@@ -82,15 +88,18 @@ def gpu_static_bytes(plan: Plan) -> tuple[tuple[str, int], ...]:
 
 
 def compile_schedule(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
-                     iterations: int = 3, cost: CostModel | None = None, grad_clip: bool = False) -> Schedule:
+                     iterations: int = 3, cost: CostModel | None = None, grad_clip: bool = False,
+                     gpu_mem_bytes: int | None = None) -> Schedule:
     """Compile `policy` for `model` on `hardware` with timings from `trace` into a Schedule.
-    `grad_clip`: clipping by the global gradient norm (`optimizer.optimizer_pass`: the norm barrier).
+    `grad_clip`: clipping by the global gradient norm (`optimizer.optimizer_pass`: the norm barrier);
+    `gpu_mem_bytes`: plan for this much memory per GPU (`--gpu-mem`; `make_plan`).
 
     A policy that cannot apply (pack sizes that do not sum to the layer count, a GPU that does not
     exist, more packs than layers, resident layers out of range) is an InputError naming the field.
     """
     with collector_paused():  # tens of thousands of ops and actions, all kept (common/gcpause.py)
-        plan = make_plan(policy, model, hardware, trace, iterations=iterations, cost=cost, grad_clip=grad_clip)
+        plan = make_plan(policy, model, hardware, trace, iterations=iterations, cost=cost, grad_clip=grad_clip,
+                         gpu_mem_bytes=gpu_mem_bytes)
         actions = run_passes(plan)
     return Schedule(
         actions=actions, grad_clip=plan.grad_clip, num_gpus=plan.num_gpus,

@@ -159,7 +159,8 @@ Simulate = Callable[..., Any]  # tinypipe.sim.simulate
 def replay(trace: RunTrace, setup: Setup, *, simulate: Simulate, warmup: int = 1, which: int = 0) -> ReplayReport:
     """Recompile, check the trace against the schedule, simulate with measured and with profiled times."""
     s = setup
-    schedule = s.schedule or compile_schedule(s.policy, s.model, s.hardware, s.profile, iterations=s.iterations)
+    schedule = s.schedule or compile_schedule(s.policy, s.model, s.hardware, s.profile, iterations=s.iterations,
+                                              gpu_mem_bytes=s.gpu_mem_bytes)  # planned for the cap, as the run
     stride = trace.run.get("id_stride")
     if isinstance(stride, int) and stride != len(schedule.actions):
         raise TraceMismatch(f"{trace.where}: the run's schedule had {stride} actions, the recompiled one has "
