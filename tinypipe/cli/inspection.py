@@ -90,13 +90,14 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
     fit = []
     for hw in hardware:
         gpu_mem = min(g.memory_bytes for g in hw.gpus)
+        room = min(g.usable_bytes() for g in hw.gpus)  # less what the allocator keeps, as the simulator checks
         fit.append({
             "hardware": hw.name, "gpus": len(hw.gpus), "gpu_bytes": gpu_mem, "host_bytes": hw.host.memory_bytes,
-            "gpu_fits": min_gpu <= gpu_mem,
+            "gpu_fits": min_gpu <= room,
             **{f"host_fits_{name}": host[name].total_bytes <= hw.host.memory_bytes for name in HOST_VARIANTS},
-            "resident_fits": max(_resident_bytes(model, hw, trace)) <= gpu_mem,
+            "resident_fits": max(_resident_bytes(model, hw, trace)) <= room,
             # every GPU holds its layers' adapters (fp32, with gradients and moments) on top of a backward
-            "lora_fits": (lora_gpu + lora_state // len(hw.gpus) <= gpu_mem and lora_host <= hw.host.memory_bytes),
+            "lora_fits": (lora_gpu + lora_state // len(hw.gpus) <= room and lora_host <= hw.host.memory_bytes),
         })
     return {
         "model": model.name, "family": model.family, "source": model.source, "params": model.params,

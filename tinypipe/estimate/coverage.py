@@ -78,6 +78,7 @@ def coverage(hardware: Hardware, models: list[ModelSpec], *, host_sizes_gib: tup
     "ZeRO-Offload", "tinypipe LoRA", "RoundPipe+peft LoRA"} with a model name or None."""
     ordered = sorted(models, key=lambda m: m.params)
     gpu_mem = min(g.memory_bytes for g in hardware.gpus)
+    room = min(g.usable_bytes() for g in hardware.gpus)  # less what the allocator keeps, as the simulator checks
     states: tuple[OptimizerState | None, ...] = (*OptimizerState, None)
     needs = {(m.name, s): tinypipe_need(m, hardware, s, seq_len=seq_len) for m in ordered for s in states}
     rows: list[dict[str, object]] = []
@@ -86,13 +87,13 @@ def coverage(hardware: Hardware, models: list[ModelSpec], *, host_sizes_gib: tup
         row: dict[str, object] = {"host_gib": size, "gpu_bytes": gpu_mem}
         for s in OptimizerState:
             fits = [m.name for m in ordered if needs[(m.name, s)].host_bytes <= host
-                    and needs[(m.name, s)].gpu_bytes <= gpu_mem]
+                    and needs[(m.name, s)].gpu_bytes <= room]
             row[f"tinypipe {s}"] = fits[-1] if fits else None
         for peer, bpp in PEER_BYTES_PER_PARAM.items():
             fits = [m.name for m in ordered if bpp * m.params <= host]
             row[peer] = fits[-1] if fits else None
         fits = [m.name for m in ordered if needs[(m.name, None)].host_bytes <= host
-                and needs[(m.name, None)].gpu_bytes <= gpu_mem]
+                and needs[(m.name, None)].gpu_bytes <= room]
         row["tinypipe LoRA"] = fits[-1] if fits else None
         for peer, bpp in PEER_LORA_BYTES_PER_PARAM.items():
             fits = [m.name for m in ordered if bpp * m.params <= host]
