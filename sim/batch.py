@@ -14,12 +14,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from tinypipe.sim.engine import simulate
-from tinypipe.sim.guard import alternatives, beats, simulate_policy
+from tinypipe.sim.guard import alternatives, beats, compile_and_simulate, simulate_policy
 from tinypipe.sim.result import SimResult
 
 from tinypipe.common.errors import TinypipeError
-from tinypipe.compiler import compile_schedule
 from tinypipe.describe.hardware import Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace
@@ -78,11 +76,9 @@ def simulate_policies(tasks: Sequence[Task], *, workers: int = 1) -> list[Outcom
 
 def run_task(task: Task, policy: Policy | None = None) -> Outcome:
     """Compile and simulate `policy` (the task's own when None) on the task's workload, capacities recorded."""
-    sched = compile_schedule(policy or task.policy, task.model, task.hardware, task.trace, iterations=task.iterations,
-                             gpu_mem_bytes=task.gpu_mem_bytes)
-    res = simulate(sched, task.model, task.hardware, task.trace, gpu_mem_bytes=task.gpu_mem_bytes,
-                   host_mem_bytes=task.host_mem_bytes, on_capacity="record")
-    return _slim(task, _sizes_and_result(sched, res))
+    return _slim(task, _sizes_and_result(*compile_and_simulate(
+        policy or task.policy, task.model, task.hardware, task.trace, iterations=task.iterations,
+        gpu_mem_bytes=task.gpu_mem_bytes, host_mem_bytes=task.host_mem_bytes)))
 
 
 def _try_task(task: Task, policy: Policy) -> Outcome | None:

@@ -32,18 +32,8 @@ def simulate_policy(policy: Policy, model: ModelSpec, hardware: Hardware, trace:
     """`policy` compiled and simulated (capacities recorded, not raised); for `packing: mobius` the fastest
     of the MILP's partition and the uniform ones with its pack count. A policy that cannot compile raises."""
     def run(p: Policy) -> tuple[Schedule, SimResult]:
-        sched = compile_schedule(p, model, hardware, trace, iterations=iterations, grad_clip=grad_clip,
-                                 gpu_mem_bytes=gpu_mem_bytes)
-        key = _Key(sched, (id(model), id(hardware), id(trace), gpu_mem_bytes, host_mem_bytes))
-        hit = _SIMULATED.get(key)
-        if hit is not None and hit[0] is model and hit[1] is hardware and hit[2] is trace:
-            return sched, hit[3]
-        res = simulate(sched, model, hardware, trace, gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes,
-                       on_capacity="record")
-        _SIMULATED[key] = (model, hardware, trace, res)
-        if len(_SIMULATED) > SIMULATED_KEPT:
-            _SIMULATED.pop(next(iter(_SIMULATED)))
-        return sched, res
+        return compile_and_simulate(p, model, hardware, trace, iterations=iterations, gpu_mem_bytes=gpu_mem_bytes,
+                                    host_mem_bytes=host_mem_bytes, grad_clip=grad_clip)
 
     best = run(policy)
     for alt in alternatives(policy, tuple(len(p) for p in best[0].pack_layers)):
@@ -54,6 +44,25 @@ def simulate_policy(policy: Policy, model: ModelSpec, hardware: Hardware, trace:
         if beats(cand[1], best[1]):
             best = cand
     return best
+
+
+def compile_and_simulate(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,
+                         iterations: int, gpu_mem_bytes: int | None = None, host_mem_bytes: int | None = None,
+                         grad_clip: bool = False) -> tuple[Schedule, SimResult]:
+    """`policy` alone compiled for the cap and simulated, capacities recorded; a schedule met before (`_SIMULATED`)
+    is not simulated again."""
+    sched = compile_schedule(policy, model, hardware, trace, iterations=iterations, grad_clip=grad_clip,
+                             gpu_mem_bytes=gpu_mem_bytes)
+    key = _Key(sched, (id(model), id(hardware), id(trace), gpu_mem_bytes, host_mem_bytes))
+    hit = _SIMULATED.get(key)
+    if hit is not None and hit[0] is model and hit[1] is hardware and hit[2] is trace:
+        return sched, hit[3]
+    res = simulate(sched, model, hardware, trace, gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes,
+                   on_capacity="record")
+    _SIMULATED[key] = (model, hardware, trace, res)
+    if len(_SIMULATED) > SIMULATED_KEPT:
+        _SIMULATED.pop(next(iter(_SIMULATED)))
+    return sched, res
 
 
 def alternatives(policy: Policy, sizes: tuple[int, ...]) -> list[Policy]:

@@ -55,12 +55,14 @@ KINDS = ("embed", "block", "head")
 def trace_file(trace: ProfileTrace) -> str:
     """`h200-llama-3.1-8b-mb1-seq2048.json` (the shipped traces' names), `-<dtype>` added unless bf16,
     `-compiled` for compiled blocks, `-lora-<adapters>` for a frozen base with LoRA adapters."""
-    gpu = re.sub(r"[^a-z0-9.]+", "-", trace.gpu_model.casefold()).strip("-")
-    model = re.sub(r"[^a-z0-9.]+", "-", trace.model.casefold()).strip("-")
+    def slug(text: str) -> str:
+        return re.sub(r"[^a-z0-9.]+", "-", text.casefold()).strip("-")
+
     dtype = "" if trace.dtype == "bf16" else f"-{trace.dtype}"
     compiled = "-compiled" if trace.compiled else ""
-    lora = "-lora-" + re.sub(r"[^a-z0-9.]+", "-", trace.lora.casefold()).strip("-") if trace.lora else ""
-    return f"{gpu}-{model}-mb{trace.microbatch_size}-seq{trace.seq_len}{dtype}{compiled}{lora}.json"
+    lora = f"-lora-{slug(trace.lora)}" if trace.lora else ""
+    return (f"{slug(trace.gpu_model)}-{slug(trace.model)}-mb{trace.microbatch_size}-seq{trace.seq_len}{dtype}"
+            f"{compiled}{lora}.json")
 
 
 def lora_flags(text: str) -> str:

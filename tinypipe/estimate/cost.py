@@ -148,12 +148,18 @@ def _pinned(w: Plan, kept: frozenset[int]) -> frozenset[int]:
     return kept
 
 
+def policy_pinned(w: Plan) -> frozenset[int]:
+    """The layers the policy itself pins for the whole iteration (`resident: all` or a list; `auto` decides later)."""
+    if w.resident == ResidentMode.ALL:
+        return frozenset(range(w.num_layers))
+    return frozenset(w.resident) if isinstance(w.resident, tuple) else frozenset()
+
+
 def gpu_peak_bytes(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
                    *, kept: frozenset[int] = frozenset()) -> tuple[int, ...]:
     """Peak bytes per GPU by the one GPU-memory formula (`tinypipe.estimate.gpumem`). `kept`: layers held from
     forward to backward besides each GPU's last pack, which `auto` always keeps (`resolve.residency`)."""
-    pinned = frozenset(range(w.num_layers)) if w.resident == ResidentMode.ALL else (
-        frozenset(w.resident) if isinstance(w.resident, tuple) else frozenset())
+    pinned = policy_pinned(w)
     if w.resident == ResidentMode.AUTO:
         starts = [0, *accumulate(sizes)]
         last = {g: s for s, g in enumerate(mapping)}

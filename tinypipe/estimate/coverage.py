@@ -82,21 +82,20 @@ def coverage(hardware: Hardware, models: list[ModelSpec], *, host_sizes_gib: tup
     states: tuple[OptimizerState | None, ...] = (*OptimizerState, None)
     needs = {(m.name, s): tinypipe_need(m, hardware, s, seq_len=seq_len) for m in ordered for s in states}
     rows: list[dict[str, object]] = []
+
+    def ours(state: OptimizerState | None, host: int) -> str | None:  # `ordered` is by size: the last that fits
+        return next((m.name for m in reversed(ordered) if needs[(m.name, state)].host_bytes <= host
+                     and needs[(m.name, state)].gpu_bytes <= room), None)
+
+    def peers(per_param: dict[str, float], host: int) -> dict[str, str | None]:
+        return {peer: next((m.name for m in reversed(ordered) if bpp * m.params <= host), None)
+                for peer, bpp in per_param.items()}
+
     for size in host_sizes_gib:
         host = size * GIB
-        row: dict[str, object] = {"host_gib": size, "gpu_bytes": gpu_mem}
-        for s in OptimizerState:
-            fits = [m.name for m in ordered if needs[(m.name, s)].host_bytes <= host
-                    and needs[(m.name, s)].gpu_bytes <= room]
-            row[f"tinypipe {s}"] = fits[-1] if fits else None
-        for peer, bpp in PEER_BYTES_PER_PARAM.items():
-            fits = [m.name for m in ordered if bpp * m.params <= host]
-            row[peer] = fits[-1] if fits else None
-        fits = [m.name for m in ordered if needs[(m.name, None)].host_bytes <= host
-                and needs[(m.name, None)].gpu_bytes <= room]
-        row["tinypipe LoRA"] = fits[-1] if fits else None
-        for peer, bpp in PEER_LORA_BYTES_PER_PARAM.items():
-            fits = [m.name for m in ordered if bpp * m.params <= host]
-            row[peer] = fits[-1] if fits else None
+        row: dict[str, object] = {"host_gib": size, "gpu_bytes": gpu_mem,
+                                  **{f"tinypipe {s}": ours(s, host) for s in OptimizerState},
+                                  **peers(PEER_BYTES_PER_PARAM, host),
+                                  "tinypipe LoRA": ours(None, host), **peers(PEER_LORA_BYTES_PER_PARAM, host)}
         rows.append(row)
     return rows

@@ -10,6 +10,7 @@ import numpy as np
 
 from tinypipe.common.units import GIB
 from tinypipe.estimate import gpumem
+from tinypipe.estimate.cost import policy_pinned
 from tinypipe.estimate.plan import Plan
 from tinypipe.policy.modes import ResidentMode
 
@@ -31,8 +32,7 @@ def memory_matrix(w: Plan, mapping: tuple[int, ...]) -> tuple[np.ndarray, list[f
     pack by pack, and the shared terms' sum is made once per pack."""
     n, s_n, g_n = w.num_layers, len(mapping), w.num_gpus
     nc = n * (s_n - 1)
-    pinned = frozenset(range(n)) if w.resident == ResidentMode.ALL else (
-        frozenset(w.resident) if isinstance(w.resident, tuple) else frozenset())
+    pinned = policy_pinned(w)
     kept_last = (True,) * g_n if w.resident == ResidentMode.AUTO else ()
     vec = {k: [b / GIB for b in v] for k, v in gpumem.vectors(w, pinned=pinned).items()}
     arrays = {k: np.array(v) for k, v in vec.items()}
