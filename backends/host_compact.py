@@ -21,7 +21,7 @@ import torch
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, compact_grad_elems
 from tinypipe.policy.modes import HostMemory, OptimizerState
 
-from . import moments, planes
+from . import fused_host_adamw, moments, planes
 from .heldbytes import HeldBytes, storage_bytes, view_bytes
 from .hoststate import AdamWConfig, HostState, _Param, _to
 
@@ -172,6 +172,7 @@ class CompactHostState(HostState):
         grads = self._views(layer, slot)
         opt, work = self._opt[layer], self._work[layer]
         group_of = {id(t): g for g in opt.param_groups for t in g["params"]}  # decaying or not (AdamWConfig.make)
+        jobs = []
         for p in self._index[layer]:
             w = work[p.name]
             group = group_of[id(w)]
@@ -179,23 +180,29 @@ class CompactHostState(HostState):
             st = opt.state[w]  # kept in the optimizer so that its state_dict checkpoints the moments
             if not st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                if self.optimizer_state.exact:
+                if self.optimizer_state.exact:  # shaped as the parameter, as torch's AdamW keeps them
                     st["exp_avg"] = torch.zeros(w.shape, dtype=torch.float32)
                     st["exp_avg_sq"] = torch.zeros(w.shape, dtype=torch.float32)
                 else:
                     st.update(moments.zero_state(p.numel, self.optimizer_state))
             st["step"] += 1
             hi, lo = self._planes(layer, p)
-            if not self.optimizer_state.exact:
-                moments.lowp_adamw_step(hi, lo, grads[p.name], {k: v for k, v in st.items() if k != "step"},
-                                        state=self.optimizer_state, step=int(st["step"].item()), lr=group["lr"],
-                                        beta1=beta1, beta2=beta2, eps=group["eps"],
-                                        weight_decay=group["weight_decay"], scratch=self._chunk_scratch)
-                continue
-            planes.compact_adamw_step(hi, lo, grads[p.name], st["exp_avg"], st["exp_avg_sq"],
-                                      step=int(st["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
-                                      eps=group["eps"], weight_decay=group["weight_decay"],
-                                      scratch=self._chunk_scratch)
+            hp = fused_host_adamw.Hyper(step=int(st["step"].item()), lr=group["lr"], beta1=beta1, beta2=beta2,
+                                        eps=group["eps"], weight_decay=group["weight_decay"])
+            held = {k: v.view(-1) if self.optimizer_state.exact else v for k, v in st.items() if k != "step"}
+            jobs.append(fused_host_adamw.Job(hi, lo, grads[p.name], held, hp))
+        if fused_host_adamw.run(jobs, state=self.optimizer_state):
+            return
+        for j in jobs:  # the torch operators: where the kernel is not built, or for hyperparameters it does not take
+            h = j.hp
+            if self.optimizer_state.exact:
+                planes.compact_adamw_step(j.hi, j.lo, j.grad, j.held["exp_avg"], j.held["exp_avg_sq"], step=h.step,
+                                          lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                                          weight_decay=h.weight_decay, scratch=self._chunk_scratch)
+            else:
+                moments.lowp_adamw_step(j.hi, j.lo, j.grad, j.held, state=self.optimizer_state, step=h.step, lr=h.lr,
+                                        beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                                        scratch=self._chunk_scratch)
 
     def _snapshot(self, layer: int) -> None:
         """Keep the layer's current upload form (the high plane, or both planes for fp32 compute)."""

@@ -11,7 +11,7 @@ moments are rounded, once per step.
   absmax in fp32, per element the index of the nearest value of the dynamic tree map (Dettmers 2016,
   arXiv:1511.04561) scaled by it: the signed map for the first moment, the unsigned one for the second
   (as bitsandbytes' 8-bit Adam). Nearest-value search is one table look-up: the top 20 bits of the
-  normalised fp32 value index a table (`_maps`), built once per map by binary search at the middle of
+  normalised fp32 value index a table (`maps`), built once per map by binary search at the middle of
   each 20-bit interval (2^-12 relative), so no element is searched at run time.
 
 The quantised state is plain tensors (uint8 codes, fp32 absmax), so a checkpoint holds it exactly.
@@ -65,7 +65,7 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 
 @lru_cache(maxsize=2)
-def _maps(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def maps(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(the map's values, the uint8 nearest-code table over the top TABLE_BITS of an fp32 pattern)."""
     code = dynamic_map(signed)
     mids = (code[1:].double() + code[:-1].double()) / 2
@@ -95,8 +95,8 @@ def zero_state(numel: int, state: OptimizerState) -> dict[str, torch.Tensor]:
     """Fresh moments (zeros) of one parameter under `state`; 8bit: code of 0.0 in each map, absmax 0."""
     out = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in state_shapes(numel, state).items()}
     if OptimizerState(state) == OptimizerState.INT8:
-        out["exp_avg"].fill_(int((_maps(True)[0] == 0).nonzero()[0]))
-        out["exp_avg_sq"].fill_(int((_maps(False)[0] == 0).nonzero()[0]))
+        out["exp_avg"].fill_(int((maps(True)[0] == 0).nonzero()[0]))
+        out["exp_avg_sq"].fill_(int((maps(False)[0] == 0).nonzero()[0]))
     return out
 
 
@@ -141,8 +141,8 @@ def lowp_adamw_step(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, mome
         return
     # on the pool even when there is one chunk: its operators then run on one core, not on an OpenMP team
     # whose every operator waits for the slowest of `threads` cores (on a loaded host, for a core taken away)
-    pool, next_chunk = _pool(threads), _Counter(chunks)
-    for f in [pool.submit(_on_pool_thread, job, next_chunk) for _ in range(min(threads, chunks))]:
+    workers, next_chunk = pool(threads), _Counter(chunks)
+    for f in [workers.submit(_on_pool_thread, job, next_chunk) for _ in range(min(threads, chunks))]:
         f.result()
 
 
@@ -166,7 +166,7 @@ class _Step:
             cb = c // QUANT_BLOCK_ELEMS
             held = [moments["exp_avg"].split(c), moments["exp_avg_sq"].split(c),
                     moments["exp_avg_absmax"].view(-1, 1).split(cb), moments["exp_avg_sq_absmax"].view(-1, 1).split(cb)]
-            self.maps = (_maps(True), _maps(False))
+            self.maps = (maps(True), maps(False))
         else:
             held = [moments["exp_avg"].split(c), moments["exp_avg_sq"].split(c)]
         self.parts = list(zip(h.split(c), h.view(torch.bfloat16).split(c), low.split(c),
@@ -295,7 +295,7 @@ _LOCAL = threading.local()
 _WORKSPACES: list[torch.Tensor] = []  # every pool thread's workspace (`pool_workspace_bytes`)
 
 
-def _pool(threads: int) -> ThreadPoolExecutor:
+def pool(threads: int) -> ThreadPoolExecutor:
     """A pool of `threads` threads, each running torch operators on one core (made once per size).
 
     torch.set_num_threads(1) in a pool thread also sets the count a thread new to torch starts with, process

@@ -47,10 +47,10 @@ def record(out: Path, row: dict[str, Any]) -> None:
 
 def part_optim(out: Path, dry: bool) -> None:
     params = str(1 << 20) if dry else str(1 << 26)
-    threads = ["1", "2"] if dry else ["1", "4", "8", "15", "16"]
+    threads = ["1", "2"] if dry else ["1", "4", "8", "15"]
     dest = out / "host_optim_precision_h200.json"
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "host_optim_precision.py"), "--params", params,
-                          "--threads", *threads, "--repeat", "3" if dry else "5", "--out", str(dest)],
+                          "--threads", *threads, "--repeat", "3", "--out", str(dest)],
                          capture_output=True, text=True)
     print(res.stdout)
     row: dict[str, Any] = {"part": "optim", "rc": res.returncode, "stderr": res.stderr[-2000:]}
@@ -85,14 +85,16 @@ def run_once(argv: list[str]) -> dict[str, Any]:
             "predicted_peak_gpu_bytes": plan.prediction.peak_gpu_bytes, "policy": plan.policy.to_json()}
 
 
-def part_runs(out: Path, dry: bool) -> None:
-    for state in ("8bit", "bf16", "fp32"):
+def part_runs(out: Path, dry: bool, runs: list[str] | None = None) -> None:
+    """One 8B run per `STATE[:POLICY]` of `runs` (default: 8bit, bf16 and fp32 moments with the lean policy)."""
+    for spec in runs or ["8bit", "bf16", "fp32"]:
+        state, _, policy = spec.partition(":")
         with tempfile.TemporaryDirectory(prefix=f"frugal-{state}-") as tmp:
             if dry:
                 argv = ["--model", "tiny-llama", "--steps", "4", "--optimizer-state", state]
             else:
                 argv = ["--backend", "cuda", "--gpus", "1", "--model", "llama-3.1-8b", "--seq-len", "2048",
-                        "--batch-tokens", "65536", "--steps", "6", "--policy", LEAN, "--gpu-mem", "24GiB",
+                        "--batch-tokens", "65536", "--steps", "6", "--policy", policy or LEAN, "--gpu-mem", "24GiB",
                         "--optimizer-state", state]
             argv += ["--out", tmp, "--keep-checkpoints", "0", "--checkpoint-minutes", "0"]
             t0 = time.perf_counter()
@@ -153,12 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", nargs="+", default=["optim", "runs", "checkpoint"],
                     choices=("optim", "runs", "checkpoint"))
     ap.add_argument("--dry-run", action="store_true", help="on the CPU with tiny-llama")
+    ap.add_argument("--runs", nargs="+", default=None, metavar="STATE[:POLICY]",
+                    help="the `runs` part's optimizer states, each with its policy file (default: the lean one)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    parts = {"optim": part_optim, "runs": part_runs, "checkpoint": part_checkpoint}
     for name in a.parts:
-        parts[name](out, a.dry_run)
+        if name == "runs":
+            part_runs(out, a.dry_run, a.runs)
+        else:
+            {"optim": part_optim, "checkpoint": part_checkpoint}[name](out, a.dry_run)
     return 0
 
 

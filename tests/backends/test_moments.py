@@ -40,7 +40,7 @@ def test_dynamic_maps_have_256_sorted_values_with_zero_and_one() -> None:
 def test_table_lookup_is_the_nearest_code_up_to_the_tables_resolution() -> None:
     """The 20-bit table gives the nearest value of the map (binary search) for all but values within the
     table's resolution of a midpoint, and then a neighbour (off by one code)."""
-    code, table = moments._maps(True)
+    code, table = moments.maps(True)
     gen = torch.Generator().manual_seed(0)
     x = (torch.rand(200_000, generator=gen) * 2 - 1) * torch.pow(10, -torch.rand(200_000, generator=gen) * 7)
     nearest = torch.bucketize(x, (code[1:] + code[:-1]) / 2)
@@ -149,13 +149,13 @@ def test_special_values_quantise_as_the_table_formula() -> None:
     w.v.copy_(v)
     parts = [held["exp_avg"], held["exp_avg_sq"], held["exp_avg_absmax"].view(-1, 1),
              held["exp_avg_sq_absmax"].view(-1, 1)]
-    moments._quantise(parts, w, (moments._maps(True), moments._maps(False)))
+    moments._quantise(parts, w, (moments.maps(True), moments.maps(False)))
     for x, key, signed in ((m, "exp_avg", True), (v, "exp_avg_sq", False)):
         blocks = x.view(-1, b)
         absmax = torch.maximum(blocks.amax(1), -blocks.amin(1))
         inv = torch.where(absmax > 0, absmax.reciprocal(), torch.zeros_like(absmax))
         bits = (blocks * inv[:, None]).reshape(-1).view(torch.int32)
-        want = moments._maps(signed)[1][((bits >> moments._SHIFT) & ((1 << moments.TABLE_BITS) - 1)).long()]
+        want = moments.maps(signed)[1][((bits >> moments._SHIFT) & ((1 << moments.TABLE_BITS) - 1)).long()]
         torch.testing.assert_close(held[key + "_absmax"], absmax, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(held[key], want), key
         values = moments.dynamic_map(signed)[held[key].long()].view(-1, b) * held[key + "_absmax"][:, None]
@@ -174,7 +174,7 @@ def test_the_chunk_pool_leaves_torchs_thread_count_as_it_was() -> None:
 
     torch.set_num_threads(2)
     before = on_new_thread()
-    moments._pool(3)  # a size no other test makes
+    moments.pool(3)  # a size no other test makes
     assert torch.get_num_threads() == 2 and on_new_thread() == before == 2
 
 

@@ -72,6 +72,14 @@ def moment_bytes(params: int, state: OptimizerState = OptimizerState.FP32) -> in
     return 2 * params + 2 * 4 * -(-params // QUANT_BLOCK_ELEMS)
 
 
+def step_bytes_per_param(state: OptimizerState = OptimizerState.FP32, grad_bytes: int = 2) -> float:
+    """Bytes of DRAM one compact AdamW step moves per parameter when it reads and writes each once (what the
+    one-pass kernel, backends/fused_host_adamw.c, does): the two planes read and written (4 + 4), the gradient
+    read (`grad_bytes`: 2 as bf16 leaves the GPU), the moments read and written (2 x `moment_bytes`). fp32 26,
+    bf16 18, 8bit 14.06. Its floor on a host is these bytes over the host's copy bandwidth (read + write)."""
+    return 8 + grad_bytes + 2 * moment_bytes(1 << 20, state) / (1 << 20)
+
+
 def next_pow2(n: int) -> int:
     """The block size PyTorch's pinned caching allocator hands out for a request of n bytes."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
