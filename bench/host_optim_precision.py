@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # after the installed tinypipe: `bench` only
 
 from tinypipe.backends import fused_host_adamw, moments, planes  # noqa: E402
 

@@ -59,12 +59,16 @@ def part_optim(out: Path, dry: bool) -> None:
     record(out, row)
 
 
-def run_once(argv: list[str]) -> dict[str, Any]:
-    """One `tinypipe run` in this process's launcher: what it measured and predicted."""
+def run_once(argv: list[str], trace: Path | None = None) -> dict[str, Any]:
+    """One `tinypipe run` in this process's launcher: what it measured and predicted, each resource's busy seconds
+    per steady step, the main thread's issue share and the host rates the plan took (`trace`: the Chrome trace)."""
+    from tinypipe.backends import fused_host_adamw
     from tinypipe.backends.launch import launch
     from tinypipe.backends.prepare import make_run_plan
+    from tinypipe.backends.report import issue_shares
     from tinypipe.backends.run_args import add_run_arguments
-    from tinypipe.backends.runtrace import timeline
+    from tinypipe.backends.runtrace import save_trace, timeline
+    from tinypipe.ir.timeline import Timeline
 
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
@@ -72,10 +76,19 @@ def run_once(argv: list[str]) -> dict[str, Any]:
     results = launch(dataclasses.replace(plan.job, save_model=False, progress=False), plan.world)
     assert results is not None
     tl = timeline(plan, results)
+    if trace is not None:
+        save_trace(plan, results, trace, tl)
     each = tl.iteration_times_s()
     it = statistics.fmean(each[WARMUP:]) if len(each) > WARMUP else tl.steady_iteration_s()
     rss = sum(r.peak_rss_bytes for r in results)
+    first = min((r.iteration for r in tl.records), default=0)
+    steady = tuple(r for r in tl.records if r.iteration >= first + WARMUP)
+    iters = len({r.iteration for r in steady}) or 1
+    busy = {res: s / iters for res, s in sorted(Timeline(steady).busy_s().items())}
     return {"tokens_per_s": plan.batch_tokens / it if it > 0 else 0.0, "iteration_s_each": each,
+            "busy_s_per_iteration": busy, "host_kernel": fused_host_adamw.name(),
+            "main_thread_issue_share": list(issue_shares(tl, results, tl.steady_iteration_s()).values()),
+            "calibration": plan.calibration, "predicted_iteration_s": plan.prediction.iteration_s,
             "peak_host_rss_bytes": rss, "host_rss_bytes_per_param": rss / plan.spec.params,
             "host_state_bytes_per_param": sum(r.held["total_bytes"] for r in results) / plan.spec.params,
             "rss_phases": [r.rss_phases for r in sorted(results, key=lambda r: r.rank)],
@@ -99,7 +112,8 @@ def part_runs(out: Path, dry: bool, runs: list[str] | None = None) -> None:
             argv += ["--out", tmp, "--keep-checkpoints", "0", "--checkpoint-minutes", "0"]
             t0 = time.perf_counter()
             try:
-                row = {"part": "runs", "optimizer_state": state, "argv": argv, **run_once(argv)}
+                trace = None if dry else out / f"run-{state}.trace.json"
+                row = {"part": "runs", "optimizer_state": state, "argv": argv, **run_once(argv, trace)}
             except Exception as exc:  # noqa: BLE001 - a failed case is a result too
                 row = {"part": "runs", "optimizer_state": state, "argv": argv, "error": f"{type(exc).__name__}: {exc}"}
             row["wall_s"] = time.perf_counter() - t0

@@ -6,11 +6,11 @@
 # 3. Llama-3.1-8B, --gpu-mem 24GiB, 65,536 tokens/step: 8-bit moments with the lean policy (one layer a pack),
 #    then fp32 moments with the same policy: tokens/s, peak RSS, GPU peak, predicted beside each.
 . bench/device/setup.sh
-python3 -c "from tinypipe.backends import fused_host_adamw as k; print('host kernel:', k.name(), k.unavailable() or '')"
+(cd /tmp && python3 -c "from tinypipe.backends import fused_host_adamw as k; print('host kernel:', k.name(), k.unavailable() or '')")
 timeout -k 10 150 python3 bench/device/frugal.py --out "$OUT" --parts optim >>"$OUT/log.txt" 2>&1
 tail -40 "$OUT/log.txt"
 timeout -k 10 ${RUNS_TIMEOUT:-400} python3 bench/device/frugal.py --out "$OUT" --parts runs \
-  --runs 8bit:bench/policies/h200x1-24g-lean1-sync.json fp32:bench/policies/h200x1-24g-lean1-sync.json \
+  --runs fp32:bench/policies/h200x1-24g-lean1-sync.json 8bit:bench/policies/h200x1-24g-lean1-sync.json \
   >>"$OUT/log.txt" 2>&1
 echo "runs exit status $?"
 grep -v "^training \[" "$OUT/log.txt" | tail -12
@@ -20,6 +20,7 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     if r.get("part") == "runs":
         keys = ("optimizer_state", "tokens_per_s", "predicted_tokens_per_s", "peak_host_rss_bytes",
-                "predicted_peak_host_bytes", "peak_gpu_bytes", "predicted_peak_gpu_bytes", "error", "wall_s")
+                "predicted_peak_host_bytes", "peak_gpu_bytes", "predicted_peak_gpu_bytes", "error", "wall_s",
+                "busy_s_per_iteration", "main_thread_issue_share", "calibration", "host_kernel", "iteration_s_each")
         print({k: (round(r[k] / 2**30, 2) if k.endswith("bytes") else r[k]) for k in keys if k in r})
 PY
