@@ -8,6 +8,12 @@ frozen base's from a trace measured with its adapters as it is, from a full-trai
 `estimate.lora.adapter_step_s`, the optimizer `hostmem.optimizer_step_s` (or, measured by phase,
 `hostmem.optimizer_step_phases_s` and the rank whose compute phase sets its rate), and copies as
 (bytes, latency, the capacities of the route they cross: every directed link and the host's DMA cap).
+
+Host memory bandwidth: where the hardware gives the host's DRAM bandwidth (`Host.mem_gbps`), every pass of a
+copy through host memory also crosses it, and an OPT_STEP not measured by phase runs as a flow of its bytes
+(`hostmem.optimizer_step_bytes`) over it, capped at its own rate (its bytes over `hostmem.optimizer_step_s`): alone
+it takes its step time, beside copies the two share DRAM max-min fairly (sim/network.py), as the kernel's passes
+and the DMA engines share it on a real host.
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ from tinypipe.common.errors import InputError, ScheduleError
 from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace
-from tinypipe.estimate.hostmem import optimizer_step_phases_s, optimizer_steps_s
+from tinypipe.estimate.hostmem import optimizer_step_bytes, optimizer_step_phases_s, optimizer_steps_s
 from tinypipe.estimate.lora import adapter_step_s, trace_for_policy
 from tinypipe.ir.kinds import Cost, Direction
 from tinypipe.ir.order import layer_owner
 from tinypipe.ir.schedule import Schedule, resource_gpu
 
 HOST_DMA = "host.dma"  # the capacity name of the host's DMA cap in Network and link_bytes
+HOST_MEM = "host.mem"  # the host's DRAM bandwidth, where the hardware gives one (`Host.mem_gbps`)
 # How an action runs (its mode; what `action_costs` gives with it): a fixed time (s); a copy (Copy); a SEND /
-# RECV half (Copy); an OPT_STEP (s, counted as running); a FWD / BWD with loop times ((alone, beside the
+# RECV half (Copy); an OPT_STEP (s, or with the host's DRAM modelled (s alone, bytes, capacities); counted as
+# running); a FWD / BWD with loop times ((alone, beside the
 # optimizer, issue gap alone, beside), picked when it is ready); an OPT_STEP whose rate follows its rank's
 # compute phase ((StepPhases, rank), counted as running). Plain ints: the engine's loop compares them.
 TIMED, COPY, PAIR, OPT, LOOP, PHASED = 0, 1, 2, 3, 4, 5
@@ -40,8 +48,11 @@ def edge_name(u: str, v: str) -> str:
 
 
 def link_capacities(hardware: Hardware) -> dict[str, float]:
-    """Bytes/s of every directed edge (each link, both directions) and of the host DMA cap."""
+    """Bytes/s of every directed edge (each link, both directions), of the host DMA cap and, where the hardware
+    gives it, of the host's DRAM."""
     cap = {HOST_DMA: hardware.host.dma_gbps * 1e9}
+    if hardware.host.mem_gbps is not None:
+        cap[HOST_MEM] = hardware.host.mem_gbps * 1e9
     for link in hardware.links:
         cap[edge_name(link.a, link.b)] = link.gbps * 1e9
         cap[edge_name(link.b, link.a)] = link.gbps * 1e9
@@ -49,8 +60,9 @@ def link_capacities(hardware: Hardware) -> dict[str, float]:
 
 
 def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-                 partner: dict[int, int]) -> tuple[list[int], list[Any]]:
-    """Per action: its mode and what goes with it (the comment above the modes), checking the inputs."""
+                 partner: dict[int, int]) -> tuple[list[int], list[Any], dict[str, float]]:
+    """Per action: its mode and what goes with it (the comment above the modes), checking the inputs; and the
+    capacities beyond `link_capacities` that its flows cross (each optimizer lane's own rate)."""
     if len(model.layers) != schedule.num_layers:
         raise InputError(f"schedule has {schedule.num_layers} layers but model {model.name!r} has "
                          f"{len(model.layers)}; compile the schedule for this model")
@@ -72,7 +84,9 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
             # The DMA cap counts every pass through host memory: once for host<->GPU, twice for a
             # GPU -> host -> GPU copy staged in host memory.
             dma = sum(1 for u, v in r.edges if HOST in (u, v)) if r.through_host else 0
-            links = tuple(edge_name(u, v) for u, v in r.edges) + (HOST_DMA,) * max(dma, int(r.through_host))
+            passes = max(dma, int(r.through_host))
+            links = tuple(edge_name(u, v) for u, v in r.edges) + (HOST_DMA,) * passes + (HOST_MEM,) * (
+                passes if HOST_MEM in cap else 0)
             missing = [x for x in links if x not in cap]
             if missing:
                 raise InputError(f"hardware {hardware.name!r}: route {src} -> {dst} crosses {missing[0]}, "
@@ -87,8 +101,12 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
     opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer,
                               optimizer_state=schedule.optimizer_state)
     opt_phases = [optimizer_step_phases_s(layer, schedule.host_memory, trace, optimizer=schedule.optimizer,
-                                          optimizer_state=schedule.optimizer_state) for layer in model.layers]
+                                          optimizer_state=schedule.optimizer_state, host=hardware.host)
+                  for layer in model.layers]
     owner = layer_owner(schedule)
+    extra: dict[str, float] = {}
+    step_bytes = [optimizer_step_bytes(layer.params, schedule.host_memory, schedule.optimizer_state)
+                  for layer in model.layers] if HOST_MEM in cap else []
     mode: list[int] = []
     cost: list[Any] = []
     n = len(schedule.actions)
@@ -110,7 +128,9 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
                     cost.append((phases, owner[a.layer]))
                 else:
                     mode.append(OPT)
-                    cost.append(opt_s[a.layer])
+                    cost.append(opt_s[a.layer] if not step_bytes or opt_s[a.layer] <= 0
+                                else _opt_flow(f"{a.resource}.r{owner.get(a.layer, 0)}", step_bytes[a.layer],
+                                               opt_s[a.layer], extra))
                 continue
             if a.layer not in profiles:
                 try:
@@ -162,4 +182,13 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
         else:
             raise ScheduleError(f"`{a}` (action {a.id}): the simulator has no cost for kind {k.value} "
                                 f"(cost {c.value}); add one to sim/durations.py")
-    return mode, cost
+    return mode, cost, extra
+
+
+def _opt_flow(lane: str, nbytes: float, step_s: float, extra: dict[str, float]) -> tuple[float, float, tuple[str, ...]]:
+    """An OPT_STEP as a flow: (its time alone, its bytes, the capacities it crosses: its lane at its own rate
+    (registered in `extra`), then the host's DRAM)."""
+    rate = nbytes / step_s
+    own = f"{lane}@{rate:.6g}"
+    extra[own] = rate
+    return step_s, nbytes, (own, HOST_MEM)

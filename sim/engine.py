@@ -29,8 +29,8 @@ remaining work on at the new rate. Otherwise an OPT_STEP takes `hostmem.optimize
 
 Lanes: one per resource of `tinypipe.ir.order.run_lanes`, except the host optimizer, where every rank
 runs its own layers' OPT_STEPs on a lane of its own, as the backend does, so ranks' steps overlap.
-Each step takes the time measured for one rank at its thread count; the memory bandwidth two ranks'
-steps share while both run is not modelled.
+Each step takes the time measured for one rank at its thread count; where the hardware gives the host's DRAM
+bandwidth, steps not measured by phase share it with each other and with the copies (sim/durations.py).
 
 Replay (`tinypipe replay`) swaps in measured times: `durations` gives actions a fixed duration instead
 of their cost (a SEND / RECV half: its time after both halves are ready), `lanes` the lists to run
@@ -79,7 +79,6 @@ class Engine:
         self.schedule = schedule
         self.env = simpy.Environment()
         self.memory = memory
-        self.network = Network(self.env, link_capacities(hardware))
         self.partner = pair_halves(schedule.actions)
         self.lanes: Mapping[str, Sequence[int]] = run_lanes(schedule) if lanes is None else lanes
         n = len(schedule.actions)
@@ -87,7 +86,8 @@ class Engine:
         self.end_s = [-1.0] * n  # -1: not finished
         self._waiters: dict[int, simpy.Event] = {}  # action id -> event fired when it ends
         self._rendezvous: dict[int, simpy.Event] = {}  # half that arrived first -> its wake-up event
-        self._mode, self._cost = action_costs(schedule, model, hardware, trace, self.partner)
+        self._mode, self._cost, lanes_cap = action_costs(schedule, model, hardware, trace, self.partner)
+        self.network = Network(self.env, {**link_capacities(hardware), **lanes_cap})
         self._steps_running = 0  # OPT_STEPs running now, on any optimizer lane (module docstring)
         # phases (module docstring): each rank's compute phase, the event its phased steps wait on for the
         # next change (made when one waits), and per action the phase it sets (FWD / BWD of a GPU whose
@@ -194,10 +194,14 @@ class Engine:
                 if dur > 0:
                     yield timeout(dur)
             elif m == OPT:
-                dur = cost[aid]
-                if dur > 0:
+                c = cost[aid]
+                if isinstance(c, tuple):  # a flow over the host's DRAM (sim/durations.py)
                     self._steps_running += 1
-                    yield timeout(dur)
+                    yield net.copy(c[1], 0.0, c[2])
+                    self._steps_running -= 1
+                elif c > 0:
+                    self._steps_running += 1
+                    yield timeout(c)
                     self._steps_running -= 1
             elif m == PHASED:
                 yield from self._phased_step(*cost[aid])

@@ -107,3 +107,14 @@ def test_simulate_and_search_plan_with_a_calibration(tmp_path: Path, capsys: pyt
     assert main(["search", "--model", "tiny-llama", "--hardware", "h200x1", "--workers", "1", "--seq-len", "512",
                  "--batch-tokens", "4096", "--top", "2", "--calibration", str(f)]) == 0
     assert main([*argv, "--calibration", str(tmp_path / "missing.json")]) == 2
+
+
+def test_the_step_beside_copies_shares_dram_max_min_fairly() -> None:
+    """The compact step (26 B a parameter) beside copies: as fast as alone while both fit in DRAM's bandwidth;
+    else the copies take what they need down to half of it, and the step the rest (at most its own rate)."""
+    from tinypipe.estimate.hostcal import step_beside_copies
+
+    assert step_beside_copies(1e9, 100.0, 50.0) == 1e9  # 26 + 50 <= 100 GB/s
+    assert step_beside_copies(2e9, 70.0, 50.0) == pytest.approx(35e9 / 26)  # half each: 52 + 50 > 70
+    assert step_beside_copies(2e9, 90.0, 30.0) == pytest.approx(52e9 / 26)  # 90 - 30 = 60 >= its own 52
+    assert step_beside_copies(3e9, 90.0, 30.0) == pytest.approx(60e9 / 26)

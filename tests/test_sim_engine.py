@@ -910,3 +910,29 @@ def test_compiled_faster_never_much_slower(c: tuple[Any, ...], k: float, what: s
         fast = simulate(sched, model, hw2, trace, on_capacity="record")
     ends = fast.timeline.iteration_ends_s()
     assert all(f <= b * (1 + SHARING_SLACK) for f, b in zip(ends, base)), (base, ends)
+
+
+def test_the_optimizer_and_the_copies_share_the_hosts_dram() -> None:
+    """With the host's DRAM bandwidth given (`Host.mem_gbps`), an OPT_STEP is a flow of its bytes (compact fp32:
+    26 B a parameter) capped at its own rate, and a LOAD's pass through host memory crosses the same DRAM: alone
+    the step takes its time (2M params at 1e9/s x 1.69 = 3380 us); beside a 40 MB LOAD on a 30 GB/s DRAM both
+    get 15 GB/s until the LOAD ends (at 5 us + 40 MB / 15 GB/s), then the step finishes at its own rate; without
+    `mem_gbps` neither slows the other."""
+    b = Builder()
+    b("OPT_STEP", "host.optim", layer=1)
+    b("LOAD", "g0.h2d", layer=1, nbytes=40_000_000)
+    s = b.schedule(host_memory="compact")
+    base = tiny_hardware()
+    alone = Builder()
+    alone("OPT_STEP", "host.optim", layer=1)
+    wide = replace(base, host=replace(base.host, mem_gbps=1e6))
+    assert log(sim(alone.schedule(host_memory="compact"), wide)) == ["0.000 3380.000 host.optim OPT1"]
+    assert log(sim(s, base)) == ["0.000 3380.000 host.optim OPT1", "0.000 1605.000 g0.h2d LD1"]
+    shared = sim(s, replace(base, host=replace(base.host, mem_gbps=30.0)))
+    load_end = 5.0 + 40e6 / 15e9 * 1e6
+    step_bytes, own = 2e6 * 26, 2e6 * 26 / 3380e-6
+    left = step_bytes - own * 5e-6 - 40e6  # its own rate while the LOAD waits its 5 us, then 15 GB/s beside it
+    assert log(shared)[1] == f"0.000 {load_end:.3f} g0.h2d LD1"
+    end = float(log(shared)[0].split()[1])
+    assert end == pytest.approx((load_end * 1e-6 + left / own) * 1e6, rel=1e-6) and end > 3380.0
+    assert shared.link_bytes["host.mem"] == pytest.approx(40e6 + step_bytes)

@@ -17,6 +17,12 @@ through the run's own code (`HostState.step`, what an OPT_STEP runs), gradients 
   AdamW / split over the 16-bit planes);
 - compact_bf16_params_per_s, compact_8bit_params_per_s: the compact step with bf16 / 8-bit moments
   (`moments.lowp_adamw_step`, `--optimizer-state`).
+(each compact step runs the one-pass kernel, `fused_host_adamw`, where it builds, as a run's OPT_STEPs do);
+- host_copy_gbps: this host's DRAM bandwidth, bytes read + written by a memcpy of `host_copy_bytes` (past the
+  last-level cache) on `threads` threads: what the simulator's host optimizer and copies share (`Host.mem_gbps`);
+- compact_beside_copies_params_per_s: the compact step again while host -> device copies run back to back beside
+  it (on a CPU, host memcpys), to set beside what the shared-DRAM model predicts for it
+  (`tinypipe.estimate.hostcal.step_beside_copies`).
 Where a trace has no per-kind step (optim.py measures those, on each kind's own tensors and beside
 the device's work), the simulator charges these layouts' rates (`tinypipe.estimate.hostmem.optimizer_s_per_param`;
 `optimizer_time_factor(host_memory)` / adam_params_per_s without them); `factors()` gives the measured
@@ -70,6 +76,8 @@ class HostRates:
     compute_dtype: str  # of the host state the optimizer steps ran in
     repeat: int
     when: str
+    host_copy_gbps: float | None = None
+    compact_beside_copies_params_per_s: float | None = None
 
     def factors(self) -> dict[HostMemory, float]:
         """Each layout's optimizer time per parameter over a plain fused AdamW's (hostmem's factors, measured)."""
@@ -193,6 +201,47 @@ def host_state_rate(host_memory: HostMemory, weights: torch.Tensor, grad: torch.
     return weights.numel() / _median(step, repeat)
 
 
+def host_copy_gbps(nbytes: int = 1 << 30, repeat: int = 5) -> float:
+    """This host's DRAM bandwidth: GB/s read + written by `dst.copy_(src)` of `nbytes`, the median of `repeat`
+    after a first touch, on torch's intra-op threads."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+
+    def copy() -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+
+    return 2 * nbytes / _median(copy, repeat) / 1e9
+
+
+def _beside_copies(device: torch.device, nbytes: int, measure: Callable[[], float]) -> float:
+    """`measure()` while a thread copies `nbytes` host -> `device` back to back (pinned on CUDA; on a CPU, a memcpy
+    between two host buffers), until it returns."""
+    pinned = device.type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stop = threading.Event()
+
+    def copies() -> None:
+        stream = torch.cuda.Stream(device) if pinned else None
+        while not stop.is_set():
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                stream.synchronize()
+            else:
+                dst.copy_(src)
+
+    t = threading.Thread(target=copies, daemon=True)
+    t.start()
+    try:
+        return measure()
+    finally:
+        stop.set()
+        t.join()
+
+
 def _optimizer_rates(params: int, compute_dtype: str, repeat: int) -> tuple[float, ...]:
     """params/s of a plain fused AdamW, the replicated layout's step and the compact one with fp32, bf16 and
     8-bit moments."""
@@ -221,10 +270,17 @@ def measure_rates(device: torch.device, *, threads: int, compute_dtype: str, rep
             up, down, both, latency = _cpu_copies(nbytes, small_copy_bytes, repeat)
             where = "cpu (host memcpy)"
         adam, replicated, compact, compact_bf16, compact_8bit = _optimizer_rates(optim_params, compute_dtype, repeat)
+        mem = host_copy_gbps(max(4 * nbytes, 256 * MIB), repeat)
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(optim_params, generator=gen) * 0.02
+        g = (torch.randn(optim_params, generator=gen) * 1e-3).to(DTYPES[compute_dtype])
+        beside = _beside_copies(device, nbytes, lambda: host_state_rate(HostMemory.COMPACT, w, g, compute_dtype,
+                                                                         repeat))
     finally:
         torch.set_num_threads(before)
     return HostRates(device=where, threads=threads, h2d_gbps=up / 1e9, d2h_gbps=down / 1e9, bidir_gbps=both / 1e9,
                      copy_latency_s=latency, adam_params_per_s=adam, replicated_params_per_s=replicated,
                      compact_params_per_s=compact, compact_bf16_params_per_s=compact_bf16,
-                     compact_8bit_params_per_s=compact_8bit, copy_bytes=nbytes, small_copy_bytes=small_copy_bytes,
+                     compact_8bit_params_per_s=compact_8bit, host_copy_gbps=mem,
+                     compact_beside_copies_params_per_s=beside, copy_bytes=nbytes, small_copy_bytes=small_copy_bytes,
                      optim_params=optim_params, compute_dtype=compute_dtype, repeat=repeat, when=when)

@@ -68,6 +68,7 @@ def run_once(argv: list[str], trace: Path | None = None) -> dict[str, Any]:
     from tinypipe.backends.report import issue_shares
     from tinypipe.backends.run_args import add_run_arguments
     from tinypipe.backends.runtrace import save_trace, timeline
+
     from tinypipe.ir.timeline import Timeline
 
     ap = argparse.ArgumentParser()

@@ -1,7 +1,8 @@
 """This host's memory copy bandwidth (GB/s moved: bytes read + bytes written), printed by every device script.
 
 Host speed differs between machines of one kind, and the host optimizer is memory-bandwidth bound, so each
-device run records the bandwidth of the machine it ran on: compare systems only within one machine.
+device run records the bandwidth of the machine it ran on: compare systems only within one machine. The
+measurement is the one a run's calibration makes (`tinypipe.backends.profile.rates.host_copy_gbps`).
 """
 
 from __future__ import annotations
@@ -9,23 +10,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
+from tinypipe.backends.profile.rates import host_copy_gbps
 
 
 def copy_gbps(nbytes: int = 2 << 30, repeat: int = 5, threads: int | None = None) -> float:
-    """Median GB/s of `dst.copy_(src)` over `nbytes` of float32 on `threads` threads (default: all cores)."""
+    """`host_copy_gbps` of `nbytes` on `threads` threads (default: all cores)."""
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / sorted(times)[len(times) // 2] / 1e9
+    return host_copy_gbps(nbytes, repeat)
 
 
 if __name__ == "__main__":

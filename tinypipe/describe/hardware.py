@@ -65,6 +65,9 @@ class Host:
     # the compact step with bf16 / 8-bit AdamW moments (`--optimizer-state`), as `tinypipe profile` measured it
     compact_bf16_params_per_s: float | None = None
     compact_8bit_params_per_s: float | None = None
+    # DRAM bandwidth (bytes read + written per second, a large host memcpy on all cores) that the host optimizer's
+    # passes and every host <-> device copy share (sim/durations.py); None: not modelled, each runs at its own rate
+    mem_gbps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,7 @@ class Hardware:
                      **({"replicated_params_per_s": self.host.replicated_params_per_s}
                         if self.host.replicated_params_per_s is not None else {}),
                      **{k: getattr(self.host, k) for k in ("compact_params_per_s", "compact_bf16_params_per_s",
-                                                           "compact_8bit_params_per_s")
+                                                           "compact_8bit_params_per_s", "mem_gbps")
                         if getattr(self.host, k) is not None}},
             "gpus": [{"name": g.name, "model": g.model, "memory_bytes": g.memory_bytes,
                       "matmul_flops": g.matmul_flops, "mem_gbps": g.mem_gbps,
@@ -286,14 +289,16 @@ class Hardware:
         source = f.str("source")
         gpu_p2p = f.bool("gpu_p2p", True)
         h = f.obj_("host").only("memory_bytes", "dma_gbps", "cpu_cores", "adam_params_per_s", "replicated_params_per_s",
-                                "compact_params_per_s", "compact_bf16_params_per_s", "compact_8bit_params_per_s")
+                                "compact_params_per_s", "compact_bf16_params_per_s", "compact_8bit_params_per_s",
+                                "mem_gbps")
         host = Host(memory_bytes=h.int("memory_bytes", minimum=1),
                     dma_gbps=h.float("dma_gbps", positive=True), cpu_cores=h.int("cpu_cores", minimum=1),
                     adam_params_per_s=h.float("adam_params_per_s", positive=True),
                     replicated_params_per_s=h.float("replicated_params_per_s", None, positive=True),
                     compact_params_per_s=h.float("compact_params_per_s", None, positive=True),
                     compact_bf16_params_per_s=h.float("compact_bf16_params_per_s", None, positive=True),
-                    compact_8bit_params_per_s=h.float("compact_8bit_params_per_s", None, positive=True))
+                    compact_8bit_params_per_s=h.float("compact_8bit_params_per_s", None, positive=True),
+                    mem_gbps=h.float("mem_gbps", None, positive=True))
         gpus = _parse_gpus(f)
         switches = f.list("switches", [])
         for i, s in enumerate(switches):

@@ -33,7 +33,7 @@ from tinypipe.describe.hardware import Hardware, Host
 from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.describe.thismachine import fingerprint
 from tinypipe.describe.trace import ProfileTrace, measured_traces
-from tinypipe.estimate.hostmem import optimizer_s_per_param
+from tinypipe.estimate.hostmem import optimizer_s_per_param, step_bytes_per_param
 from tinypipe.policy.modes import HostMemory
 
 FORMAT = "tinypipe-host-rates-v1"
@@ -128,7 +128,7 @@ def with_rates(base: Hardware, r: Mapping[str, Any]) -> Hardware:
                 adam_params_per_s=r["adam_params_per_s"], replicated_params_per_s=r["replicated_params_per_s"],
                 compact_params_per_s=r["compact_params_per_s"],
                 compact_bf16_params_per_s=r.get("compact_bf16_params_per_s"),
-                compact_8bit_params_per_s=r.get("compact_8bit_params_per_s"))
+                compact_8bit_params_per_s=r.get("compact_8bit_params_per_s"), mem_gbps=r.get("host_copy_gbps"))
     adam = r["adam_params_per_s"]
     source = (f"{base.name} with rates measured on {r.get('device', 'this machine')}, {r.get('when', '')}: GPU links "
               f"{link:.1f} GB/s (min of H2D {r['h2d_gbps']:.1f}, D2H {r['d2h_gbps']:.1f}, "
@@ -185,4 +185,21 @@ def calibrate(base: Hardware, rates: Mapping[str, Any],
             f"{rates['threads']} thread(s) (steps x{factor[HostMemory.COMPACT]:.2f} compact, "
             f"x{factor[HostMemory.REPLICATED]:.2f} replicated against {base.name}); copies H2D "
             f"{rates['h2d_gbps']:.1f}, D2H {rates['d2h_gbps']:.1f}, both {rates['bidir_gbps']:.1f} GB/s")
+    mem, beside = rates.get("host_copy_gbps"), rates.get("compact_beside_copies_params_per_s")
+    if mem:
+        line += f"; host memory {mem:.1f} GB/s"
+    if mem and beside:
+        model = step_beside_copies(rates["compact_params_per_s"], mem, rates["h2d_gbps"])
+        line += (f"; compact step beside host -> device copies {_rate(beside)} (the shared-memory model: "
+                 f"{_rate(model)})")
     return here, calibrated_profiles(traces, factor, base.gpus[0].model), line
+
+
+def step_beside_copies(compact_params_per_s: float, mem_gbps: float, copy_gbps: float) -> float:
+    """The compact fp32 step's rate (params/s) while copies at `copy_gbps` pass through host memory, as the simulator
+    shares DRAM (`mem_gbps`) between them: max-min fair, each at most its own rate."""
+    own = compact_params_per_s * step_bytes_per_param() / 1e9  # GB/s the step moves alone
+    if own + copy_gbps <= mem_gbps:
+        return compact_params_per_s
+    share = max(mem_gbps - copy_gbps, mem_gbps / 2)
+    return min(own, share) * 1e9 / step_bytes_per_param()

@@ -80,6 +80,20 @@ def step_bytes_per_param(state: OptimizerState = OptimizerState.FP32, grad_bytes
     return 8 + grad_bytes + 2 * moment_bytes(1 << 20, state) / (1 << 20)
 
 
+# The replicated layout's step: torch's fused AdamW on the fp32 master with an fp32 gradient (params, grad, m, v read:
+# 16 B; params, m, v written: 12 B), then the bf16 upload copy refreshed from the master (4 B read, 2 B written).
+REPLICATED_STEP_BYTES_PER_PARAM = 28 + 6
+
+
+def optimizer_step_bytes(params: int, host_memory: HostMemory,
+                         optimizer_state: OptimizerState = OptimizerState.FP32) -> float:
+    """Bytes of DRAM one host optimizer step of `params` parameters moves under `host_memory`: what it shares with
+    the DMA copies (sim/durations.py)."""
+    if HostMemory(host_memory) == HostMemory.COMPACT:
+        return params * step_bytes_per_param(optimizer_state)
+    return params * float(REPLICATED_STEP_BYTES_PER_PARAM)
+
+
 def next_pow2(n: int) -> int:
     """The block size PyTorch's pinned caching allocator hands out for a request of n bytes."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -208,7 +222,7 @@ def optimizer_step_s(layer: LayerSpec, host_memory: HostMemory, host: Host, trac
     measured that step (`OptimizerProfile.async_in_run_s`) gives its time, else the sync one: on the H200
     the kept copy made a Qwen3-1.7B block's step 1.43x slower."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
-    factor = STATE_TIME_FACTOR[OptimizerState(optimizer_state)]  # traces measure the fp32 moments' step
+    factor = state_time_factor(host, optimizer_state)  # traces measure the fp32 moments' step
     measured = _measured(layer, trace)
     t = measured.step_s(host_memory, layer.params, asynchronous=optimizer.is_async) if measured else None
     return t * factor if t is not None else layer.params * optimizer_s_per_param(host, host_memory, optimizer_state)
@@ -216,15 +230,30 @@ def optimizer_step_s(layer: LayerSpec, host_memory: HostMemory, host: Host, trac
 
 def optimizer_step_phases_s(layer: LayerSpec, host_memory: HostMemory, trace: ProfileTrace | None = None, *,
                             optimizer: OptimizerMode = OptimizerMode.SYNC,
-                            optimizer_state: OptimizerState = OptimizerState.FP32) -> StepPhases | None:
+                            optimizer_state: OptimizerState = OptimizerState.FP32,
+                            host: Host | None = None) -> StepPhases | None:
     """Seconds of one OPT_STEP of `layer` by what its rank's main thread does meanwhile (the compute stream
     waits / it issues FWDs / BWDs), when `trace` measured them for the layer's kind, host_memory and mode
     (`OptimizerProfile.phases_s`), else None: the simulator then charges `optimizer_step_s` whatever runs."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     measured = _measured(layer, trace)
     phases = measured.phases_s(host_memory, layer.params, asynchronous=optimizer.is_async) if measured else None
-    factor = STATE_TIME_FACTOR[OptimizerState(optimizer_state)]
+    factor = state_time_factor(host, optimizer_state)
     return StepPhases(*(x * factor for x in phases)) if phases is not None and factor != 1.0 else phases
+
+
+def state_time_factor(host: Host | None, optimizer_state: OptimizerState = OptimizerState.FP32) -> float:
+    """The compact step's time with `optimizer_state` moments over its time with fp32 ones: this host's own
+    ratio where its compact rates were measured for both (a run's calibration, `tinypipe profile`), else
+    STATE_TIME_FACTOR. What scales a trace's measured fp32 step to another precision."""
+    state = OptimizerState(optimizer_state)
+    if state.exact:
+        return 1.0
+    own = None if host is None else {OptimizerState.BF16: host.compact_bf16_params_per_s,
+                                     OptimizerState.INT8: host.compact_8bit_params_per_s}.get(state)
+    if own is not None and host is not None and host.compact_params_per_s is not None:
+        return host.compact_params_per_s / own
+    return STATE_TIME_FACTOR[state]
 
 
 def _measured(layer: LayerSpec, trace: ProfileTrace | None) -> OptimizerProfile | None:
@@ -244,6 +273,6 @@ def optimizer_steps_s(model: ModelSpec, host_memory: HostMemory, host: Host, tra
     for layer in model.layers:
         t = optimizer_step_s(layer, host_memory, host, trace, optimizer=optimizer, optimizer_state=optimizer_state)
         phases = (optimizer_step_phases_s(layer, host_memory, trace, optimizer=optimizer,
-                                          optimizer_state=optimizer_state) if least else None)
+                                          optimizer_state=optimizer_state, host=host) if least else None)
         out.append(min(t, *phases) if phases is not None else t)
     return tuple(out)
