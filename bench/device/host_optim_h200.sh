@@ -3,8 +3,8 @@
 # 1. this host's copy bandwidth, and which kernel steps the host here (native, or torch and why);
 # 2. host AdamW per state precision and thread count: the kernel beside the torch operators and torch's fused
 #    AdamW (64M parameters; G params/s, GB/s and the share of the copy bandwidth);
-# 3. Llama-3.1-8B, --gpu-mem 24GiB, 65,536 tokens/step: 8-bit moments with the lean policy (one layer a pack),
-#    then fp32 moments with the same policy: tokens/s, peak RSS, GPU peak, predicted beside each.
+# 3. Llama-3.1-8B, --gpu-mem 24GiB, 65,536 tokens/step, the lean policy (one layer a pack), each run traced:
+#    fp32 moments first, then 8-bit, with the same policy: tokens/s, peak RSS, GPU peak, predicted beside each.
 . bench/device/setup.sh
 (cd /tmp && python3 -c "from tinypipe.backends import fused_host_adamw as k; print('host kernel:', k.name(), k.unavailable() or '')")
 timeout -k 10 150 python3 bench/device/frugal.py --out "$OUT" --parts optim >>"$OUT/log.txt" 2>&1
