@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -99,22 +100,25 @@ def run_once(argv: list[str], trace: Path | None = None) -> dict[str, Any]:
             "predicted_peak_gpu_bytes": plan.prediction.peak_gpu_bytes, "policy": plan.policy.to_json()}
 
 
-def part_runs(out: Path, dry: bool, runs: list[str] | None = None) -> None:
-    """One 8B run per `STATE[:POLICY]` of `runs` (default: 8bit, bf16 and fp32 moments with the lean policy)."""
+def part_runs(out: Path, dry: bool, runs: list[str] | None = None, model: str = "llama-3.1-8b",
+              label: str = "") -> None:
+    """One run of `model` per `STATE[:POLICY]` of `runs` (default: 8bit, bf16 and fp32 moments with the lean policy);
+    `label` tags its records and trace files (with the rank's TINYPIPE_THREADS, where set)."""
     for spec in runs or ["8bit", "bf16", "fp32"]:
         state, _, policy = spec.partition(":")
         with tempfile.TemporaryDirectory(prefix=f"frugal-{state}-") as tmp:
             if dry:
                 argv = ["--model", "tiny-llama", "--steps", "4", "--optimizer-state", state]
             else:
-                argv = ["--backend", "cuda", "--gpus", "1", "--model", "llama-3.1-8b", "--seq-len", "2048",
+                argv = ["--backend", "cuda", "--gpus", "1", "--model", model, "--seq-len", "2048",
                         "--batch-tokens", "65536", "--steps", "6", "--policy", policy or LEAN, "--gpu-mem", "24GiB",
                         "--optimizer-state", state]
             argv += ["--out", tmp, "--keep-checkpoints", "0", "--checkpoint-minutes", "0"]
             t0 = time.perf_counter()
             try:
-                trace = None if dry else out / f"run-{state}.trace.json"
-                row = {"part": "runs", "optimizer_state": state, "argv": argv, **run_once(argv, trace)}
+                trace = None if dry else out / f"run-{label}{state}.trace.json"
+                row = {"part": "runs", "optimizer_state": state, "label": label,
+                       "threads_env": os.environ.get("TINYPIPE_THREADS"), "argv": argv, **run_once(argv, trace)}
             except Exception as exc:  # noqa: BLE001 - a failed case is a result too
                 row = {"part": "runs", "optimizer_state": state, "argv": argv, "error": f"{type(exc).__name__}: {exc}"}
             row["wall_s"] = time.perf_counter() - t0
@@ -172,12 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="on the CPU with tiny-llama")
     ap.add_argument("--runs", nargs="+", default=None, metavar="STATE[:POLICY]",
                     help="the `runs` part's optimizer states, each with its policy file (default: the lean one)")
+    ap.add_argument("--model", default="llama-3.1-8b", help="the `runs` part's model (a name or a config.json)")
+    ap.add_argument("--label", default="", help="a tag for the `runs` part's records and trace files")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in a.parts:
         if name == "runs":
-            part_runs(out, a.dry_run, a.runs)
+            part_runs(out, a.dry_run, a.runs, a.model, a.label)
         else:
             {"optim": part_optim, "checkpoint": part_checkpoint}[name](out, a.dry_run)
     return 0

@@ -1,0 +1,50 @@
+# The host optimizer's thread count in a run, on one H200 machine (16 cores, 125 GiB host), from the repository root:
+#   bash bench/device/optim_threads_h200.sh  -> $OUT/hostbw.json, $OUT/frugal_h200.jsonl, $OUT/host_optim_precision_h200.json,
+#                                               $OUT/run-*.trace.json
+# 1. this host's copy bandwidth and which kernel steps the host (native, or torch and why);
+# 2. host AdamW per state precision at 1, 8 and 15 threads (64M parameters; G params/s, GB/s, share of the copy
+#    bandwidth);
+# 3. Llama-3.1-8B shapes with 12 decoder layers (a config.json), fp32 moments, the lean policy, --gpu-mem 24GiB,
+#    65,536 tokens/step, traced, with the rank's intra-op threads (the optimizer's) at 15 and at 8: does a host
+#    optimizer that takes every core slow the GPU's feed?
+# 4. the full Llama-3.1-8B with 8-bit moments at the faster of the two thread counts, traced.
+. bench/device/setup.sh
+(cd /tmp && python3 -c "from tinypipe.backends import fused_host_adamw as k; print('host kernel:', k.name(), k.unavailable() or '')")
+timeout -k 10 120 python3 bench/host_optim_precision.py --params 67108864 --threads 1 8 15 --repeat 3 \
+  --out "$OUT/host_optim_precision_h200.json" >"$OUT/optim.txt" 2>&1
+cat "$OUT/optim.txt"
+mkdir -p /tmp/l12
+(cd /tmp && python3 -c "
+import json, importlib.resources as r
+d = json.loads((r.files('tinypipe.traces') / 'models' / 'llama-3.1-8b.json').read_text())
+d = {k: v for k, v in d.items() if not k.startswith('_')}
+d['num_hidden_layers'] = 12
+json.dump(d, open('/tmp/l12/config.json', 'w'))")
+LEAN=bench/policies/h200x1-24g-lean1-sync.json
+for th in 15 8; do
+  TINYPIPE_THREADS=$th timeout -k 10 170 python3 bench/device/frugal.py --out "$OUT" --parts runs --model /tmp/l12/config.json \
+    --label "l12-t$th-" --runs "fp32:$LEAN" >>"$OUT/log.txt" 2>&1
+  echo "12-layer, $th threads: exit status $?"
+done
+BEST=$(python3 - "$OUT/frugal_h200.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1])]
+best = max((r for r in rows if r.get("label", "").startswith("l12-") and "tokens_per_s" in r),
+           key=lambda r: r["tokens_per_s"], default={"threads_env": "15"})
+print(best["threads_env"])
+PY
+)
+echo "8B 8-bit run at $BEST threads"
+TINYPIPE_THREADS=$BEST timeout -k 10 ${RUN8B_TIMEOUT:-260} python3 bench/device/frugal.py --out "$OUT" --parts runs \
+  --label "t$BEST-" --runs "8bit:$LEAN" >>"$OUT/log.txt" 2>&1
+echo "8B 8-bit: exit status $?"
+python3 - "$OUT/frugal_h200.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("part") == "runs":
+        keys = ("label", "optimizer_state", "tokens_per_s", "predicted_tokens_per_s", "peak_host_rss_bytes",
+                "predicted_peak_host_bytes", "peak_gpu_bytes", "predicted_peak_gpu_bytes", "error", "wall_s",
+                "busy_s_per_iteration", "main_thread_issue_share", "calibration", "host_kernel", "iteration_s_each")
+        print({k: (round(r[k] / 2**30, 2) if k.endswith("bytes") else r[k]) for k in keys if k in r})
+PY
