@@ -193,3 +193,9 @@ void tp_adamw_8bit(int16_t *hi, int16_t *lo, const void *grad, int32_t kind, con
 #define INT8(K, F) int8_body(hi, lo, grad, K, *q, n, block_begin, block_end, *h, F)
     PICK(INT8)
 }
+
+/* A read-modify-write pass over x[begin..end): the host's DRAM bandwidth as the kernels above use it (every byte
+ * written was read first, so no write-allocate reads on top; a memcpy into another buffer has those). */
+void tp_touch(float *x, int64_t begin, int64_t end, float add) {
+    for (int64_t i = begin; i < end; i++) x[i] += add;
+}

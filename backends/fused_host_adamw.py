@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -97,7 +98,8 @@ class _Kernel:
         lib.tp_adamw_fp32.argtypes = [vp, vp, vp, i32, vp, vp, i64, i64, hp, i32]
         lib.tp_adamw_bf16.argtypes = [vp, vp, vp, i32, vp, vp, i64, i64, hp, i32]
         lib.tp_adamw_8bit.argtypes = [vp, vp, vp, i32, ctypes.POINTER(_Quantised), i64, i64, i64, hp, i32]
-        for f in (lib.tp_adamw_fp32, lib.tp_adamw_bf16, lib.tp_adamw_8bit):
+        lib.tp_touch.argtypes = [vp, i64, i64, ctypes.c_float]
+        for f in (lib.tp_adamw_fp32, lib.tp_adamw_bf16, lib.tp_adamw_8bit, lib.tp_touch):
             f.restype = None
         (self.m_values, m_table), (self.v_values, v_table) = moments.maps(True), moments.maps(False)
         self.m_table, self.v_table = _padded(m_table), _padded(v_table)
@@ -271,6 +273,26 @@ def _lowp_calls(k: _Kernel, hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tens
     b = QUANT_BLOCK_ELEMS
     return [partial(k.lib.tp_adamw_8bit, _ptr(hi), _ptr(lo), _ptr(g), kind, ctypes.byref(q), n, s // b, -(-e // b),
                     ctypes.byref(c), k.fused_v) for s, e in _parts(n, threads)]
+
+
+def memory_gbps(nbytes: int = 1 << 30, repeat: int = 3, threads: int | None = None) -> float | None:
+    """This host's DRAM bandwidth as the kernel moves bytes: GB/s read + written by an in-place pass over `nbytes`
+    of fp32 on `threads` threads (default: torch's intra-op threads), the best of `repeat` after a first touch;
+    None without the kernel."""
+    k = kernel()
+    if k is None:
+        return None
+    threads = torch.get_num_threads() if threads is None else max(1, threads)
+    x = torch.zeros(nbytes // 4)
+    calls = [partial(k.lib.tp_touch, _ptr(x), s, e, ctypes.c_float(0.0)) for s, e in _parts(x.numel(), threads)]
+    pool = moments.pool(threads)
+    best = float("inf")
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        for f in [pool.submit(c) for c in calls]:
+            f.result()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.numel() * 4 / best / 1e9
 
 
 @dataclass

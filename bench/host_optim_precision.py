@@ -9,10 +9,12 @@ For N parameters (one tensor; default 16M) and each thread count, the best of `-
   moments.lowp_adamw_step: what runs where no C compiler is found);
 - `deepspeed-cpu-adam` (where `deepspeed` imports and builds its op) and, with `--torchao`, torchao's AdamW8bit on
   an fp32 tensor (reference points that run on plain fp32 parameters, not on the planes);
-- `copy`: this host's copy bandwidth at that thread count (dst.copy_(src), bytes read + written).
+- `copy`: this host's copy bandwidth at that thread count (dst.copy_(src), bytes read + written; its writes also
+  read each line first, uncounted, so it understates DRAM's bandwidth), and `dram`: an in-place pass over the same
+  bytes by the kernel (`fused_host_adamw.memory_gbps`: every byte written was read first, as in the step).
 The variants are timed in turns, round after round, so a noisy shared host slows each alike. GB/s is the step's
 bytes per parameter (`hostmem.step_bytes_per_param`; 28 for fp32 AdamW on fp32 gradients) times params/s: the
-share of `copy`'s GB/s it reaches says how close to the memory-bandwidth floor it runs. Each step is timed by the
+share of `dram`'s GB/s it reaches says how close to the memory-bandwidth floor it runs. Each step is timed by the
 wall clock and by the process's CPU time; at more than one thread the wall clock is the figure. Prints a table and
 writes bench/results/host_optim_precision.json (or --out); the state factors (each native low-precision step's
 time over native-fp32's at `--factor-threads`) are what `tinypipe.estimate.hostmem.STATE_TIME_FACTOR` holds.
@@ -36,7 +38,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after the instal
 from tinypipe.backends import fused_host_adamw, moments, planes  # noqa: E402
 
 from bench._common import machine, write_json  # noqa: E402
-from bench.device.hostbw import copy_gbps  # noqa: E402
+from bench.device.hostbw import copy_gbps, mem_gbps  # noqa: E402
 from tinypipe.estimate.hostmem import QUANT_BLOCK_ELEMS, step_bytes_per_param  # noqa: E402
 from tinypipe.policy.modes import OptimizerState  # noqa: E402
 
@@ -151,13 +153,18 @@ def main(argv: list[str] | None = None) -> int:
                 wall[name] = min(wall[name], time.perf_counter() - t0)
                 cpu[name] = min(cpu[name], time.process_time() - c0)
         copy = copy_gbps(max(4 * a.params, 256 << 20), repeat=a.repeat, threads=th)
+        dram = mem_gbps(max(4 * a.params, 256 << 20), repeat=a.repeat, threads=th)
         for name, s in wall.items():
             rate = a.params / s
+            gbps = rate * steps[name][1] / 1e9
             rows.append({"threads": th, "variant": name, "best_s": s, "gparams_per_s": rate / 1e9,
                          "best_cpu_s": cpu[name], "cpu_gparams_per_s": a.params / cpu[name] / 1e9,
-                         "bytes_per_param": steps[name][1], "gbps": rate * steps[name][1] / 1e9,
-                         "of_copy_bandwidth": rate * steps[name][1] / 1e9 / copy})
-        rows.append({"threads": th, "variant": "copy", "gbps": copy, "of_copy_bandwidth": 1.0})
+                         "bytes_per_param": steps[name][1], "gbps": gbps, "of_copy_bandwidth": gbps / copy,
+                         "of_dram_bandwidth": gbps / dram})
+        rows.append({"threads": th, "variant": "copy", "gbps": copy, "of_copy_bandwidth": 1.0,
+                     "of_dram_bandwidth": copy / dram})
+        rows.append({"threads": th, "variant": "dram", "gbps": dram, "of_copy_bandwidth": dram / copy,
+                     "of_dram_bandwidth": 1.0})
         del steps
     top = a.factor_threads if a.factor_threads in threads else max(threads)
     basis = "best_cpu_s" if top == 1 else "best_s"
@@ -166,13 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     factors = {k: at[f"{prefix}-{k}"] / at[f"{prefix}-fp32"] for k in ("bf16", "8bit")}
     vs_fused = {k: at[k] / at["torch-fused"] for k in at}
     print(f"{'threads':>7} {'variant':>18} {'G params/s':>11} {'by CPU time':>12} {'B/param':>8} {'GB/s':>7} "
-          f"{'of copy':>8}")
+          f"{'of copy':>8} {'of DRAM':>8}")
     for r in rows:
-        if r["variant"] == "copy":
-            print(f"{r['threads']:>7} {'copy':>18} {'':>11} {'':>12} {'':>8} {r['gbps']:>7.1f} {'100%':>8}")
+        if r["variant"] in ("copy", "dram"):
+            print(f"{r['threads']:>7} {r['variant']:>18} {'':>11} {'':>12} {'':>8} {r['gbps']:>7.1f} "
+                  f"{r['of_copy_bandwidth']:>8.0%} {r['of_dram_bandwidth']:>8.0%}")
             continue
         print(f"{r['threads']:>7} {r['variant']:>18} {r['gparams_per_s']:>11.3f} {r['cpu_gparams_per_s']:>12.3f} "
-              f"{r['bytes_per_param']:>8.2f} {r['gbps']:>7.1f} {r['of_copy_bandwidth']:>8.0%}")
+              f"{r['bytes_per_param']:>8.2f} {r['gbps']:>7.1f} {r['of_copy_bandwidth']:>8.0%} "
+              f"{r['of_dram_bandwidth']:>8.0%}")
     print(f"state time factors over {prefix}-fp32 at {top} threads ({basis}): "
           + ", ".join(f"{k} {v:.2f}" for k, v in factors.items()))
     payload = {"params": a.params, "repeat": a.repeat, "hyperparameters": HP, "host_kernel": fused_host_adamw.name(),

@@ -18,8 +18,9 @@ through the run's own code (`HostState.step`, what an OPT_STEP runs), gradients 
 - compact_bf16_params_per_s, compact_8bit_params_per_s: the compact step with bf16 / 8-bit moments
   (`moments.lowp_adamw_step`, `--optimizer-state`).
 (each compact step runs the one-pass kernel, `fused_host_adamw`, where it builds, as a run's OPT_STEPs do);
-- host_copy_gbps: this host's DRAM bandwidth, bytes read + written by a memcpy of `host_copy_bytes` (past the
-  last-level cache) on `threads` threads: what the simulator's host optimizer and copies share (`Host.mem_gbps`);
+- host_mem_gbps: this host's DRAM bandwidth, bytes read + written by an in-place pass over a buffer past the
+  last-level cache on `threads` threads (`fused_host_adamw.memory_gbps`, as the optimizer's kernel moves bytes; a
+  memcpy without the kernel): what the simulator's host optimizer and copies share (`Host.mem_gbps`);
 - compact_beside_copies_params_per_s: the compact step again while host -> device copies run back to back beside
   it (on a CPU, host memcpys), to set beside what the shared-DRAM model predicts for it
   (`tinypipe.estimate.hostcal.step_beside_copies`).
@@ -46,6 +47,7 @@ from tinypipe.estimate.hostcal import FORMAT, with_rates
 from tinypipe.estimate.hostmem import optimizer_time_factor
 from tinypipe.policy.modes import HostMemory, OptimizerState
 
+from .. import fused_host_adamw
 from ..host_states import make_host_state
 from ..hoststate import DTYPES, AdamWConfig
 
@@ -76,7 +78,7 @@ class HostRates:
     compute_dtype: str  # of the host state the optimizer steps ran in
     repeat: int
     when: str
-    host_copy_gbps: float | None = None
+    host_mem_gbps: float | None = None
     compact_beside_copies_params_per_s: float | None = None
 
     def factors(self) -> dict[HostMemory, float]:
@@ -201,9 +203,16 @@ def host_state_rate(host_memory: HostMemory, weights: torch.Tensor, grad: torch.
     return weights.numel() / _median(step, repeat)
 
 
+def host_mem_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
+    """This host's DRAM bandwidth on torch's intra-op threads: the kernel's in-place pass
+    (`fused_host_adamw.memory_gbps`), else `host_copy_gbps`."""
+    got = fused_host_adamw.memory_gbps(nbytes, repeat)
+    return got if got is not None else host_copy_gbps(nbytes, repeat)
+
+
 def host_copy_gbps(nbytes: int = 1 << 30, repeat: int = 5) -> float:
-    """This host's DRAM bandwidth: GB/s read + written by `dst.copy_(src)` of `nbytes`, the median of `repeat`
-    after a first touch, on torch's intra-op threads."""
+    """GB/s read + written by `dst.copy_(src)` of `nbytes` (a memcpy into another buffer, whose writes also read
+    each line first, uncounted), the median of `repeat` after a first touch, on torch's intra-op threads."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
 
@@ -270,7 +279,7 @@ def measure_rates(device: torch.device, *, threads: int, compute_dtype: str, rep
             up, down, both, latency = _cpu_copies(nbytes, small_copy_bytes, repeat)
             where = "cpu (host memcpy)"
         adam, replicated, compact, compact_bf16, compact_8bit = _optimizer_rates(optim_params, compute_dtype, repeat)
-        mem = host_copy_gbps(max(4 * nbytes, 256 * MIB), repeat)
+        mem = host_mem_gbps(max(4 * nbytes, 256 * MIB), repeat)
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(optim_params, generator=gen) * 0.02
         g = (torch.randn(optim_params, generator=gen) * 1e-3).to(DTYPES[compute_dtype])
@@ -281,6 +290,6 @@ def measure_rates(device: torch.device, *, threads: int, compute_dtype: str, rep
     return HostRates(device=where, threads=threads, h2d_gbps=up / 1e9, d2h_gbps=down / 1e9, bidir_gbps=both / 1e9,
                      copy_latency_s=latency, adam_params_per_s=adam, replicated_params_per_s=replicated,
                      compact_params_per_s=compact, compact_bf16_params_per_s=compact_bf16,
-                     compact_8bit_params_per_s=compact_8bit, host_copy_gbps=mem,
+                     compact_8bit_params_per_s=compact_8bit, host_mem_gbps=mem,
                      compact_beside_copies_params_per_s=beside, copy_bytes=nbytes, small_copy_bytes=small_copy_bytes,
                      optim_params=optim_params, compute_dtype=compute_dtype, repeat=repeat, when=when)

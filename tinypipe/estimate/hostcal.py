@@ -128,7 +128,7 @@ def with_rates(base: Hardware, r: Mapping[str, Any]) -> Hardware:
                 adam_params_per_s=r["adam_params_per_s"], replicated_params_per_s=r["replicated_params_per_s"],
                 compact_params_per_s=r["compact_params_per_s"],
                 compact_bf16_params_per_s=r.get("compact_bf16_params_per_s"),
-                compact_8bit_params_per_s=r.get("compact_8bit_params_per_s"), mem_gbps=r.get("host_copy_gbps"))
+                compact_8bit_params_per_s=r.get("compact_8bit_params_per_s"), mem_gbps=r.get("host_mem_gbps"))
     adam = r["adam_params_per_s"]
     source = (f"{base.name} with rates measured on {r.get('device', 'this machine')}, {r.get('when', '')}: GPU links "
               f"{link:.1f} GB/s (min of H2D {r['h2d_gbps']:.1f}, D2H {r['d2h_gbps']:.1f}, "
@@ -185,7 +185,7 @@ def calibrate(base: Hardware, rates: Mapping[str, Any],
             f"{rates['threads']} thread(s) (steps x{factor[HostMemory.COMPACT]:.2f} compact, "
             f"x{factor[HostMemory.REPLICATED]:.2f} replicated against {base.name}); copies H2D "
             f"{rates['h2d_gbps']:.1f}, D2H {rates['d2h_gbps']:.1f}, both {rates['bidir_gbps']:.1f} GB/s")
-    mem, beside = rates.get("host_copy_gbps"), rates.get("compact_beside_copies_params_per_s")
+    mem, beside = rates.get("host_mem_gbps"), rates.get("compact_beside_copies_params_per_s")
     if mem:
         line += f"; host memory {mem:.1f} GB/s"
     if mem and beside:
