@@ -10,7 +10,7 @@
 # 4. the full Llama-3.1-8B with 8-bit moments at the faster of the two thread counts, traced.
 . bench/device/setup.sh
 (cd /tmp && python3 -c "from tinypipe.backends import fused_host_adamw as k; print('host kernel:', k.name(), k.unavailable() or '')")
-timeout -k 10 120 python3 bench/host_optim_precision.py --params 67108864 --threads 1 8 15 --repeat 3 \
+timeout -k 10 80 python3 bench/host_optim_precision.py --params 67108864 --threads 1 8 15 --repeat 2 \
   --out "$OUT/host_optim_precision_h200.json" >"$OUT/optim.txt" 2>&1
 cat "$OUT/optim.txt"
 mkdir -p /tmp/l12
@@ -22,7 +22,7 @@ d['num_hidden_layers'] = 12
 json.dump(d, open('/tmp/l12/config.json', 'w'))")
 LEAN=bench/policies/h200x1-24g-lean1-sync.json
 for th in 15 8; do
-  TINYPIPE_THREADS=$th timeout -k 10 170 python3 bench/device/frugal.py --out "$OUT" --parts runs --model /tmp/l12/config.json \
+  TINYPIPE_THREADS=$th timeout -k 10 140 python3 bench/device/frugal.py --out "$OUT" --parts runs --model /tmp/l12/config.json \
     --label "l12-t$th-" --runs "fp32:$LEAN" >>"$OUT/log.txt" 2>&1
   echo "12-layer, $th threads: exit status $?"
 done
