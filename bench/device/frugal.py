@@ -101,7 +101,7 @@ def run_once(argv: list[str], trace: Path | None = None) -> dict[str, Any]:
 
 
 def part_runs(out: Path, dry: bool, runs: list[str] | None = None, model: str = "llama-3.1-8b",
-              label: str = "") -> None:
+              label: str = "", hardware: str | None = None) -> None:
     """One run of `model` per `STATE[:POLICY]` of `runs` (default: 8bit, bf16 and fp32 moments with the lean policy);
     `label` tags its records and trace files (with the rank's TINYPIPE_THREADS, where set)."""
     for spec in runs or ["8bit", "bf16", "fp32"]:
@@ -112,7 +112,7 @@ def part_runs(out: Path, dry: bool, runs: list[str] | None = None, model: str = 
             else:
                 argv = ["--backend", "cuda", "--gpus", "1", "--model", model, "--seq-len", "2048",
                         "--batch-tokens", "65536", "--steps", "6", "--policy", policy or LEAN, "--gpu-mem", "24GiB",
-                        "--optimizer-state", state]
+                        "--optimizer-state", state, *(["--hardware", hardware] if hardware else [])]
             argv += ["--out", tmp, "--keep-checkpoints", "0", "--checkpoint-minutes", "0"]
             t0 = time.perf_counter()
             try:
@@ -178,12 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the `runs` part's optimizer states, each with its policy file (default: the lean one)")
     ap.add_argument("--model", default="llama-3.1-8b", help="the `runs` part's model (a name or a config.json)")
     ap.add_argument("--label", default="", help="a tag for the `runs` part's records and trace files")
+    ap.add_argument("--hardware", default=None, help="the `runs` part's hardware preset (default: the local GPU's)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in a.parts:
         if name == "runs":
-            part_runs(out, a.dry_run, a.runs, a.model, a.label)
+            part_runs(out, a.dry_run, a.runs, a.model, a.label, a.hardware)
         else:
             {"optim": part_optim, "checkpoint": part_checkpoint}[name](out, a.dry_run)
     return 0
