@@ -199,3 +199,25 @@ void tp_adamw_8bit(int16_t *hi, int16_t *lo, const void *grad, int32_t kind, con
 void tp_touch(float *x, int64_t begin, int64_t end, float add) {
     for (int64_t i = begin; i < end; i++) x[i] += add;
 }
+
+/* The sum of squares of g[begin..end) in double: eight independent accumulators, one vector of doubles. */
+double tp_sum_squares(const void *g, int32_t kind, int64_t begin, int64_t end) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = begin;
+#define SUMSQ(K)                                                           \
+    for (; i + 8 <= end; i += 8)                                           \
+        for (int j = 0; j < 8; j++) {                                      \
+            double x = grad_at(g, K, i + j);                               \
+            acc[j] += x * x;                                               \
+        }
+    if (kind == GRAD_BF16) { SUMSQ(GRAD_BF16) }
+    else if (kind == GRAD_FP16) { SUMSQ(GRAD_FP16) }
+    else { SUMSQ(GRAD_FP32) }
+    double s = 0;
+    for (; i < end; i++) {
+        double x = grad_at(g, kind, i);
+        s += x * x;
+    }
+    for (int j = 0; j < 8; j++) s += acc[j];
+    return s;
+}

@@ -99,6 +99,8 @@ class _Kernel:
         lib.tp_adamw_bf16.argtypes = [vp, vp, vp, i32, vp, vp, i64, i64, hp, i32]
         lib.tp_adamw_8bit.argtypes = [vp, vp, vp, i32, ctypes.POINTER(_Quantised), i64, i64, i64, hp, i32]
         lib.tp_touch.argtypes = [vp, i64, i64, ctypes.c_float]
+        lib.tp_sum_squares.argtypes = [vp, i32, i64, i64]
+        lib.tp_sum_squares.restype = ctypes.c_double
         for f in (lib.tp_adamw_fp32, lib.tp_adamw_bf16, lib.tp_adamw_8bit, lib.tp_touch):
             f.restype = None
         (self.m_values, m_table), (self.v_values, v_table) = moments.maps(True), moments.maps(False)
@@ -273,6 +275,23 @@ def _lowp_calls(k: _Kernel, hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tens
     b = QUANT_BLOCK_ELEMS
     return [partial(k.lib.tp_adamw_8bit, _ptr(hi), _ptr(lo), _ptr(g), kind, ctypes.byref(q), n, s // b, -(-e // b),
                     ctypes.byref(c), k.fused_v) for s, e in _parts(n, threads)]
+
+
+def sum_squares(grad: torch.Tensor, threads: int | None = None) -> float | None:
+    """The sum of the squares of `grad`'s elements (fp32, bf16 or fp16, contiguous, on the CPU), accumulated in
+    double, read once on `threads` threads (default: torch's intra-op threads); None without the kernel. What the
+    gradient norm sums per layer: torch's `vector_norm(dtype=float32)` widens a bf16 gradient into a new fp32
+    tensor first (on an H100 host, most of an 8B block's step) and sums in fp32."""
+    k = kernel()
+    if k is None or grad.dtype not in _GRAD_KIND or not grad.is_contiguous() or grad.device.type != "cpu":
+        return None
+    threads = torch.get_num_threads() if threads is None else max(1, threads)
+    calls = [partial(k.lib.tp_sum_squares, _ptr(grad), _GRAD_KIND[grad.dtype], s, e)
+             for s, e in _parts(grad.numel(), threads)]
+    if threads <= 1 or len(calls) <= 1:
+        return float(sum(c() for c in calls))
+    pool = moments.pool(threads)
+    return float(sum(f.result() for f in [pool.submit(c) for c in calls]))
 
 
 def memory_gbps(nbytes: int = 1 << 30, repeat: int = 3, threads: int | None = None) -> float | None:

@@ -42,6 +42,7 @@ import torch
 
 from tinypipe.policy.modes import HostMemory
 
+from . import fused_host_adamw
 from .adamw import AdamWConfig as AdamWConfig  # the settings a HostState steps with, importable with it
 from .gradnorm import GradSquares
 from .heldbytes import HeldBytes, storage_bytes, view_bytes
@@ -271,7 +272,9 @@ class HostState:
             ready.set()
 
     def _sq(self, flat: torch.Tensor, layer: int) -> float:
-        return float(torch.linalg.vector_norm(flat[: self._numel[layer]], dtype=torch.float32)) ** 2
+        grads = flat[: self._numel[layer]]
+        fused = fused_host_adamw.sum_squares(grads)  # one pass, in double
+        return fused if fused is not None else float(torch.linalg.vector_norm(grads, dtype=torch.float32)) ** 2
 
     def take_grad_sq(self) -> dict[int, float]:
         """Per step all layers here have stepped since the last call: the sum of their gradients' squares."""
