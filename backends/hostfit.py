@@ -1,10 +1,11 @@
 """Refusing a run whose predicted host peak exceeds the host memory this machine allows it, with what fits.
 
 The limit is the smaller of the hardware description's host memory and what this machine has now
-(`tinypipe.describe.thismachine`: MemAvailable or the cgroup limit), or `--host-mem`. The refusal is
-one line before training: the predicted peak, the limit and where it comes from, and the nearest
-variant of the policy that fits (the compact host layout, activations kept on the GPU), each
-predicted by the same compiler and simulator.
+(`tinypipe.describe.thismachine`: MemAvailable or the cgroup limit), or `--host-mem`. A plan's predicted
+peak may take that limit less a margin for what the prediction misses (`thismachine.HOST_MARGIN_FRACTION`,
+the figure `search` plans with too). The refusal is one line before training: the predicted peak, the
+limit, where it comes from and the margin, and the nearest variant of the policy that fits (the compact
+host layout, activations kept on the GPU), each predicted by the same compiler and simulator.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from typing import Any
 from tinypipe.common.errors import InputError
 from tinypipe.common.units import GIB, MIB, parse_bytes
 from tinypipe.describe.hardware import Hardware
-from tinypipe.describe.thismachine import host_limit_here, host_memory_here
+from tinypipe.describe.thismachine import (
+    HOST_MARGIN_FRACTION,
+    host_limit_here,
+    host_margin_bytes,
+    host_memory_here,
+    usable_host_bytes,
+)
 from tinypipe.policy import Policy
 from tinypipe.policy.modes import ActivationHome, HostMemory
 
@@ -42,21 +49,24 @@ def run_host_limit(hardware: Hardware, host_mem: str | None) -> tuple[int, str]:
 
 def check_host_fits(policy: Policy, peak_host_bytes: int, limit: tuple[int, str],
                     predict: Callable[[Policy], int | None]) -> None:
-    """InputError when `peak_host_bytes` exceeds the limit; `predict(variant)` is a variant's predicted
-    host peak (None when it cannot compile)."""
+    """InputError when `peak_host_bytes` exceeds the limit less its margin (`usable_host_bytes`);
+    `predict(variant)` is a variant's predicted host peak (None when it cannot compile)."""
     limit_bytes, said = limit
-    if peak_host_bytes <= limit_bytes:
+    usable = usable_host_bytes(limit_bytes)
+    if peak_host_bytes <= usable:
         return
     fits = ""
     for change, label in VARIANTS:
         if all(getattr(policy, k) == v for k, v in change.items()):
             continue
         peak = predict(policy.replace(**change))
-        if peak is not None and peak <= limit_bytes:
+        if peak is not None and peak <= usable:
             fits = f"; with {label} in the policy it needs {_size(peak)} and fits"
             break
     else:
         fits = ("; no variant of this policy fits (compact layout, activations on the GPU): run on a host with more "
                 "memory")
     raise InputError(f"policy {policy.name!r} needs {_size(peak_host_bytes)} of host memory at its predicted peak, "
-                     f"more than the {said} this run may take{fits}")
+                     f"more than the {said} this run may take less {_size(host_margin_bytes(limit_bytes))} "
+                     f"({HOST_MARGIN_FRACTION:.0%}) for what the prediction may miss (docs/memory.md): "
+                     f"{_size(usable)}{fits}")

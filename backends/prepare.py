@@ -47,6 +47,7 @@ from .inputs import check_clip, check_eval, check_rank_files
 from .lora_save import lora_files
 from .optim_rules import LRSchedule, default_lr, warmup_steps
 from .options import RunOptions
+from .rss_guard import GuardSettings
 from .settings import DEFAULT_MICROBATCH_SIZE, DEFAULT_POLICY, rank_threads
 from .worker import Job
 
@@ -166,6 +167,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     from .worker import step_data
 
     args = settle(options)  # defaults or the resumed run's record; numbers and output paths checked
+    guard = GuardSettings.from_env()  # the workers' host-memory guard (backends/rss_guard.py)
     if args.backend == "cpu" and args.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
         raise InputError(f"--gpus {args.gpus}: too many CPU workers for {os.cpu_count()} cores "
                          f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
@@ -305,7 +307,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
               resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
               keep_checkpoints=args.keep_checkpoints,
               threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),
-              compile_blocks=compile_blocks, trace_memory=args.trace_memory, lora_files=files)
+              compile_blocks=compile_blocks, trace_memory=args.trace_memory, lora_files=files, rss_guard=guard)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
                    note=note, compiled_policy=compiled, calibration=calibration)

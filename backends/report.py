@@ -7,6 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tinypipe.describe.layershape import borrowed_from
 from tinypipe.ir.timeline import Timeline
 from tinypipe.policy.modes import HostMemory
 
@@ -202,9 +203,9 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
         lines.append(f"eval      held-out loss {shown}")
     lines.append(f"speed     {measured_tps:,.0f} tokens/s measured (step {iteration_s * 1e3:.1f} ms, {how}; "
                  f"{tokens * steps_run / max(wall, 1e-9):,.0f} tokens/s over {steps_run} steps in {wall:.1f} s)")
+    trace = "analytic trace" if plan.trace.analytic else "measured trace" + borrowed_from(plan.trace.model, plan.spec)
     lines.append(f"          {sim.tokens_per_s:,.0f} tokens/s predicted by the simulator "
-                 f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, "
-                 f"{'analytic' if plan.trace.analytic else 'measured'} trace)")
+                 f"(step {sim.iteration_s * 1e3:.1f} ms; {plan.hardware.name}, {trace})")
     lines += profile_hint(plan, iteration_s)
     if plan.job.backend == "cuda":
         lines += _issue_lines(tl, results, iteration_s, compiled=plan.job.compile_blocks)

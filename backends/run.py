@@ -11,6 +11,7 @@ simulator's prediction for the same schedule beside each measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -26,7 +27,7 @@ ACCURACY_MAX_PARAMS = 100_000_000  # larger models train on the addition task un
 
 def run_main(args: argparse.Namespace) -> int:
     """The `tinypipe run` command; returns the exit code (user mistakes raise InputError)."""
-    from tinypipe.common.errors import InputError
+    from tinypipe.common.errors import CapacityError, InputError
     from tinypipe.common.progress import Progress
 
     from .settings import settle
@@ -42,6 +43,7 @@ def run_main(args: argparse.Namespace) -> int:
     phase("tinypipe run: loading PyTorch")
     from .launch import launch
     from .prepare import make_run_plan
+    from .rss_guard import stop_line
 
     plan = make_run_plan(opts, phase=phase)
     if note is not None:
@@ -62,6 +64,11 @@ def run_main(args: argparse.Namespace) -> int:
     if results is None:  # a torchrun rank other than 0
         return 0
     interrupted = any(r.interrupted for r in results)
+    low = next((r.low_memory for r in sorted(results, key=lambda r: r.rank) if r.low_memory), None)
+    if interrupted and low is not None:  # the guard stopped the run, which saved no model at the stop
+        plan = dataclasses.replace(plan, job=dataclasses.replace(plan.job, save_model=False))
+    elif low is not None:
+        print(f"warning: {low.what()} at the end of its last window; the run completed", file=sys.stderr)
     after = None
     if scored and not interrupted and plan.job.out and plan.job.save_model:
         phase("measuring held-out addition accuracy after training")
@@ -75,6 +82,8 @@ def run_main(args: argparse.Namespace) -> int:
         except OSError as exc:
             trace_error = f"--trace {opts.trace}: cannot write ({exc.strerror or exc}); the run itself is complete"
     print(summary(plan, results, before, after, trace_path=None if trace_error else opts.trace))
+    if interrupted and low is not None:
+        raise CapacityError(stop_line(low, plan.job.out))
     if trace_error:
         raise InputError(trace_error)
     return 130 if interrupted else 0

@@ -41,6 +41,7 @@ from .metrics import StepLog
 from .pinned import registered_bytes, torch_pinned_peak_bytes
 from .rank_state import build_rank_state, rss_now
 from .rank_state import strip_parameters as strip_parameters  # where tests and the profiler take it from
+from .rss_guard import GuardSettings, LowMemory, RssGuard
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Job:
     record: dict[str, Any] = field(default_factory=dict)  # the run's options, recorded for --resume
     timeout_s: float = 600.0
     lora_files: LoraFiles = LoraFiles()  # LoRA: an adapter directory to continue from; --merge
+    rss_guard: GuardSettings = GuardSettings()  # when host memory runs low the rank stops as Ctrl-C stops it
 
     @property
     def tokens_per_step(self) -> int:
@@ -127,6 +129,7 @@ class RankResult:
     host_steal_share: float | None = None
     checkpoint_failures: list[str] = field(default_factory=list)  # checkpoint.Failed.line() of each not written
     eval_losses: dict[int, float] = field(default_factory=dict)  # step (0-based) -> held-out loss after it (rank 0)
+    low_memory: LowMemory | None = None  # what this rank's host-memory guard saw when it stopped the run
 
 
 def step_data(batches: Any, step: int) -> StepData:
@@ -144,15 +147,17 @@ def train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group,
     """Train `job.steps` steps as rank `rank` of `world`; returns what this rank saw. `norms`: the
     collective the optimizer thread sums the gradient norm over (a schedule that clips)."""
     host_spans: list[tuple[str, float, float]] = []  # RankResult.host
-    with host_settings(), gc_pauses(host_spans), settled_heap(host_spans) as settle_heap:
+    stop = threading.Event() if stop is None else stop  # Ctrl-C's event, which the host-memory guard sets too
+    with (host_settings(), gc_pauses(host_spans), settled_heap(host_spans) as settle_heap,
+          RssGuard(stop, job.rss_guard, rank=rank) as guard):
         return _train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, norms=norms,
-                           host_spans=host_spans,
+                           host_spans=host_spans, guard=guard,
                            settle_heap=settle_heap if settle_heap_enabled(job.compile_blocks, job.backend) else None)
 
 
 def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group, *,
-                stop: threading.Event | None, local_rank: int, norms: Group | None,
-                host_spans: list[tuple[str, float, float]], settle_heap: Callable[[], None] | None) -> RankResult:
+                stop: threading.Event, local_rank: int, norms: Group | None, host_spans: list[tuple[str, float, float]],
+                guard: RssGuard, settle_heap: Callable[[], None] | None) -> RankResult:
     from .data.batches import make_batches
     from .data.tokenizers import load_tokenizer
 
@@ -273,7 +278,7 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             finish_host_steps()  # once: the optimizer's tail would wait for the GIL the collection holds
             settle_heap()
             settle_heap = None
-        wants_stop = (stop is not None and stop.is_set()) or (job.stop_after is not None and step >= job.stop_after)
+        wants_stop = stop.is_set() or (job.stop_after is not None and step >= job.stop_after)
         interrupted = group.any_true(wants_stop) and step < job.steps
         every = job.checkpoint_every
         due = bool(job.checkpoint_s) and time.monotonic() - saved[1] >= job.checkpoint_s
@@ -292,7 +297,10 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         steplog.close([(p[0], p[1]) for p in parts or ()])
     rss["training done"] = rss_now()
     wall = time.perf_counter() - t_begin
-    if job.out and job.save_model:  # the fine-tuned model first: the run's result, whatever a checkpoint meets
+    # stopped with host memory low on any rank: no model at the stop (a copy of the weights; the checkpoint resumes)
+    tripped = guard.tripped  # as this decision saw it (RankResult.low_memory)
+    low_memory = interrupted and group.any_true(tripped is not None)
+    if job.out and job.save_model and not low_memory:  # the fine-tuned model first: the run's result
         save_model(step if interrupted else None)  # Ctrl-C: the model as of the stop, beside the checkpoint
     if job.out and job.checkpoint_s and not interrupted and saved[0] != step:  # and at the end
         save_checkpoint(step)
@@ -311,4 +319,4 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         host=[h for h in host_spans if h[2] >= t_begin],  # the training loop's, not the model build's
         pinned_peak_bytes={"slabs": registered_bytes()[1], "torch_allocator": torch_pinned_peak_bytes()},
         host_steal_share=steal.share(), checkpoint_failures=failures,
-        eval_losses=dict(steplog.eval) if steplog is not None else {})
+        eval_losses=dict(steplog.eval) if steplog is not None else {}, low_memory=tripped)

@@ -319,7 +319,7 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
         timeline = engine.run()
         peaks, violation = memory.peaks(), memory.violation
         if schedule.optimizer.is_async and durations is None:
-            slow = _slow_host_memory(schedule, model, hardware, trace, capacity, static, on_capacity, lanes, issue,
+            slow = slow_host_memory(schedule, model, hardware, trace, capacity, static, on_capacity, lanes, issue,
                                      timeline.end_s)
             peaks = {d: max(b, slow.peaks().get(d, 0)) if d != HOST else b for d, b in peaks.items()}
             violation = violation or slow.violation
@@ -330,7 +330,7 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
                             events=engine.events, wall_s=wall_s)
 
 
-def _slow_host_memory(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+def slow_host_memory(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
                       capacity: dict[str, int], static: dict[str, int], on_capacity: str,
                       lanes: Mapping[str, Sequence[int]] | None, issue: Mapping[int, tuple[float, float]] | None,
                       makespan_s: float) -> Memory:

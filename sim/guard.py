@@ -1,4 +1,5 @@
-"""Compile and simulate one policy; a Mobius partition is kept only if no uniform one with as many packs beats it.
+"""Compile and simulate one policy (the fit check); a Mobius partition is kept only if no uniform one with as many
+packs beats it.
 
 The Mobius MILP (`tinypipe.partition.mobius`) minimises a coarser objective than the simulator's and
 stops at a 2% gap, and in some cases picked partitions 8-27% slower in the simulator than the plain
@@ -6,6 +7,14 @@ uniform ones with the same pack count (llama-3.1-8b on rtx3090x4-pcie3, 8 microb
 7.84 s). A Mobius baseline is an honest peer only if its partition is at least as good as the simple
 ones, so `simulate_policy` simulates those beside the MILP's pick and keeps the fastest that fits
 (the MILP's on ties).
+
+A policy fits when its GPU peak fits whatever the host optimizer's speed. Under the compact layout's gradient
+ring a sync schedule's GRAD_OUT waits for an OPT_STEP of its own iteration, so a host slower than planned keeps
+gradients on the GPU while the backward goes on (`slow_host_bound`); the async optimizer's own case is
+`simulate`'s (sim/engine.py). Llama-3.1-8B on one H200 at 24 GiB, uniform 3, activations on the host, compact,
+sync (evidence/h200-2026-12-05): the simulator at the planned host rate said 8.26 GiB, the run's ledger 13.30
+(its host optimizer 2.6 x slower than calibrated); the bound is 16.7 (with the compiled blocks' profile, as `run`
+plans; 17.7 with the eager one `simulate` takes).
 """
 
 from __future__ import annotations
@@ -13,14 +22,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tinypipe.sim.engine import simulate
+from tinypipe.sim.engine import simulate, slow_host_memory
 from tinypipe.sim.result import SimResult
 
 from tinypipe.common.errors import TinypipeError
 from tinypipe.compiler import compile_schedule
-from tinypipe.describe.hardware import Hardware
+from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace
+from tinypipe.ir.kinds import Kind
 from tinypipe.ir.schedule import Schedule
 from tinypipe.partition.mobius import same_count_uniform
 from tinypipe.policy import Policy
@@ -59,10 +69,42 @@ def compile_and_simulate(policy: Policy, model: ModelSpec, hardware: Hardware, t
         return sched, hit[3]
     res = simulate(sched, model, hardware, trace, gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host_mem_bytes,
                    on_capacity="record")
+    res = slow_host_bound(sched, model, hardware, trace, res)
     _SIMULATED[key] = (model, hardware, trace, res)
     if len(_SIMULATED) > SIMULATED_KEPT:
         _SIMULATED.pop(next(iter(_SIMULATED)))
     return sched, res
+
+
+def gradients_wait_for_host(schedule: Schedule) -> bool:
+    """Whether a GRAD_OUT of a sync schedule waits for an OPT_STEP of its own iteration (the compact layout's ring
+    of host gradient slots): then its gradient stays on the GPU, and the backward goes on, at the host's pace."""
+    if schedule.optimizer.is_async:
+        return False
+    acts = schedule.actions
+    return any(acts[d].kind is Kind.OPT_STEP and acts[d].iteration == a.iteration
+               for a in acts if a.kind is Kind.GRAD_OUT for d in a.deps)
+
+
+def slow_host_bound(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
+                    res: SimResult) -> SimResult:
+    """`res` (simulated at the planned host rate) with each GPU's peak the larger of its own and that of the same
+    schedule run with every OPT_STEP slower than the whole run (`engine.slow_host_memory`), where
+    `gradients_wait_for_host`; its fit judged on both. A bound over the host's speed: a sync run waits for every
+    step before its next forward, so gradients pile up only within one backward, as in the slow run.
+    tests/backends/test_memory_bound.py runs the CPU backend with a slow host under it."""
+    if not gradients_wait_for_host(schedule):
+        return res
+    static = {d: schedule.static(d) for d in res.capacity_bytes}
+    gpus_only = {d: b if d != HOST else max(b, 1 << 62) for d, b in res.capacity_bytes.items()}  # the host is res's
+    slow = slow_host_memory(schedule, model, hardware, trace, gpus_only, static, "record", None, None,
+                             res.timeline.end_s)
+    got = slow.peaks()
+    peaks = {d: b if d == HOST else max(b, got.get(d, 0)) for d, b in res.peak_bytes.items()}
+    violation = res.violation or (None if slow.violation is None else (
+        f"{slow.violation} (with the host optimizer slower than planned: under the compact layout's gradient ring "
+        "the GPU keeps each gradient until a host slot is free)"))
+    return dataclasses.replace(res, peak_bytes=peaks, violation=violation, fits=violation is None)
 
 
 def alternatives(policy: Policy, sizes: tuple[int, ...]) -> list[Policy]:

@@ -10,7 +10,7 @@ import pytest
 from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
-from tinypipe.describe.layershape import model_shapes, same_layers
+from tinypipe.describe.layershape import borrowed_from, model_shapes, same_layers
 from tinypipe.describe.trace import ProfileTrace, find_trace, load_trace, trace_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +34,22 @@ def test_a_local_12_layer_8b_takes_the_shipped_8b_profile(tmp_path: Path) -> Non
     for mbs in (1, 4):
         t = trace_for(model, H200, mbs, 2048, "bf16")
         assert not t.analytic and t.model == "llama-3.1-8b" and t.microbatch_size == mbs
+
+
+def test_simulate_says_whose_profile_a_local_model_takes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`simulate` of a local 12-layer 8B directory says its measured trace is the 8B's, taken for its layer shapes
+    (`run`'s summary says it with the same words); the 8B itself, or an analytic trace, says nothing of the kind."""
+    from tinypipe.cli import main
+
+    local = _config(tmp_path, "my-8b-12", num_hidden_layers=12)
+    argv = ["simulate", "--hardware", "h200x1", "--policy", "tinypipe", "--seq-len", "2048", "--microbatch-size", "4",
+            "--microbatches", "2", "--iterations", "1", "--workers", "1", "--model"]
+    assert main([*argv, local]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("trace for"))
+    assert line.startswith("trace for microbatch size 4: measured on llama-3.1-8b, whose layer shapes my-8b-12 has (")
+    assert main([*argv, "llama-3.1-8b"]) == 0
+    assert "trace for microbatch size 4: measured (" in capsys.readouterr().out
+    assert borrowed_from("", load_model(local)) == borrowed_from("Llama-3.1-8B", load_model("llama-3.1-8b")) == ""
 
 
 def test_other_shapes_do_not_borrow_a_profile_by_name(tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ def test_async_gpu_peak_holds_on_a_slow_host(layout: str, monkeypatch: pytest.Mo
     """Async, one GPU, six packs, the host optimizer slowed to 200 ms a step (slow beside the
     compute even on a loaded 2-core machine, where 50 ms was not): gradients wait on the GPU for
     their steps, and the run's ledger goes above the simulator's ledger at the trace's optimizer rate
-    (what was predicted before) but not above the predicted GPU peak (`engine._slow_host_memory`)."""
+    (what was predicted before) but not above the predicted GPU peak (`engine.slow_host_memory`)."""
     import time
 
     from tinypipe.backends import hostwork

@@ -83,9 +83,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return print_json({"model": args.model, "hardware": args.hardware, "seq_len": args.seq_len,
                             "results": rows})
     print(f"{args.model} on {args.hardware}, seq {args.seq_len}, {args.iterations} iterations simulated")
-    traces = {t.microbatch_size: t for _, _, _, t in loads}
-    for size, t in sorted(traces.items()):
-        print(f"trace for microbatch size {size}: {'analytic' if t.analytic else 'measured'} ({_clip(t.source)})")
+    from tinypipe.describe.layershape import borrowed_from
+
+    traces = {t.microbatch_size: (m, t) for m, _, _, t in loads}
+    for size, (m, t) in sorted(traces.items()):
+        kind = "analytic" if t.analytic else "measured" + borrowed_from(t.model, m)
+        print(f"trace for microbatch size {size}: {kind} ({_clip(t.source)})")
     print()
     out = [[r["policy"], r["tokens_per_step"], round(r["tokens_per_s"]), round(r["iteration_s"], 3), r["packs"],
             table.gib(r["peak_gpu_bytes"]), table.gib(r["peak_host_bytes"]), round(r["host_bytes_per_param"], 2),
@@ -107,6 +110,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.common.units import parse_bytes
     from tinypipe.describe.hardware import load_hardware
     from tinypipe.describe.hfconfig import load_model
+    from tinypipe.describe.thismachine import HOST_MARGIN_FRACTION
     from tinypipe.describe.trace import find_trace, load_profiles
     from tinypipe.policy.lora import lora_from_args
     from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, search
@@ -132,6 +136,9 @@ def cmd_search(args: argparse.Namespace) -> int:
                      gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                      host_mem_bytes=host_mem,
                      profiles=profiles, dtype=args.dtype)
+    margin = (f"a candidate's predicted host peak may take {table.human_bytes(w.host_limit)} of the "
+              f"{table.human_bytes(w.host_memory)} host limit: {HOST_MARGIN_FRACTION:.0%} is kept for what a "
+              "prediction may miss, as `run` keeps it")
     states = (tuple(OptimizerState) if args.optimizer_state == "auto"
               else (OptimizerState.parse(args.optimizer_state, "--optimizer-state"),))
     lora = lora_from_args(args)
@@ -151,7 +158,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     bar = None if args.json else Progress("search")
     if bar is not None:
         bar.phase(f"search: {model.name} on {hw.name}, {workers} worker process(es)")
-    evaluate = SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_mem_bytes, profiles=w.profiles,
+    evaluate = SimEvaluator(model, hw, args.seq_len, w.gpu_mem_bytes, w.host_limit, profiles=w.profiles,
                             dtype=w.dtype)
     prefer = Prefer(args.prefer)
     result = search(w, evaluate, space=space, workers=workers, progress=bar, prefer=prefer)
@@ -164,6 +171,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         result = search(w, evaluate, space=space, workers=workers, progress=bar, prefer=prefer)
     if bar is not None:
         bar.close()
+    if result.winner is None:
+        result.advice.append(margin)
+    else:
+        print(f"note: {margin}", file=sys.stderr)
     if len(states) > 1 and result.winner is not None and not args.json:
         print(f"optimizer state: {space.optimizer_state} (--optimizer-state auto: the most precise that fits)")
     if args.out and result.winner is not None:

@@ -70,6 +70,9 @@ class Host:
     mem_gbps: float | None = None
 
 
+HOST_OPTIONAL = ("replicated_params_per_s", "compact_params_per_s", "compact_bf16_params_per_s",
+                 "compact_8bit_params_per_s", "mem_gbps")  # Host's measured figures, each absent when unknown
+
 @dataclass(frozen=True)
 class Link:
     a: str
@@ -266,11 +269,7 @@ class Hardware:
             "name": self.name, "provenance": self.provenance, "source": self.source, "gpu_p2p": self.gpu_p2p,
             "host": {"memory_bytes": self.host.memory_bytes, "dma_gbps": self.host.dma_gbps,
                      "cpu_cores": self.host.cpu_cores, "adam_params_per_s": self.host.adam_params_per_s,
-                     **({"replicated_params_per_s": self.host.replicated_params_per_s}
-                        if self.host.replicated_params_per_s is not None else {}),
-                     **{k: getattr(self.host, k) for k in ("compact_params_per_s", "compact_bf16_params_per_s",
-                                                           "compact_8bit_params_per_s", "mem_gbps")
-                        if getattr(self.host, k) is not None}},
+                     **{k: getattr(self.host, k) for k in HOST_OPTIONAL if getattr(self.host, k) is not None}},
             "gpus": [{"name": g.name, "model": g.model, "memory_bytes": g.memory_bytes,
                       "matmul_flops": g.matmul_flops, "mem_gbps": g.mem_gbps,
                       "allocator_slack_bytes": g.allocator_slack_bytes} for g in self.gpus],
@@ -288,17 +287,11 @@ class Hardware:
         provenance = f.str("provenance", choices=PROVENANCES)
         source = f.str("source")
         gpu_p2p = f.bool("gpu_p2p", True)
-        h = f.obj_("host").only("memory_bytes", "dma_gbps", "cpu_cores", "adam_params_per_s", "replicated_params_per_s",
-                                "compact_params_per_s", "compact_bf16_params_per_s", "compact_8bit_params_per_s",
-                                "mem_gbps")
+        h = f.obj_("host").only("memory_bytes", "dma_gbps", "cpu_cores", "adam_params_per_s", *HOST_OPTIONAL)
         host = Host(memory_bytes=h.int("memory_bytes", minimum=1),
                     dma_gbps=h.float("dma_gbps", positive=True), cpu_cores=h.int("cpu_cores", minimum=1),
                     adam_params_per_s=h.float("adam_params_per_s", positive=True),
-                    replicated_params_per_s=h.float("replicated_params_per_s", None, positive=True),
-                    compact_params_per_s=h.float("compact_params_per_s", None, positive=True),
-                    compact_bf16_params_per_s=h.float("compact_bf16_params_per_s", None, positive=True),
-                    compact_8bit_params_per_s=h.float("compact_8bit_params_per_s", None, positive=True),
-                    mem_gbps=h.float("mem_gbps", None, positive=True))
+                    **{k: h.float(k, None, positive=True) for k in HOST_OPTIONAL})
         gpus = _parse_gpus(f)
         switches = f.list("switches", [])
         for i, s in enumerate(switches):

@@ -75,3 +75,11 @@ def shapes_from_json(obj: Any, where: str) -> Shapes | None:
         return {str(k): {f: float(v[f]) for f in FIELDS} for k, v in obj.items()}
     except (AttributeError, KeyError, TypeError, ValueError):
         raise InputError(f"{where}: layers: expected, per layer kind, an object with {', '.join(FIELDS)}") from None
+
+
+def borrowed_from(trace_model: str, model: ModelSpec) -> str:
+    """What `simulate` and `run` print after "measured" when a measured trace of another model describes `model` by
+    its layer shapes (`same_layers`): ` on {trace_model}, whose layer shapes {model} has`; "" for its own trace."""
+    if not trace_model or trace_model.casefold() == model.name.casefold():
+        return ""
+    return f" on {trace_model}, whose layer shapes {model.name} has"

@@ -28,6 +28,7 @@ from typing import Any
 
 from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import HOST
+from tinypipe.describe.thismachine import limit_for_peak
 from tinypipe.describe.trace import trace_for
 from tinypipe.estimate.gpumem import least_peak_bytes
 from tinypipe.estimate.hostmem import host_bytes, optimizer_steps_s
@@ -141,7 +142,8 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
                      optimizer_state=p.optimizer_state) if p.lora is None
           else frozen_host_bytes(model, compute_dtype=w.dtype)).total_bytes
     if hb > w.host_limit:
-        why = f"host memory: needs at least {hb:,} bytes for the {p.host_memory} host_memory, limit {w.host_limit:,}"
+        why = (f"host memory: needs at least {hb:,} bytes for the {p.host_memory} host_memory, limit {w.host_limit:,} "
+               "(the host memory less its margin)")
     least = least_peak_bytes(base_plan(p, model, hw, raw))
     if least > w.gpu_limit:
         why = why or (f"GPU memory: a layer's backward holds at least {least:,} bytes (its weights, gradient, "
@@ -295,7 +297,8 @@ def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
     frozen = frozen_host_bytes(w.model, compute_dtype=w.dtype).total_bytes
     if lora is not None and frozen > w.host_limit:
         lines.append(f"host memory falls short: the frozen base needs {gib(frozen)} (one {w.dtype} copy), the limit "
-                     f"is {gib(w.host_limit)}; add at least {gib(frozen - w.host_limit)} of host DRAM")
+                     f"is {gib(w.host_limit)} ({gib(w.host_memory)} less its margin); add at least "
+                     f"{gib(limit_for_peak(frozen) - w.host_memory)} of host DRAM")
     elif lora is not None and host_short:
         closest = min((e for e in ranked if e.host_short_bytes > 0), key=lambda e: (e.host_short_bytes, e.key()))
         lines.append(f"host memory falls short by {gib(closest.host_short_bytes)} in the closest candidate "
@@ -303,8 +306,8 @@ def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
                      "on the host")
     elif lora is None and compact > w.host_limit:
         lines.append(f"host memory falls short: the compact layout needs {gib(compact)} for parameters and "
-                     f"{state} optimizer state, the limit is {gib(w.host_limit)}; add at least "
-                     f"{gib(compact - w.host_limit)} of host DRAM")
+                     f"{state} optimizer state, the limit is {gib(w.host_limit)} ({gib(w.host_memory)} less its "
+                     f"margin); add at least {gib(limit_for_peak(compact) - w.host_memory)} of host DRAM")
         smaller = [s for s in OptimizerState if host_bytes(w.model, HostMemory.COMPACT, optimizer_state=s).total_bytes
                    <= w.host_limit and s != state]
         if smaller:

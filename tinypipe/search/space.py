@@ -9,6 +9,7 @@ from typing import Any
 
 from tinypipe.describe.hardware import Hardware
 from tinypipe.describe.model import ModelSpec
+from tinypipe.describe.thismachine import usable_host_bytes
 from tinypipe.describe.trace import ProfileTrace
 from tinypipe.policy import Policy
 from tinypipe.policy.lora import LoraSpec
@@ -44,8 +45,15 @@ class SearchTarget:
         return self.gpu_mem_bytes or min(g.memory_bytes for g in self.hardware.gpus)
 
     @property
-    def host_limit(self) -> int:
+    def host_memory(self) -> int:
+        """The host memory searched for: `host_mem_bytes`, else the hardware's."""
         return self.host_mem_bytes or self.hardware.host.memory_bytes
+
+    @property
+    def host_limit(self) -> int:
+        """The most a candidate's predicted host peak may take: the host memory less the margin `run` keeps from
+        it (`describe.thismachine.usable_host_bytes`)."""
+        return usable_host_bytes(self.host_memory)
 
 
 @dataclass(frozen=True)
