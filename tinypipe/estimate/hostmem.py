@@ -48,18 +48,15 @@ DEFAULT_GRAD_RING_SLOTS = 4
 # chunked step's 64-element alignment (backends/planes.py).
 QUANT_BLOCK_ELEMS = 256
 
-# The chunked compact step's time with low-precision moments over its time with fp32 ones, both on the
-# same planes, per core: measured at 1 thread by CPU time on the shared 2-core dev VM, 16M parameters, best
-# of 9, variants in turns (bench/host_optim_precision.py -> bench/results/host_optim_precision.json,
-# 2026-12-02): fp32 0.188 G params/s, bf16 0.237, 8bit 0.082 (torch's fused fp32 AdamW 0.53); four other
-# measurements that day gave bf16 0.72-0.87 and 8bit 2.0-2.7. bf16 is below 1 there because its 256K-element
-# chunks stay in that VM's 32 MiB L3 where the fp32 step's 4M-element ones do not (planes.DEFAULT_CHUNK_ELEMS,
-# chosen at 32 threads on an H200 host with a 300 MiB L3): the ratio depends on the host. The simulator
-# scales a profile's measured fp32 step by these; without a profile it takes the host's own rate per
-# precision where calibration measured it (Host.compact_bf16/8bit_params_per_s), else fp32's rate times these.
+# The compact step's time with low-precision moments over its time with fp32 ones, where no rate of this host was
+# measured for them (a run's calibration and `tinypipe profile` measure each; `state_time_factor` takes those): the
+# one-pass kernel (backends/fused_host_adamw.c) at 15 threads on a lent 16-core H100 machine, 64M parameters
+# (bench/host_optim_precision.py -> bench/results/host_optim_precision_device.json, 2026-12-05): fp32 5.07 G params/s
+# (at the host's memory bandwidth), bf16 6.23 (fewer bytes), 8bit 3.15 (its table look-ups make it compute-bound).
+# Per core the ratios differ (1 thread, the 2-core dev VM: bf16 1.26, 8bit 3.51; bench/results/host_optim_precision.json).
 STATE_TIME_FACTOR: dict[OptimizerState, float] = {OptimizerState.FP32: 1.0,
-                                                  OptimizerState.BF16: 0.79,
-                                                  OptimizerState.INT8: 2.28}
+                                                  OptimizerState.BF16: 0.81,
+                                                  OptimizerState.INT8: 1.61}
 
 
 def moment_bytes(params: int, state: OptimizerState = OptimizerState.FP32) -> int:
