@@ -1,6 +1,6 @@
 """The frugal runs of issue 28 on one H200 (bench/device/frugal_h200.sh), or a dry run of them on the CPU.
 
-Three parts, each appending JSON records to OUT/frugal_h200.jsonl:
+Three parts, each appending JSON records to OUT/frugal_h200.jsonl (and `summary`, which prints the runs' records):
 - `optim`: host AdamW speed per optimizer-state precision and thread count beside torch's fused fp32 AdamW
   (bench/host_optim_precision.py, 64M parameters; OUT/host_optim_precision_h200.json).
 - `runs`: Llama-3.1-8B (all 32 layers), 1 GPU, --gpu-mem 24GiB, 65,536 tokens per step, the lean policy with
@@ -168,11 +168,25 @@ def part_checkpoint(out: Path, dry: bool) -> None:
                      "resumed_stderr_tail": second.stderr[-800:]})
 
 
+SUMMARY_KEYS = ("label", "optimizer_state", "tokens_per_s", "predicted_tokens_per_s", "peak_host_rss_bytes",
+                "predicted_peak_host_bytes", "peak_gpu_bytes", "predicted_peak_gpu_bytes", "error", "wall_s",
+                "busy_s_per_iteration", "main_thread_issue_share", "calibration", "host_kernel", "iteration_s_each")
+
+
+def part_summary(out: Path, dry: bool) -> None:
+    """Print each `runs` record of OUT/frugal_h200.jsonl in short (bytes in GiB)."""
+    path = out / "frugal_h200.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        r = json.loads(line)
+        if r.get("part") == "runs":
+            print({k: (round(r[k] / 2**30, 2) if k.endswith("bytes") else r[k]) for k in SUMMARY_KEYS if k in r})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", nargs="+", default=["optim", "runs", "checkpoint"],
-                    choices=("optim", "runs", "checkpoint"))
+                    choices=("optim", "runs", "checkpoint", "summary"))
     ap.add_argument("--dry-run", action="store_true", help="on the CPU with tiny-llama")
     ap.add_argument("--runs", nargs="+", default=None, metavar="STATE[:POLICY]",
                     help="the `runs` part's optimizer states, each with its policy file (default: the lean one)")
@@ -186,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "runs":
             part_runs(out, a.dry_run, a.runs, a.model, a.label, a.hardware)
         else:
-            {"optim": part_optim, "checkpoint": part_checkpoint}[name](out, a.dry_run)
+            {"optim": part_optim, "checkpoint": part_checkpoint, "summary": part_summary}[name](out, a.dry_run)
     return 0
 
 

@@ -41,13 +41,4 @@ echo "8B 8-bit run at $BEST threads"
 TINYPIPE_THREADS=$BEST timeout -k 10 ${RUN8B_TIMEOUT:-260} python3 bench/device/frugal.py --out "$OUT" --parts runs \
   --label "t$BEST-" --runs "8bit:$LEAN" $HW >>"$OUT/log.txt" 2>&1
 echo "8B 8-bit: exit status $?"
-python3 - "$OUT/frugal_h200.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("part") == "runs":
-        keys = ("label", "optimizer_state", "tokens_per_s", "predicted_tokens_per_s", "peak_host_rss_bytes",
-                "predicted_peak_host_bytes", "peak_gpu_bytes", "predicted_peak_gpu_bytes", "error", "wall_s",
-                "busy_s_per_iteration", "main_thread_issue_share", "calibration", "host_kernel", "iteration_s_each")
-        print({k: (round(r[k] / 2**30, 2) if k.endswith("bytes") else r[k]) for k in keys if k in r})
-PY
+python3 bench/device/frugal.py --out "$OUT" --parts summary
