@@ -78,3 +78,15 @@ def test_measuring_now_on_the_cpu_gives_a_rates_file() -> None:
     """What the CPU backend measures (its small budget, `CPU_BUDGET`) is a complete rates.json object."""
     r = cal.measure_now("cpu", threads=1, dtype="fp32")
     assert hostcal.check_rates(r, "now") is r and r["threads"] == 1
+
+
+def test_the_summary_says_what_steps_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's summary names the host step's code: the one-pass kernel, or the torch operators and why."""
+    from tinypipe.backends import fused_host_adamw
+
+    plan = type("P", (), {"calibration": None})()
+    monkeypatch.setattr(fused_host_adamw, "_STATE", {"why": "no C compiler (cc, gcc or $CC) on the PATH"})
+    assert "torch operators" in calibration_lines(plan)[1] and "no C compiler" in calibration_lines(plan)[1]
+    monkeypatch.setattr(fused_host_adamw, "_STATE", {})
+    if fused_host_adamw.kernel() is not None:
+        assert calibration_lines(plan)[1].endswith("the one-pass kernel (backends/fused_host_adamw.c)")
