@@ -141,7 +141,8 @@ def test_no_import_cycle() -> None:
 
 
 def test_no_module_over_400_lines() -> None:
-    """One idea per file (the house style, ../shared/STYLE.md beside the checkout): no module of the package is longer than 400 lines."""
+    """One idea per file (the house style, ../shared/STYLE.md beside the checkout): no module of the package is
+    longer than 400 lines."""
     long = {str(p.relative_to(ROOT)): n for p in _package_files() if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
 
