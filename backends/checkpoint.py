@@ -39,6 +39,7 @@ FORMAT = "tinypipe.checkpoint/2"  # /1 was pickled (rank{r}.pt); it is refused w
 # a crash at any moment still leaves a complete one, and the disk holds two while one is written (two kept
 # would need three: an 8B model's is ~48-96 GB; DESIGN §9).
 DEFAULT_KEEP = 1
+EDITED = "the checkpoint was edited or damaged: restore it, or start a new run in another --out"
 
 
 class Group(Protocol):
@@ -218,6 +219,36 @@ def read_record(directory: Path) -> dict[str, Any]:
     if not isinstance(meta.get("step"), int) or not isinstance(meta.get("run", {}), dict):
         raise InputError(f"{directory}/meta.json: malformed checkpoint record (step or run)")
     return meta
+
+
+def check_record(directory: Path, meta: dict[str, Any]) -> None:
+    """InputError, naming meta.json and its field, when the record contradicts itself: a negative step, a step
+    past the run's last (`run.steps`), or the LoRA rank or optimizer state --resume would restore (`run.lora`,
+    `run.optimizer_state`) other than those of the policy the checkpoint trained (`policy.*`). (`--model` an
+    adapter directory records no `run.lora`: the adapter's rank is the policy's.)"""
+    where, step, run = f"{directory}/meta.json", meta["step"], meta.get("run", {})
+    last = run.get("steps")
+    if step < 0:
+        raise InputError(f"{where}: step {step}: a checkpoint's step is never negative; {EDITED}")
+    if isinstance(last, int) and step > last:
+        raise InputError(f"{where}: step {step} is past the run's last step (run.steps {last}); {EDITED}")
+    policy = meta.get("policy")
+    if not isinstance(policy, dict):
+        return
+    lora = policy.get("lora")
+    rank = lora.get("rank") if isinstance(lora, dict) else None
+    given = run.get("lora")
+    from_adapter = given is None and Path(str(run.get("model"))).is_dir()
+    if given != rank and not from_adapter:
+        raise InputError(f"{where}: run.lora {_lora(given)}, but policy.lora {_lora(rank)}; {EDITED}")
+    state = run.get("optimizer_state")
+    if state is not None and state != policy.get("optimizer_state"):
+        raise InputError(f"{where}: run.optimizer_state {state}, but policy.optimizer_state "
+                         f"{policy.get('optimizer_state')}; {EDITED}")
+
+
+def _lora(rank: Any) -> str:
+    return "none (every parameter trains)" if rank is None else f"rank {rank}"
 
 
 def read_meta(directory: Path, identity: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from .executor import run_actions
 from .hostwork import HostWorker
 from .interpreter import ExecutionError, Interpreter, StepData
 
+EVAL_SPAN = "held-out evaluation"  # the host span (RankResult.host) of an evaluation, left out of the run's speed
+
 
 def eval_steps(batches: Batches) -> int:
     """Whole held-out steps in `batches`' source (its sequences in steps of microbatches x microbatch_size)."""

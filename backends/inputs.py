@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from tinypipe.common.errors import InputError
 from tinypipe.policy import Policy
+from tinypipe.policy.lora import LoraSpec
+from tinypipe.policy.modes import OptimizerState
 
 from .data.batches import Batches
 from .data.tokenizers import Tokenizer
@@ -118,3 +120,64 @@ def check_rank_files(directory: Path, ranks: int) -> None:
             ckpt_format.read_tensors(f)
         except (OSError, ckpt_format.FormatError, KeyError, TypeError, ValueError) as exc:
             raise InputError(f"{f}: truncated or corrupt ({exc})") from None
+
+
+def check_checkpoint(out: str, meta: dict[str, Any], ranks: int) -> None:
+    """The newest checkpoint under `out` (whose meta.json `settings.settle` read as `meta`): complete files for
+    each of `ranks` ranks, holding what meta.json says (`check_rank_files`, `check_rank_state`)."""
+    from .checkpoint import find
+
+    held = find(out)
+    assert held is not None  # settle read its record
+    check_rank_files(held, ranks)
+    check_rank_state(held, meta, ranks)
+
+
+def check_rank_state(directory: Path, meta: dict[str, Any], ranks: int) -> None:
+    """InputError unless each rank's files hold the state the checkpoint's meta.json says: its `step`, LoRA
+    adapters of `policy.lora` (or, without it, every parameter's host state), and moments of
+    `policy.optimizer_state`. The message names the meta.json field the files contradict."""
+    from . import ckpt_format
+    from .checkpoint import EDITED
+    from .moments import state_shapes
+
+    where = f"{directory}/meta.json"
+    policy = meta.get("policy")
+    policy = policy if isinstance(policy, dict) else {}
+    lora = policy.get("lora")
+    said_lora = LoraSpec.from_json(lora, f"{where}: policy.lora").text() if lora is not None else None
+    said_state = OptimizerState.parse(policy.get("optimizer_state", "fp32"), f"{where}: policy.optimizer_state")
+    by_dtype = {state_shapes(1, s)["exp_avg"][1]: s for s in OptimizerState}
+    for r in range(ranks):
+        stem = directory / f"rank{r}"
+        try:
+            state = ckpt_format.read(stem)
+        except (OSError, ckpt_format.FormatError, KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{stem}: cannot read the checkpoint ({exc})") from None
+        held = f"{stem.name}{ckpt_format.SKELETON} beside it holds"
+        if state.get("step") != meta["step"]:
+            raise InputError(f"{where}: step {meta['step']}, but {held} step {state.get('step')}; {EDITED}")
+        host = state.get("host", {})
+        held_lora = host.get("lora") if host.get("host_memory") == "frozen" else None
+        if held_lora != said_lora:
+            raise InputError(f"{where}: policy.lora {_trains(said_lora)}, but {held} {_trains(held_lora)}; {EDITED}")
+        moments = next(_moments(host), None)
+        held_state = by_dtype.get(moments["exp_avg"].dtype) if moments is not None else said_state
+        if held_state != said_state:
+            raise InputError(f"{where}: policy.optimizer_state {said_state}, but {held} {held_state} moments; {EDITED}")
+
+
+def _trains(lora: str | None) -> str:
+    return f"LoRA adapters {lora}" if lora is not None else "a full fine-tune's host state (no LoRA)"
+
+
+def _moments(node: Any) -> Iterator[dict[str, Any]]:
+    """Every AdamW state (a dict holding `exp_avg`) in a rank's checkpointed state, depth first."""
+    if isinstance(node, dict):
+        if "exp_avg" in node:
+            yield node
+        for v in node.values():
+            yield from _moments(v)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            yield from _moments(v)

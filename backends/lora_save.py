@@ -4,7 +4,9 @@ The output directory of a LoRA run is what `PeftModel.from_pretrained(base, out)
 `adapter_config.json` (peft's own `LoraConfig`, written by peft) and `adapter_model.safetensors` (the
 adapters under peft's keys, `lora.peft_name`). Each rank writes its layers' adapters to a part file;
 after a barrier rank 0 joins them into the one file peft wants, atomically. `--merge` also writes the
-base with the adapters folded in (`W + (alpha / r) B A`) as a Hugging Face model in `out/merged`.
+base with the adapters folded in (`W + (alpha / r) B A`) as a Hugging Face model in `out/merged`. An
+adapter directory to continue is held against the run's base before any worker starts (`check_adapter`:
+every tensor's peft key and shape, read from the safetensors header).
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tinypipe.common.errors import InputError
+from tinypipe.describe.model import LayerKind, ModelSpec
 from tinypipe.policy.lora import ROLES, LoraSpec
+from tinypipe.policy.modes import OptimizerState
 
 from .hf_save import save_pretrained
 from .host_frozen import FrozenHostState, frozen_host_state
 from .hoststate import DTYPES, HostState
 from .layers import LayerStack
-from .lora import PEFT_MODULES
+from .lora import PEFT_MODULES, PEFT_PREFIX
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -48,7 +52,9 @@ def is_adapter_dir(path: str) -> bool:
 def lora_files(args: Any) -> tuple[LoraFiles, str, LoraSpec | None]:
     """`run`'s LoRA files from its options, the model to build, and the adapter's LoraSpec. `--model DIR` naming
     a peft adapter directory continues that adapter: the model is the base its config names, and its
-    LoraSpec is the run's unless `--lora` gives one."""
+    LoraSpec is the run's unless `--lora` gives one. Options that mean nothing to a LoRA run are refused:
+    --optimizer-state bf16 / 8bit (the adapters' AdamW is fp32 on the device), --merge with --no-save and no
+    --save-every (no adapters saved to merge)."""
     adapter, model, spec = None, args.model, None
     if args.model and is_adapter_dir(args.model):
         adapter = args.model
@@ -59,9 +65,16 @@ def lora_files(args: Any) -> tuple[LoraFiles, str, LoraSpec | None]:
             raise InputError(f"{adapter}/{ADAPTER_CONFIG}: base model {base!r} is not a local path (nothing is "
                              "downloaded); give the base's directory there")
         model = base
+    state = getattr(args, "optimizer_state", None)
+    if state is not None and not OptimizerState(state).exact and (getattr(args, "lora", None) or adapter):
+        raise InputError(f"--optimizer-state {state}: a LoRA run's AdamW state is its adapters', held in fp32 on the "
+                         "GPU (the frozen base has none on the host); leave --optimizer-state out")
     merge = bool(getattr(args, "merge", False))
     if merge and getattr(args, "lora", None) is None and adapter is None:
         raise InputError("--merge: only for a LoRA run (--lora R, or --model an adapter directory)")
+    if merge and not getattr(args, "save", True) and not getattr(args, "save_every", 0):
+        raise InputError("--merge with --no-save: the run saves no adapters to merge; leave out one of them (or add "
+                         "--save-every N: each OUT/step-N then holds a merged model)")
     return LoraFiles(adapter=adapter, merge=merge), model, spec
 
 
@@ -82,6 +95,52 @@ def read_adapter_config(path: str) -> tuple[LoraSpec, str | None]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{where}: not a peft LoRA adapter config ({exc})") from None
     return spec, cfg.get("base_model_name_or_path")
+
+
+def adapter_shapes(spec: ModelSpec, names: list[dict[str, str]], lora: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """peft's key -> shape of every adapter tensor `lora` puts on the blocks of the model `spec`, whose
+    parameters `names` gives per layer with their Hugging Face names (`hf.hf_name_maps`): A is (rank, in
+    features), B (out features, rank), as `lora.peft_name` names them."""
+    out: dict[str, tuple[int, ...]] = {}
+    for layer, hf in zip(spec.layers, names):
+        if layer.kind is not LayerKind.BLOCK:
+            continue
+        features = {roles: (fan_in, fan_out) for roles, fan_in, fan_out in layer.linears}
+        for role in lora.targets:
+            weight = next((v for k, v in hf.items() if k.endswith(f".{PEFT_MODULES[role]}.weight")), None)
+            if weight is None or role not in features:
+                continue
+            stem, (fan_in, fan_out) = PEFT_PREFIX + weight.removesuffix(".weight"), features[role]
+            out[f"{stem}.lora_A.weight"] = (lora.rank, fan_in)
+            out[f"{stem}.lora_B.weight"] = (fan_out, lora.rank)
+    return out
+
+
+def check_adapter(path: str, spec: ModelSpec, names: list[dict[str, str]], lora: LoraSpec, base: str) -> None:
+    """InputError unless the adapter directory `path` holds exactly the adapters `lora` puts on the model
+    `base` (`spec`, `names`: `adapter_shapes`), each of its shape: an adapter made for another base model
+    (other layers or widths), another rank or other targets is refused before any worker starts. Reads the
+    safetensors header only."""
+    from safetensors import SafetensorError, safe_open
+
+    where = Path(path) / ADAPTER_WEIGHTS
+    if not where.is_file():
+        raise InputError(f"{path}: no {ADAPTER_WEIGHTS} (a peft adapter directory holds one)")
+    try:
+        with safe_open(str(where), "pt") as f:
+            held = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (OSError, SafetensorError) as exc:
+        raise InputError(f"{where}: not a safetensors file ({exc})") from None
+    want = adapter_shapes(spec, names, lora)
+    wrong = [f"{k!r} has shape {held[k]}, {spec.name}'s needs {shape}" for k, shape in want.items()
+             if k in held and held[k] != shape]
+    wrong += [f"no {k!r}" for k in want if k not in held]
+    wrong += [f"{k!r} has no place in {spec.name}" for k in held if k not in want]
+    if wrong:
+        raise InputError(f"{where}: {wrong[0]}{f' ({len(wrong) - 1} more)' if len(wrong) > 1 else ''}: the adapter "
+                         f"does not fit {base} with LoRA {lora.text()}; it was made for another base model, rank or "
+                         f"targets (its {ADAPTER_CONFIG} names the base in base_model_name_or_path): continue it on "
+                         "its own base, or start new adapters with --model BASE --lora R")
 
 
 def read_adapter(path: str) -> dict[str, torch.Tensor]:

@@ -9,6 +9,10 @@ One JSON object per line: `step` (1-based), `loss` (the step's mean token loss),
 (the global L2 norm of the step's gradients over all ranks, before any update), `tokens`,
 `tokens_per_s` (of the window the step ran in) and `elapsed_s`; `eval_loss` where measured.
 With `tensorboard` installed (torch.utils.tensorboard), the same scalars go to OUT/tensorboard (`train/<key>`).
+
+Held-out evaluation is not training: a window's tokens/s is its training steps' alone, and the ETA is
+the remaining steps at the training time per step so far, plus the evaluations still due at the mean
+time of those measured (`eta_s`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,22 @@ def fmt_duration(s: float) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
+def evals_after(step: int, steps: int, every: int | None) -> int:
+    """Evaluations still due after step `step` of `steps`: every `every` steps and at the end (0: at the end
+    only; None: no evaluation)."""
+    if every is None or step >= steps:
+        return 0
+    if every == 0:
+        return 1
+    return steps // every - step // every + (1 if steps % every else 0)
+
+
+def eta_s(*, done: int, left: int, train_s: float, evals_left: int, eval_s: float, evals: int) -> float:
+    """Seconds to the end: `left` steps at the training time per step of the `done` so far (`train_s`), and
+    `evals_left` evaluations at the mean of the `evals` measured (`eval_s` in all; none measured yet: 0)."""
+    return train_s / max(1, done) * left + (eval_s / evals * evals_left if evals else 0.0)
+
+
 def progress_line(step: int, steps: int, loss: float | None, tokens_per_s: float, eta_s: float | None) -> str:
     width = 24
     filled = int(width * step / max(1, steps))
@@ -45,9 +65,11 @@ class StepLog:
 
     def __init__(self, out: str | None, *, steps: int, start: int, tokens_per_step: int, ranks: int,
                  lr_at: Callable[[int], float], progress: bool = True, stream: TextIO | None = None,
-                 norms: bool = True) -> None:
+                 norms: bool = True, eval_every: int | None = None) -> None:
         self.steps, self.start, self.tokens_per_step, self.ranks = steps, start, tokens_per_step, ranks
         self.lr_at, self.progress, self.stream, self.norms = lr_at, progress, stream or sys.stderr, norms
+        self.eval_every = eval_every  # evaluations every N steps and at the end (0: at the end; None: none)
+        self.eval_s, self.evals = 0.0, 0  # seconds spent evaluating, and how many evaluations
         self.t0 = time.perf_counter()
         self.losses: dict[int, float] = {}
         self.grad_sq: dict[int, list[float]] = {}  # step -> each rank's share that has arrived
@@ -66,11 +88,13 @@ class StepLog:
 
     def window(self, first: int, last: int, seconds: float, parts: Iterable[tuple[dict[int, float],
                                                                                     dict[int, float]]],
-               eval_loss: float | None = None) -> None:
+               eval_loss: float | None = None, eval_s: float = 0.0) -> None:
         """Steps first..last-1 ran in `seconds`; `parts`: every rank's (losses, grad_sq) it gathered;
-        `eval_loss`: the held-out loss after step `last`, if measured."""
+        `eval_loss`: the held-out loss after step `last`, if measured, in `eval_s` seconds."""
         if eval_loss is not None:
             self.eval[last - 1] = eval_loss
+        if eval_s:
+            self.eval_s, self.evals = self.eval_s + eval_s, self.evals + 1
         for losses, sq in parts:
             self.losses.update(losses)
             for k, v in sq.items():
@@ -79,11 +103,12 @@ class StepLog:
         for k in range(first, last):
             self.rate[k] = rate
         if self.progress:
-            done = last - self.start
-            elapsed = time.perf_counter() - self.t0
-            eta = elapsed / max(1, done) * (self.steps - last)
+            train_s = time.perf_counter() - self.t0 - self.eval_s
+            eta = eta_s(done=last - self.start, left=self.steps - last, train_s=train_s, eval_s=self.eval_s,
+                        evals=self.evals, evals_left=evals_after(last, self.steps, self.eval_every))
             line = progress_line(last, self.steps, self.losses.get(last - 1), rate, eta)
-            self._say(line + ("" if eval_loss is None else f"  eval loss {eval_loss:.4f}"), final=last == self.steps)
+            held = "" if eval_loss is None else f"  eval loss {eval_loss:.4f} ({eval_s:.1f} s)"
+            self._say(line + held, final=last == self.steps)
         self._flush(complete_only=True)
 
     def _say(self, text: str, *, final: bool) -> None:

@@ -32,6 +32,7 @@ class RunOptions:
     dtype: str | None
     lr: float | None
     lr_schedule: str
+    lr_schedule_kwargs: dict[str, Any] | None
     warmup_steps: int | None
     warmup_ratio: float | None
     decay_all: bool

@@ -40,12 +40,12 @@ from tinypipe.policy import Policy, load_policy
 from tinypipe.policy.lora import LoraSpec, lora_from_args, lora_text
 
 from .calibrate import calibrate_run
-from .hf import ModelSource
+from .hf import ModelSource, hf_name_maps
 from .hostfit import check_host_fits, run_host_limit
 from .hoststate import AdamWConfig
-from .inputs import check_clip, check_eval, check_rank_files
-from .lora_save import lora_files
-from .optim_rules import LRSchedule, default_lr, warmup_steps
+from .inputs import check_checkpoint, check_clip, check_eval
+from .lora_save import check_adapter, lora_files
+from .optim_rules import default_lr, lr_schedule, warmup_steps
 from .options import RunOptions
 from .rss_guard import GuardSettings
 from .settings import DEFAULT_MICROBATCH_SIZE, DEFAULT_POLICY, rank_threads
@@ -71,6 +71,7 @@ class RunPlan:
     note: str | None = None  # a choice made for the user, shown under the header
     compiled_policy: Policy | None = None  # what `schedule` was compiled from (packs pinned on --resume)
     calibration: str | None = None  # the host rates the plan took from this machine, and when (None: --calibrate off)
+    data_lines: tuple[str, ...] = ()  # what the run read from --data (data.summary), printed under the header
 
 
 def _rate(fn: Callable[[], object], work: float, repeat: int = 3) -> float:
@@ -139,7 +140,7 @@ def cuda_hardware(gpus: int, name: str | None) -> Hardware:
 
 def _check_model(name: str) -> ModelSource:
     """The model's source, its weights checked (index, shards, every tensor the model needs)."""
-    from .hf import hf_name_maps, load_source
+    from .hf import load_source
     from .inputs import check_weights
 
     source = load_source(name)
@@ -171,6 +172,8 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     if args.backend == "cpu" and args.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
         raise InputError(f"--gpus {args.gpus}: too many CPU workers for {os.cpu_count()} cores "
                          f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
+    if args.record is not None:  # --resume: the rank files complete and holding what meta.json says, before any work
+        check_checkpoint(args.out, args.record, args.gpus)
     say = phase or (lambda text: None)
     profiles = load_profiles(args.profile)  # measured traces (`tinypipe profile`)
     # `--model` a peft adapter directory: its base model, and its LoraSpec (backends/lora_save.py)
@@ -187,6 +190,8 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
     policy = _policy(args, adapter_lora)
     if args.record and args.policy is None and isinstance(args.record.get("policy"), dict):
         policy = Policy.from_json(args.record["policy"], where=f"{args.out}: the checkpoint's policy")
+    if files.adapter is not None and policy.lora is not None:  # an adapter made for another base is refused here
+        check_adapter(files.adapter, spec, hf_name_maps(source.config), policy.lora, args.model)
     packs = args.record.get("pack_sizes") if args.record else None
     pinned = policy if packs is None or args.record is None else policy.replace(
         packing=tuple(packs), mapping=tuple(args.record["pack_gpu"]))
@@ -292,7 +297,6 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         found = checkpoint.find(out)
         assert found is not None  # settle read it
         checkpoint.read_meta(found, identity)
-        check_rank_files(found, args.gpus)
     job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
               microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
               byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
@@ -300,7 +304,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
               eval_every=eval_every,
               save_dtype=save_dtype, save_model=args.save,
               optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
-                                schedule=LRSchedule(lr, args.lr_schedule, warm, args.steps),
+                                schedule=lr_schedule(lr, args.lr_schedule, args.lr_schedule_kwargs, warm, args.steps),
                                 decay_exempt=not args.decay_all),
               backend=args.backend, out=out,
               checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
@@ -310,7 +314,7 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
               compile_blocks=compile_blocks, trace_memory=args.trace_memory, lora_files=files, rss_guard=guard)
     return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
                    schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
-                   note=note, compiled_policy=compiled, calibration=calibration)
+                   note=note, compiled_policy=compiled, calibration=calibration, data_lines=batches.lines())
 
 
 def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,

@@ -13,8 +13,9 @@ from tinypipe.policy.modes import HostMemory
 
 from .calibrate import calibration_lines
 from .cpustat import NOTABLE_STEAL
+from .evaluation import EVAL_SPAN
 from .runtrace import timeline
-from .steady import steady_summary
+from .steady import common, steady_summary
 
 if TYPE_CHECKING:
     from .prepare import RunPlan
@@ -41,7 +42,7 @@ def _lr(plan: RunPlan) -> str:
     if sched is None:
         return f"lr {o.lr:g}"
     warm = f", {sched.warmup_steps} warmup steps" if sched.warmup_steps else ""
-    return f"lr {o.lr:g} {sched.kind}{warm}"
+    return f"lr {o.lr:g} {sched.text()}{warm}"
 
 
 def sparkline(values: list[float], width: int = 48) -> str:
@@ -184,10 +185,12 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
         return "\n".join([done, f"saved     {plan.job.out} at step {plan.job.steps}, nothing left to train "
                                 f"(AutoModelForCausalLM.from_pretrained loads it)"])
     tl = timeline(plan, list(results))
-    iteration_s, how = steady_summary(tl)
+    evaluating = {r.rank: [(a, b) for name, a, b in r.host if name == EVAL_SPAN] for r in results}
+    iteration_s, how = steady_summary(tl, pauses=common(evaluating.values()))  # while every rank evaluated
     tokens = plan.batch_tokens
     measured_tps = tokens / iteration_s if iteration_s > 0 else 0.0
-    wall = max(r.wall_s for r in results)
+    eval_s = {rank: sum(b - a for a, b in spans) for rank, spans in evaluating.items()}
+    wall = max(r.wall_s - eval_s[r.rank] for r in results)  # training's: the evaluations are not in it
     steps_run = max(r.steps_run for r in results)
     sim = plan.prediction
     lines = []
@@ -200,7 +203,9 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
     evals = {k: v for r in results for k, v in r.eval_losses.items()}
     if evals:
         shown = ", ".join(f"{evals[k]:.4f} at step {k + 1}" for k in sorted(evals)[-4:])
-        lines.append(f"eval      held-out loss {shown}")
+        n, took = max(len(v) for v in evaluating.values()) or len(evals), max(eval_s.values())
+        lines.append(f"eval      held-out loss {shown}; {n} evaluation{'s' if n != 1 else ''} took {took:.1f} s, "
+                     "left out of the speed below")
     lines.append(f"speed     {measured_tps:,.0f} tokens/s measured (step {iteration_s * 1e3:.1f} ms, {how}; "
                  f"{tokens * steps_run / max(wall, 1e-9):,.0f} tokens/s over {steps_run} steps in {wall:.1f} s)")
     trace = "analytic trace" if plan.trace.analytic else "measured trace" + borrowed_from(plan.trace.model, plan.spec)

@@ -48,7 +48,7 @@ def run_main(args: argparse.Namespace) -> int:
     plan = make_run_plan(opts, phase=phase)
     if note is not None:
         note.close()
-        print(header(plan), file=sys.stderr)
+        print("\n".join((header(plan), *plan.data_lines)), file=sys.stderr)
         if plan.note:
             print(plan.note, file=sys.stderr)
     before = None

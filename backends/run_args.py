@@ -43,8 +43,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluate every N steps as well as at the end (default: 10 times a run); each held-out "
                         "step costs a training step's device work, without the optimizer")
     p.add_argument("--byte-tokens", action="store_true", default=None,
-                   help="train on UTF-8 byte ids when the model has no tokenizer files (default: such a model is an "
-                        "error with --data)")
+                   help="train on UTF-8 byte ids when the model has no tokenizer files (default: byte ids only for a "
+                        "byte-level vocabulary of 256-258 ids, such as tiny-llama's; a larger one is an error with "
+                        "--data)")
     p.add_argument("--no-packing", dest="packing", action="store_false", default=None,
                    help="one example per sequence, cut at --seq-len and padded (default: examples packed end to end)")
     p.add_argument("--policy", default=None, help=f"preset name or policy JSON (default {d['policy']}, with "
@@ -72,9 +73,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help="AdamW peak learning rate (default: by the model's size, 3e-3 up to 10M parameters, then "
                         "3e-3 x sqrt(1e7 / parameters), at least 3e-5: 1.1e-4 for 8B)")
-    p.add_argument("--lr-schedule", choices=SCHEDULES, default=None,
-                   help=f"learning rate after the warmup: constant, linear to 0 or cosine to 0 at the last step, as "
-                        f"transformers' schedules (default {d['lr_schedule']})")
+    p.add_argument("--lr-schedule", default=None, metavar="NAME",
+                   help=f"learning rate after the warmup, by transformers' lr_scheduler_type names, the same "
+                        f"functions: {', '.join(SCHEDULES)} (default {d['lr_schedule']}; constant keeps the warmup)")
+    p.add_argument("--lr-schedule-kwargs", default=None, metavar="JSON",
+                   help="the schedule's parameters, as transformers' lr_scheduler_kwargs, e.g. "
+                        "'{\"min_lr_rate\": 0.1}' for cosine_with_min_lr, '{\"num_decay_steps\": 100}' for "
+                        "warmup_stable_decay")
     warm = p.add_mutually_exclusive_group()
     warm.add_argument("--warmup-steps", type=int, default=None, metavar="N",
                       help="steps of linear warmup from lr 0 (default: --warmup-ratio)")
@@ -83,7 +88,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
                    help="clip by the global gradient norm over all ranks, as torch.nn.utils.clip_grad_norm_ "
                         "(default: off). Every layer's optimizer step then waits for the step's last gradient: "
-                        "the schedule says so and the prediction includes it; needs the replicated host layout")
+                        "the schedule says so and the prediction includes it. Either host layout (compact then holds a "
+                        "whole gradient in the compute dtype in place of its ring); not with --lora")
     p.add_argument("--decay-all", action="store_true", default=None,
                    help="apply --weight-decay to every parameter (default: not to norms, biases and the embedding)")
     p.add_argument("--betas", type=float, nargs=2, default=None, metavar=("B1", "B2"),

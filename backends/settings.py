@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from tinypipe.common.errors import InputError
 from tinypipe.common.outputs import check_dir, check_file
 
+from .optim_rules import schedule_params
 from .options import RunOptions
 
 # The embedded job (plain `tinypipe run`): tiny-llama learns zero-padded 2-digit addition
@@ -35,20 +37,22 @@ DEFAULTS: dict[str, Any] = {
     "steps": 500, "seq_len": 64, "batch_tokens": 512, "lr": None, "lr_schedule": "cosine", "warmup_steps": None,
     "warmup_ratio": 0.05, "decay_all": False, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
     "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0, "byte_tokens": False, "packing": True,
-    "epochs": None, "save_every": 0, "save_dtype": None, "keep_checkpoints": 1,
+    "epochs": None, "save_every": 0, "save_dtype": None, "keep_checkpoints": 1, "lr_schedule_kwargs": None,
 }
 # Options recorded in a checkpoint and restored by --resume (argparse dest names).
 RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
             "lr", "lr_schedule", "warmup_steps", "warmup_ratio", "decay_all", "betas", "eps", "weight_decay", "seed",
             "backend", "checkpoint_every", "checkpoint_minutes", "byte_tokens", "packing", "epochs", "save_every",
             "save_dtype", "optimizer_state", "keep_checkpoints", "lora", "lora_alpha", "lora_dropout",
-            "lora_targets", "max_grad_norm", "eval_data", "eval_fraction", "eval_every")
+            "lora_targets", "max_grad_norm", "eval_data", "eval_fraction", "eval_every", "lr_schedule_kwargs")
 # may differ from the record
 FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype",
                   "keep_checkpoints")
 # None stays None: make_run_plan chooses (the embedded job's or the policy's; the lr by the model's size)
 PLANNED = ("policy", "microbatch_size", "lr", "optimizer_state")
 SEED_LIMIT = 2**63
+# directories a run saves a model in under --out: `--merge`'s, and `--save-every`'s or a stop's OUT/step-N
+SAVED_DIR = re.compile(r"merged|step-\d+")
 # bounds that keep a mistyped number from planning for ever (no model has more positions; no run more steps)
 MAX_SEQ_LEN, MAX_BATCH_TOKENS, MAX_STEPS, MAX_EPOCHS = 1 << 24, 1 << 34, 10**9, 10**6
 
@@ -78,6 +82,8 @@ def settle(args: argparse.Namespace | RunOptions) -> RunOptions:
         raise InputError("--model: empty; give a shipped model name, a config.json or a model directory")
     if out.model is not None and Path(out.model).exists():  # a path: recorded absolute, so any directory resumes it
         out.model = str(Path(out.model).resolve())
+    if isinstance(getattr(out, "lr_schedule_kwargs", None), str):  # JSON on the command line; a dict when recorded
+        out.lr_schedule_kwargs = _json_object(out.lr_schedule_kwargs, "--lr-schedule-kwargs")
     args = out
     out = argparse.Namespace(**vars(args))
     out.record = None  # the checkpoint's meta.json when resuming
@@ -133,12 +139,25 @@ def _norm(v: Any) -> Any:
 
 
 def _read_record(out: Path) -> dict[str, Any]:
-    from .checkpoint import find, read_record
+    from .checkpoint import check_record, find, read_record
 
     found = find(out)
     if found is None:
         raise InputError(f"--resume: no checkpoint under {out}")
-    return read_record(found)
+    meta = read_record(found)
+    check_record(found, meta)
+    return meta
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{flag} {text}: not JSON ({exc.msg}); give an object, e.g. "
+                         "'{\"min_lr_rate\": 0.1}'") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{flag} {text}: a JSON object, e.g. '{{\"min_lr_rate\": 0.1}}'")
+    return value
 
 
 def _check_numbers(a: RunOptions) -> None:
@@ -176,6 +195,7 @@ def _check_numbers(a: RunOptions) -> None:
         raise InputError(f"--warmup-steps: must be >= 0, got {a.warmup_steps}")
     if a.warmup_ratio is not None and not (math.isfinite(a.warmup_ratio) and 0 <= a.warmup_ratio < 1):
         raise InputError(f"--warmup-ratio: must be in [0, 1), got {a.warmup_ratio}")
+    schedule_params(a.lr_schedule, a.lr_schedule_kwargs)  # transformers' names and lr_scheduler_kwargs
     b1, b2 = a.betas
     for i, b in enumerate((b1, b2)):
         if not (math.isfinite(b) and 0.0 <= b < 1.0):
@@ -194,11 +214,15 @@ def record(args: RunOptions) -> dict[str, Any]:
 
 
 def _refuse_earlier_run(out: Path) -> None:
-    """A new run never overwrites an earlier run's checkpoint or saved model in --out."""
+    """A new run never overwrites an earlier run's checkpoint or saved model in --out: a Hugging Face model, a
+    LoRA run's adapter directory and merged model, or a model saved every N steps (`worker`: OUT/step-N)."""
     from . import checkpoint
 
-    held = [p.name for p in (out / "config.json", out / "model.safetensors.index.json", out / "model.safetensors")
-            if p.exists()]
+    held = [p.name for p in (out / "config.json", out / "model.safetensors.index.json", out / "model.safetensors",
+                             out / "adapter_config.json", out / "adapter_model.safetensors") if p.exists()]
+    saved = sorted((p.name for p in out.iterdir() if p.is_dir() and SAVED_DIR.fullmatch(p.name)),
+                   key=lambda name: (len(name), name)) if out.is_dir() else []  # merged/, then step-N/ by N
+    held += [f"{name}/" for name in saved[:3]] + ([f"{len(saved) - 3} more step-N/"] if len(saved) > 3 else [])
     if checkpoint.find(str(out)) is not None:
         held.insert(0, "a checkpoint")
     if held:

@@ -29,7 +29,7 @@ from . import checkpoint
 from .comm import Comm
 from .compiled import COMPILE_BACKEND, LayerCaller
 from .cpustat import Steal
-from .evaluation import eval_steps, evaluate
+from .evaluation import EVAL_SPAN, eval_steps, evaluate
 from .executor import Carried, RunLog, run_actions
 from .gradclip import GradClip
 from .groups import Group
@@ -197,7 +197,8 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
             start, losses = int(meta["step"]), dict(state["losses"])
     steplog = (StepLog(job.out if job.write_metrics else None, steps=job.steps, start=start,
                        tokens_per_step=job.tokens_per_step, ranks=world, lr_at=job.optim.lr_at,
-                       progress=job.progress, norms=job.grad_norm) if rank == 0 else None)
+                       progress=job.progress, norms=job.grad_norm,
+                       eval_every=job.eval_every if held_out is not None else None) if rank == 0 else None)
     log = RunLog()
     t_begin = time.perf_counter()
     steal = Steal()  # the host's CPU time the hypervisor took while this rank trained
@@ -262,16 +263,19 @@ def _train_rank(job: Job, rank: int, world: int, comm: Comm | None, group: Group
         if left:
             raise ExecutionError(f"rank {rank}: steps {step}..{step + n - 1} ended still holding {', '.join(left[:6])}")
         at = step + n
-        ev = None
+        ev, eval_s = None, 0.0
         if held_out is not None and (at == job.steps or (job.eval_every and at % job.eval_every == 0)):
             finish_host_steps()  # the weights after step `at`
+            t_eval = time.perf_counter()
             ev = evaluate(interp, by_prefix.get(1) or [a for a in actions if a.iteration < 1], held_out,
                           eval_steps(held_out), at=at, step_data=step_data, id_stride=len(sched.actions),
                           host_worker=optimizer)
+            host_spans.append((EVAL_SPAN, t_eval, time.perf_counter()))  # not training: left out of its speed
+            eval_s = host_spans[-1][2] - t_eval
         parts = group.gather(({k: losses[k] for k in part.losses}, host.take_grad_sq(), ev))
         if steplog is not None and parts is not None:
             steplog.window(step, at, window_end - t_run, [(p[0], p[1]) for p in parts],
-                           eval_loss=next((p[2] for p in parts if p[2] is not None), None))
+                           eval_loss=next((p[2] for p in parts if p[2] is not None), None), eval_s=eval_s)
         step += n
         saving = bool(job.out and job.save_every and step % job.save_every == 0 and step < job.steps)
         if settle_heap:

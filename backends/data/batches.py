@@ -14,9 +14,12 @@ import torch
 
 from tinypipe.common.errors import InputError
 
+from ..layers import IGNORE_INDEX
 from .addition import ADDITION, AdditionSequences, AdditionTask
-from .examples import PackedSequences, SequenceSource, pack_documents, read_examples
-from .tokenizers import Tokenizer
+from .examples import PackedSequences, SequenceSource, pack_examples
+from .formats import read_data
+from .summary import DataSummary
+from .tokenizers import Tokenizer, describe
 
 
 class Batches:
@@ -24,11 +27,12 @@ class Batches:
 
     Step k, microbatch m, row r is sequence ((k * replicas + replica) * microbatches + m) *
     microbatch_size + r of the source, so data-parallel replicas read disjoint sequences and any
-    step can be served again (after a resume) without replaying the ones before it.
+    step can be served again (after a resume) without replaying the ones before it. `summary`: what was
+    read from a data file (None for the addition task).
     """
 
     def __init__(self, source: SequenceSource, *, microbatch_size: int, microbatches: int,
-                 replica: int = 0, replicas: int = 1) -> None:
+                 replica: int = 0, replicas: int = 1, summary: DataSummary | None = None) -> None:
         if microbatch_size < 1 or microbatches < 1:
             raise InputError(f"microbatch_size and microbatches must be >= 1, got {microbatch_size}, "
                              f"{microbatches}")
@@ -37,6 +41,11 @@ class Batches:
         self.source = source
         self.microbatch_size, self.microbatches = microbatch_size, microbatches
         self.replica, self.replicas = replica, replicas
+        self.summary = summary
+
+    def lines(self) -> tuple[str, ...]:
+        """What a run prints about its data at the start (`DataSummary.lines`; none for the addition task)."""
+        return () if self.summary is None else self.summary.lines()
 
     @property
     def seq_len(self) -> int:
@@ -81,10 +90,14 @@ def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int,
     if seq_len < 1:
         raise InputError(f"seq_len must be >= 1, got {seq_len}")
     source: SequenceSource
+    summary = None
     if data is None or (str(data) == ADDITION and not Path(ADDITION).exists()):
         source = AdditionSequences(task or AdditionTask(seed=seed), tokenizer, seq_len)
     else:
-        inputs, labels, docs = pack_documents(read_examples(data), tokenizer, seq_len, packing=packing)
+        read = read_data(data)
+        packed = pack_examples(read.examples, tokenizer, seq_len, packing=packing)
+        inputs, labels, docs = packed.inputs, packed.labels, packed.documents
+        held = 0
         if hold_out:
             n = len(inputs)
             k = min(n - 1, max(1, math.ceil(hold_out * n)))
@@ -92,6 +105,11 @@ def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int,
                 raise InputError(f"{data}: {n} sequence(s): too few to hold any out for evaluation")
             cut = slice(n - k, n) if part == "eval" else slice(0, n - k)
             inputs, labels, docs = inputs[cut], labels[cut], docs[cut]
+            held = k if part == "train" else 0
         source = PackedSequences(inputs, labels, seed=seed, documents=docs if document_mask else None)
+        summary = DataSummary(path=str(data), format=read.format, examples=len(read.examples), windows=len(inputs),
+                              held_out=held, seq_len=seq_len, loss_share=float((labels != IGNORE_INDEX).float().mean()),
+                              tokens=describe(tokenizer), packing=packing, truncated=packed.truncated,
+                              dropped=packed.dropped, split=packed.split)
     return Batches(source, microbatch_size=microbatch_size, microbatches=microbatches,
-                   replica=replica, replicas=replicas)
+                   replica=replica, replicas=replicas, summary=summary)

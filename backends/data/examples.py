@@ -10,6 +10,7 @@ labels[t]), -100 where a token carries no loss (prompts, non-assistant turns, pa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -21,8 +22,8 @@ from ..layers import IGNORE_INDEX
 from .formats import Example, read_examples
 from .tokenizers import Tokenizer
 
-__all__ = ["Example", "read_examples", "tokenize", "window", "pack", "pack_documents", "SequenceSource",
-           "PackedSequences"]
+__all__ = ["Example", "read_examples", "tokenize", "window", "pack", "pack_documents", "pack_examples", "Packed",
+           "SequenceSource", "PackedSequences"]
 
 
 # --- packing ----------------------------------------------------------------------------------------
@@ -58,9 +59,28 @@ def pack(examples: Sequence[Example], tokenizer: Tokenizer, seq_len: int, *,
     return inputs, labels
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Examples in windows (`pack_examples`), and what the windows lost of them."""
+
+    inputs: torch.Tensor  # [n, seq_len] input ids
+    labels: torch.Tensor  # [n, seq_len] next-token labels, IGNORE_INDEX where no loss
+    documents: torch.Tensor  # [n, seq_len] the example each input position comes from (-1: padding)
+    truncated: int = 0  # without packing: examples kept, cut at seq_len + 1 tokens
+    dropped: int = 0  # without packing: examples left without a loss token, not trained on
+    split: int = 0  # packed: examples that run on into the next window (each part attends only within its own)
+
+
 def pack_documents(examples: Sequence[Example], tokenizer: Tokenizer, seq_len: int, *, eos: bool = True,
                    packing: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All examples concatenated and cut into windows: (input_ids, labels, documents), each [n, seq_len].
+    """(input_ids, labels, documents) of `pack_examples`."""
+    p = pack_examples(examples, tokenizer, seq_len, eos=eos, packing=packing)
+    return p.inputs, p.labels, p.documents
+
+
+def pack_examples(examples: Sequence[Example], tokenizer: Tokenizer, seq_len: int, *, eos: bool = True,
+                  packing: bool = True) -> Packed:
+    """All examples concatenated and cut into windows: input_ids, labels and documents, each [n, seq_len].
 
     Window k holds tokens [k*seq_len, (k+1)*seq_len] (one token of overlap: the last label of a
     window is the first input of the next), so every token but the first is a label exactly once.
@@ -73,11 +93,14 @@ def pack_documents(examples: Sequence[Example], tokenizer: Tokenizer, seq_len: i
     loss: list[bool] = []
     doc: list[int] = []
     rows = []
+    truncated = 0
+    split: set[int] = set()  # the examples a window's end cuts
     if not packing:
         for n, ex in enumerate(examples):
             t, m = tokenize(ex, tokenizer, eos=eos)
             if len(t) >= 2 and any(m[1: seq_len + 1]):
                 kept = min(len(t) - 1, seq_len)
+                truncated += int(len(t) > seq_len + 1)
                 rows.append((*window(t, m, seq_len, tokenizer.pad_id), [n] * kept + [-1] * (seq_len - kept)))
         if not rows:
             raise InputError(f"no example keeps a loss token within its first {seq_len + 1} tokens: nothing to "
@@ -92,11 +115,14 @@ def pack_documents(examples: Sequence[Example], tokenizer: Tokenizer, seq_len: i
             raise InputError("the data has fewer than two tokens: nothing to train on")
         for k in range(0, len(ids) - 1, seq_len):
             part = doc[k: k + seq_len]
+            if k > 0 and doc[k] == doc[k - 1]:
+                split.add(doc[k])
             rows.append((*window(ids[k: k + seq_len + 1], loss[k: k + seq_len + 1], seq_len, tokenizer.pad_id),
                          part + [-1] * (seq_len - len(part))))
     inputs, labels, docs = zip(*rows)
-    return (torch.tensor(inputs, dtype=torch.long), torch.tensor(labels, dtype=torch.long),
-            torch.tensor(docs, dtype=torch.long))
+    return Packed(torch.tensor(inputs, dtype=torch.long), torch.tensor(labels, dtype=torch.long),
+                  torch.tensor(docs, dtype=torch.long), truncated=truncated,
+                  dropped=len(examples) - len(rows) if not packing else 0, split=len(split))
 
 
 # --- sources of sequences -----------------------------------------------------------------------

@@ -29,6 +29,14 @@ RECORD_HELP = ('each line is one {"text": ...}, {"prompt": ..., "completion": ..
 
 
 @dataclass(frozen=True)
+class DataFile:
+    """A data file read: its format in words (`JSON Lines (prompt/completion)`, `plain text`) and its examples."""
+
+    format: str
+    examples: list[Example]
+
+
+@dataclass(frozen=True)
 class Example:
     """One training example: loss on `completion` only (a plain text has no prompt); or, with
     `messages` ((role, content) pairs), a conversation with loss on the assistant turns."""
@@ -40,6 +48,11 @@ class Example:
 
 def read_examples(path: str | Path) -> list[Example]:
     """The examples of a data file (see the module docstring); InputError naming the file and line."""
+    return read_data(path).examples
+
+
+def read_data(path: str | Path) -> DataFile:
+    """A data file's examples and its format (see the module docstring); InputError naming the file and line."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{p}: no such data file" + (" (it is a directory)" if p.is_dir() else ""))
@@ -62,10 +75,10 @@ def read_examples(path: str | Path) -> list[Example]:
     if table is not None:
         raise InputError(f"{p}: looks like {table} (a table), which tinypipe does not read; convert it to JSON Lines "
                          f"({RECORD_HELP}) or plain text")
-    return [Example("", text)]
+    return DataFile("plain text", [Example("", text)])
 
 
-def _read_json(p: Path, text: str) -> list[Example]:
+def _read_json(p: Path, text: str) -> DataFile:
     try:
         whole = json.loads(text)
     except json.JSONDecodeError:
@@ -73,10 +86,21 @@ def _read_json(p: Path, text: str) -> list[Example]:
     if isinstance(whole, list):
         raise InputError(f"{p}: a JSON array; write one record per line (JSON Lines): {RECORD_HELP}")
     if isinstance(whole, dict):
-        return [_record(whole, f"{p}:1")]
+        return _records("a JSON object", [_record(whole, f"{p}:1")])
     if whole is not None:
         raise InputError(f"{p}:1: expected a JSON object, got {type(whole).__name__}")
-    return [_parse_line(line, f"{p}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    return _records("JSON Lines", [_parse_line(line, f"{p}:{n}") for n, line in enumerate(text.splitlines(), 1)
+                                   if line.strip()])
+
+
+def _records(container: str, records: list[tuple[str, Example]]) -> DataFile:
+    """The examples of (kind, example) records, and the format: `JSON Lines (text)`, or with a count of each kind
+    where they are mixed: `JSON Lines (390 prompt/completion, 10 text)`."""
+    counts: dict[str, int] = {}
+    for kind, _ in records:
+        counts[kind] = counts.get(kind, 0) + 1
+    kinds = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{n:,} {k}" for k, n in counts.items())
+    return DataFile(f"{container} ({kinds})", [ex for _, ex in records])
 
 
 def _table_delimiter(p: Path, text: str) -> str | None:
@@ -92,7 +116,7 @@ def _table_delimiter(p: Path, text: str) -> str | None:
     return None
 
 
-def _parse_line(line: str, where: str) -> Example:
+def _parse_line(line: str, where: str) -> tuple[str, Example]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -100,7 +124,8 @@ def _parse_line(line: str, where: str) -> Example:
     return _record(record, where)
 
 
-def _record(record: Any, where: str) -> Example:
+def _record(record: Any, where: str) -> tuple[str, Example]:
+    """A record's kind (`text`, `prompt/completion`, `messages`) and its example."""
     if not isinstance(record, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     kinds = [k for k in ("text", "messages") if k in record] + (["prompt/completion"] if "prompt" in record
@@ -109,11 +134,11 @@ def _record(record: Any, where: str) -> Example:
         raise InputError(f"{where}: give one of \"text\", \"prompt\" and \"completion\", or \"messages\", not "
                          f"{' and '.join(kinds)}")
     if "text" in record:
-        return Example("", _string(record, "text", where))
+        return "text", Example("", _string(record, "text", where))
     if "messages" in record:
-        return Example("", "", _messages(record["messages"], where))
+        return "messages", Example("", "", _messages(record["messages"], where))
     if "prompt" in record and "completion" in record:
-        return Example(_string(record, "prompt", where), _string(record, "completion", where))
+        return "prompt/completion", Example(_string(record, "prompt", where), _string(record, "completion", where))
     found = ", ".join(sorted(map(str, record))) or "none"
     raise InputError(f"{where}: needs a \"text\" field, \"prompt\" and \"completion\" fields, or \"messages\" "
                      f"(found: {found})")

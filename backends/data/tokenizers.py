@@ -1,4 +1,5 @@
-"""Tokenizers for training data: the model directory's own (local files only), or byte-level ids when asked."""
+"""Tokenizers for training data: the model directory's own (local files only), or byte-level ids when asked
+or when the model has no tokenizer files and a vocabulary of bytes (tinypipe's tiny models)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Protocol
 from tinypipe.common.errors import InputError
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+BYTE_VOCAB_IDS = 258  # ByteTokenizer's ids at most: 256 bytes, end-of-text, padding
 
 
 class Tokenizer(Protocol):
@@ -31,10 +33,11 @@ class ByteTokenizer:
     """Byte-level ids for the tiny models: 0..255 are UTF-8 bytes; 256 ends a text and 257 pads
     when the vocabulary has room for them (with 256 ids there is no end-of-text and 0 pads)."""
 
-    def __init__(self, vocab_size: int = 256) -> None:
+    def __init__(self, vocab_size: int = 256, *, why: str = "") -> None:
         if vocab_size < 256:
             raise InputError(f"a byte-level tokenizer needs a vocabulary of at least 256 ids, got {vocab_size}")
         self.vocab_size = vocab_size
+        self.why = why  # why byte ids, for the run's account of its data (`describe`)
         self.bos_id: int | None = None
         self.eos_id: int | None = 256 if vocab_size > 256 else None
         self.pad_id: int = 257 if vocab_size > 257 else 0
@@ -130,9 +133,16 @@ def has_tokenizer(model_dir: str | Path | None) -> bool:
     return model_dir is not None and any((Path(model_dir) / m).is_file() for m in TOKENIZER_MARKERS)
 
 
+def byte_level(vocab_size: int) -> bool:
+    """A vocabulary with no more ids than `ByteTokenizer` uses (256 bytes and its two specials): its ids can
+    only be bytes, so a model of it without tokenizer files trains on byte ids unasked."""
+    return 256 <= vocab_size <= BYTE_VOCAB_IDS
+
+
 def load_tokenizer(model_dir: str | Path | None, *, vocab_size: int, byte_tokens: bool = True) -> Tokenizer:
     """The model directory's own tokenizer when it has tokenizer files; else `ByteTokenizer(vocab_size)`
-    if `byte_tokens`, else an InputError (a model without a tokenizer trains on byte ids only when asked).
+    if `byte_tokens` or the vocabulary is `byte_level`, else an InputError (a model of a larger vocabulary
+    without a tokenizer trains on byte ids only when asked).
     InputError when the tokenizer's ids do not fit the model's vocabulary."""
     if has_tokenizer(model_dir):
         assert model_dir is not None
@@ -141,8 +151,19 @@ def load_tokenizer(model_dir: str | Path | None, *, vocab_size: int, byte_tokens
             raise InputError(f"{model_dir}: the tokenizer has {len(tok):,} tokens, more than the model's vocabulary "
                              f"of {vocab_size:,}")
         return tok
+    if byte_level(vocab_size):
+        return ByteTokenizer(vocab_size, why=f"no tokenizer files, a byte-level vocabulary of {vocab_size} ids")
     if not byte_tokens:
         where = "the model" if model_dir is None else str(model_dir)
-        raise InputError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_MARKERS)}); give a model directory "
-                         "with its tokenizer, or --byte-tokens to train on UTF-8 byte ids")
-    return ByteTokenizer(vocab_size)
+        raise InputError(f"{where}: no tokenizer files ({', '.join(TOKENIZER_MARKERS)}) and a vocabulary of "
+                         f"{vocab_size:,} ids; give a model directory with its tokenizer, or --byte-tokens to train "
+                         "on UTF-8 byte ids")
+    return ByteTokenizer(vocab_size, why="--byte-tokens")
+
+
+def describe(tokenizer: Tokenizer) -> str:
+    """How the data was tokenised, in words: the model's tokenizer and its size, or byte ids and why."""
+    if isinstance(tokenizer, HFTokenizer):
+        return f"the tokenizer of {tokenizer.directory} ({len(tokenizer):,} tokens)"
+    why = getattr(tokenizer, "why", "")
+    return "UTF-8 byte ids" + (f" ({why})" if why else "")

@@ -189,7 +189,7 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
 @pytest.mark.parametrize(("argv", "match"), [
     (["--model", "/nonexistent/model"], "unknown model"),
     (["--data", "DATA_NOT_JSONL", "--byte-tokens"], "not a JSON object"),
-    (["--data", "DATA_NOT_JSONL"], "no tokenizer files .* --byte-tokens"),
+    (["--model", "qwen3-1.7b", "--data", "DATA_NOT_JSONL"], "no tokenizer files .* 151,936 ids.* --byte-tokens"),
     (["--policy", "POLICY_TOO_MANY_LAYERS"], "pack sizes sum to 7"),
     (["--backend", "cuda", "--gpus", "64"], "cuda|CUDA"),
     (["--gpus", "1000"], "too many CPU workers"),

@@ -113,7 +113,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.describe.thismachine import HOST_MARGIN_FRACTION
     from tinypipe.describe.trace import find_trace, load_profiles
     from tinypipe.policy.lora import lora_from_args
-    from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, search
+    from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, least_gpu_bytes, search
     from tinypipe.search.prefer import Prefer
     from tinypipe.sim.evaluate import SimEvaluator
 
@@ -130,8 +130,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     calibrated_hw, profiles = calibrated(args, user_profiles)
     hw = calibrated_hw or hw
     host_mem, host_note = host_limit(args.host_mem, hw)
-    if host_note:
-        print(host_note, file=sys.stderr)
     w = SearchTarget(model, hw, args.seq_len, args.batch_tokens // args.seq_len,
                      gpu_mem_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                      host_mem_bytes=host_mem,
@@ -146,6 +144,13 @@ def cmd_search(args: argparse.Namespace) -> int:
                         optimizer_state=states[0], lora=lora)
     if lora is not None:  # a frozen base has one host layout
         space = dataclasses.replace(space, host_memories=(HostMemory.COMPACT,))
+    floor = least_gpu_bytes(w, space) if args.gpu_mem else None
+    if floor is not None and floor[0] > w.gpu_limit:  # a --gpu-mem no candidate can fit: refused before the search
+        raise InputError(f"--gpu-mem {args.gpu_mem}: less than any candidate needs; a layer's backward holds at least "
+                         f"{table.gib(floor[0])} on a GPU (its weights, gradient, activations and workspace; "
+                         f"{model.name}, {describe(floor[1])}); give at least that")
+    if host_note:
+        print(host_note, file=sys.stderr)
     measured = sorted({t.microbatch_size for t in user_profiles
                        if find_trace([t], model, hw.gpus[0].model, t.microbatch_size, w.seq_len, w.dtype)})
     if user_profiles and not measured:

@@ -53,7 +53,8 @@ QUANT_BLOCK_ELEMS = 256
 # one-pass kernel (backends/fused_host_adamw.c) at 15 threads on a lent 16-core H100 machine, 64M parameters
 # (bench/host_optim_precision.py -> bench/results/host_optim_precision_device.json, 2026-12-05): fp32 5.07 G params/s
 # (at the host's memory bandwidth), bf16 6.23 (fewer bytes), 8bit 3.15 (its table look-ups make it compute-bound).
-# Per core the ratios differ (1 thread, the 2-core dev VM: bf16 1.26, 8bit 3.51; bench/results/host_optim_precision.json).
+# Per core the ratios differ (1 thread, the 2-core dev VM: bf16 1.26, 8bit 3.51;
+# bench/results/host_optim_precision.json).
 STATE_TIME_FACTOR: dict[OptimizerState, float] = {OptimizerState.FP32: 1.0,
                                                   OptimizerState.BF16: 0.81,
                                                   OptimizerState.INT8: 1.61}

@@ -29,7 +29,7 @@ from typing import Any
 from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import HOST
 from tinypipe.describe.thismachine import limit_for_peak
-from tinypipe.describe.trace import trace_for
+from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.estimate.gpumem import least_peak_bytes
 from tinypipe.estimate.hostmem import host_bytes, optimizer_steps_s
 from tinypipe.estimate.lora import frozen_host_bytes, trace_for_policy
@@ -119,9 +119,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     (`gpumem.least_peak_bytes`, the GPU-memory formula's floor under any packing).
     """
     hw, model = w.hardware, w.model
-    trace = trace_for(model, hw.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len, dtype=w.dtype,
-                      profiles=w.profiles, lora=lora_text(p.lora))
-    raw = trace
+    trace = raw = _trace(w, p)
     # a frozen base (LoRA): its measured or scaled times, no host step, one compute-dtype copy on the host
     trace = trace_for_policy(trace, model, p.lora)
     compute = 0.0
@@ -149,6 +147,20 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
         why = why or (f"GPU memory: a layer's backward holds at least {least:,} bytes (its weights, gradient, "
                       f"activations and workspace), limit {w.gpu_limit:,}")
     return max(compute, uploads, optim), why
+
+
+def _trace(w: SearchTarget, p: Policy) -> ProfileTrace:
+    """The trace `p`'s plan is made with (measured or analytic, for its microbatch size and adapters)."""
+    return trace_for(w.model, w.hardware.gpus[0], microbatch_size=p.microbatch_size, seq_len=w.seq_len,
+                     dtype=w.dtype, profiles=w.profiles, lora=lora_text(p.lora))
+
+
+def least_gpu_bytes(w: SearchTarget, space: SearchSpace) -> tuple[int, Policy] | None:
+    """The least GPU memory a stage-1 candidate of `space` needs (`gpumem.least_peak_bytes`, by which
+    `lower_bound` rejects one) and that candidate; None when there is none. Stage 2 refines only stage-1
+    candidates that were simulated, so with less GPU memory than this nothing can fit."""
+    floors = ((least_peak_bytes(base_plan(p, w.model, w.hardware, _trace(w, p))), p) for p in stage1(w, space))
+    return min(floors, key=lambda t: (t[0], t[1].dumps()), default=None)
 
 
 # ---- the search ------------------------------------------------------------------------------------
