@@ -27,10 +27,11 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -288,10 +289,7 @@ def sum_squares(grad: torch.Tensor, threads: int | None = None) -> float | None:
     threads = torch.get_num_threads() if threads is None else max(1, threads)
     calls = [partial(k.lib.tp_sum_squares, _ptr(grad), _GRAD_KIND[grad.dtype], s, e)
              for s, e in _parts(grad.numel(), threads)]
-    if threads <= 1 or len(calls) <= 1:
-        return float(sum(c() for c in calls))
-    pool = moments.pool(threads)
-    return float(sum(f.result() for f in [pool.submit(c) for c in calls]))
+    return float(sum(_side_by_side(calls, threads)))
 
 
 def memory_gbps(nbytes: int = 1 << 30, repeat: int = 3, threads: int | None = None) -> float | None:
@@ -304,14 +302,21 @@ def memory_gbps(nbytes: int = 1 << 30, repeat: int = 3, threads: int | None = No
     threads = torch.get_num_threads() if threads is None else max(1, threads)
     x = torch.zeros(nbytes // 4)
     calls = [partial(k.lib.tp_touch, _ptr(x), s, e, ctypes.c_float(0.0)) for s, e in _parts(x.numel(), threads)]
-    pool = moments.pool(threads)
     best = float("inf")
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
-        for f in [pool.submit(c) for c in calls]:
-            f.result()
+        _side_by_side(calls, threads)
         best = min(best, time.perf_counter() - t0)
     return 2 * x.numel() * 4 / best / 1e9
+
+
+def _side_by_side(calls: Sequence[Callable[[], Any]], threads: int) -> list[Any]:
+    """Each call's result, the calls run on `threads` threads of `moments.pool` (here, one after another, when
+    there is one thread or one call)."""
+    if threads <= 1 or len(calls) <= 1:
+        return [c() for c in calls]
+    pool = moments.pool(threads)
+    return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 @dataclass
@@ -334,7 +339,7 @@ def run(jobs: list[Job], *, state: OptimizerState, threads: int | None = None) -
         return False
     state = OptimizerState(state)
     threads = torch.get_num_threads() if threads is None else max(1, threads)
-    calls: list[Callable[[], None]] = []
+    calls: list[Callable[[], Any]] = []
     for j in jobs:
         for t in (j.hi, j.lo):
             if t.dtype != torch.int16 or not t.is_contiguous() or t.device.type != "cpu":
@@ -343,13 +348,7 @@ def run(jobs: list[Job], *, state: OptimizerState, threads: int | None = None) -
             calls += _fp32_calls(k, j.hi, j.lo, j.grad, j.held["exp_avg"], j.held["exp_avg_sq"], j.hp, threads)
         else:
             calls += _lowp_calls(k, j.hi, j.lo, j.grad, j.held, state, j.hp, threads)
-    if threads <= 1 or len(calls) <= 1:
-        for call in calls:
-            call()
-    else:
-        pool = moments.pool(threads)
-        for f in [pool.submit(call) for call in calls]:
-            f.result()
+    _side_by_side(calls, threads)
     if state.exact:
         for j in jobs:
             _fp32_tail(k, j.hi, j.lo, j.grad, j.held["exp_avg"], j.held["exp_avg_sq"], j.hp)

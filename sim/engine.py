@@ -195,13 +195,10 @@ class Engine:
                     yield timeout(dur)
             elif m == OPT:
                 c = cost[aid]
-                if isinstance(c, tuple):  # a flow over the host's DRAM (sim/durations.py)
+                flow = isinstance(c, tuple)  # a flow over the host's DRAM (sim/durations.py), else seconds
+                if flow or c > 0:
                     self._steps_running += 1
-                    yield net.copy(c[1], 0.0, c[2])
-                    self._steps_running -= 1
-                elif c > 0:
-                    self._steps_running += 1
-                    yield timeout(c)
+                    yield net.copy(c[1], 0.0, c[2]) if flow else timeout(c)
                     self._steps_running -= 1
             elif m == PHASED:
                 yield from self._phased_step(*cost[aid])
@@ -320,7 +317,7 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
         peaks, violation = memory.peaks(), memory.violation
         if schedule.optimizer.is_async and durations is None:
             slow = slow_host_memory(schedule, model, hardware, trace, capacity, static, on_capacity, lanes, issue,
-                                     timeline.end_s)
+                                    timeline.end_s)
             peaks = {d: max(b, slow.peaks().get(d, 0)) if d != HOST else b for d, b in peaks.items()}
             violation = violation or slow.violation
         wall_s = time.perf_counter() - wall0
@@ -331,9 +328,9 @@ def simulate(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: Pr
 
 
 def slow_host_memory(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace: ProfileTrace,
-                      capacity: dict[str, int], static: dict[str, int], on_capacity: str,
-                      lanes: Mapping[str, Sequence[int]] | None, issue: Mapping[int, tuple[float, float]] | None,
-                      makespan_s: float) -> Memory:
+                     capacity: dict[str, int], static: dict[str, int], on_capacity: str,
+                     lanes: Mapping[str, Sequence[int]] | None, issue: Mapping[int, tuple[float, float]] | None,
+                     makespan_s: float) -> Memory:
     """The ledgers of `schedule` run with every OPT_STEP slower than the whole run (`makespan_s`).
 
     Under the async optimizer the GPU runs on while the host steps: a layer's gradient stays on its GPU

@@ -193,8 +193,7 @@ def optimizer_s_per_param(host: Host, host_memory: HostMemory,
     STATE_TIME_FACTOR), else the fused AdamW rate slowed by the layout's factor. What `optimizer_step_s`
     falls back to."""
     state = OptimizerState(optimizer_state)
-    own = {OptimizerState.BF16: host.compact_bf16_params_per_s, OptimizerState.INT8: host.compact_8bit_params_per_s}
-    rate = own.get(state)
+    rate = _lowp_rate(host, state)
     if host_memory == HostMemory.COMPACT and rate is not None:  # `tinypipe profile` measured this state
         return 1.0 / rate
     measured = host.compact_params_per_s if host_memory == HostMemory.COMPACT else host.replicated_params_per_s
@@ -247,11 +246,16 @@ def state_time_factor(host: Host | None, optimizer_state: OptimizerState = Optim
     state = OptimizerState(optimizer_state)
     if state.exact:
         return 1.0
-    own = None if host is None else {OptimizerState.BF16: host.compact_bf16_params_per_s,
-                                     OptimizerState.INT8: host.compact_8bit_params_per_s}.get(state)
+    own = None if host is None else _lowp_rate(host, state)
     if own is not None and host is not None and host.compact_params_per_s is not None:
         return host.compact_params_per_s / own
     return STATE_TIME_FACTOR[state]
+
+
+def _lowp_rate(host: Host, state: OptimizerState) -> float | None:
+    """The compact step's rate with `state` moments as measured on `host` (None: fp32, or not measured)."""
+    return {OptimizerState.BF16: host.compact_bf16_params_per_s,
+            OptimizerState.INT8: host.compact_8bit_params_per_s}.get(state)
 
 
 def _measured(layer: LayerSpec, trace: ProfileTrace | None) -> OptimizerProfile | None:
