@@ -79,12 +79,12 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
              label: str = "") -> dict[str, Any]:
     """Run one case; the JSON record of what it measured and predicted."""
     import torch
-    from tinypipe.backends.launch import launch
-    from tinypipe.backends.prepare import make_run_plan
-    from tinypipe.backends.report import issue_shares
-    from tinypipe.backends.run_args import add_run_arguments
-    from tinypipe.backends.runtrace import save_trace, timeline
 
+    from tinypipe.backends.launch.prepare import make_run_plan
+    from tinypipe.backends.launch.run_report import issue_shares
+    from tinypipe.backends.launch.runtrace import save_trace, timeline
+    from tinypipe.backends.launch.spawn import launch
+    from tinypipe.backends.options.run_flags import add_run_arguments
     from tinypipe.estimate.floor import schedule_floor
 
     gpus, policy = CASES[name]

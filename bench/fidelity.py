@@ -15,7 +15,7 @@ of the run goes into its prediction. Each folder's own host optimizer steps are 
 own`; `eager`: the eager folder's for compiled rows too); the steps by phase are left out unless --phases
 (`tinypipe profile --optimizer-phases`).
 Writes one JSON object per configuration to --out and prints the table, with `steal`: the share of the
-host's CPU time the hypervisor took during the run (backends/cpustat.py); runs above 1% are listed, and
+host's CPU time the hypervisor took during the run (backends/rank/cpustat.py); runs above 1% are listed, and
 the errors given without them as well.
 """
 
@@ -32,8 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tinypipe.backends.cpustat import NOTABLE_STEAL
-
+from tinypipe.backends.rank.cpustat import NOTABLE_STEAL
 from tinypipe.common.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent

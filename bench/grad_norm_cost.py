@@ -16,7 +16,8 @@ import time
 
 import torch
 from _common import machine, write_json
-from tinypipe.backends.settings import rank_threads
+
+from tinypipe.backends.options.settings import rank_threads
 
 SIZES = (1 << 20, 1 << 22, 1 << 24)
 REPEAT = 7

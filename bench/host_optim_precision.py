@@ -4,7 +4,7 @@ torch's fused fp32 AdamW and, where it installs, DeepSpeed's CPU Adam; G params/
 For N parameters (one tensor; default 16M) and each thread count, the best of `--repeat` timed steps of:
 - `torch-fused`: torch.optim.AdamW(fused=True) on an fp32 tensor with an fp32 gradient (the peers' step; 28 B/param);
 - `native-fp32`, `native-bf16`, `native-8bit`: the compact planes stepped by the one-pass kernel
-  (backends/fused_host_adamw.py, what `tinypipe run` uses where it builds), bf16 gradient;
+  (backends/host/fused_host_adamw.py, what `tinypipe run` uses where it builds), bf16 gradient;
 - `torch-fp32`, `torch-bf16`, `torch-8bit`: the same steps with the chunked torch operators (planes.compact_adamw_step,
   moments.lowp_adamw_step: what runs where no C compiler is found);
 - `deepspeed-cpu-adam` (where `deepspeed` imports and builds its op) and, with `--torchao`, torchao's AdamW8bit on
@@ -35,7 +35,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after the installed tinypipe: `bench` only
 
-from tinypipe.backends import fused_host_adamw, moments, planes  # noqa: E402
+from tinypipe.backends.host import fused_host_adamw, moments, planes  # noqa: E402
 
 from bench._common import machine, write_json  # noqa: E402
 from bench.device.hostbw import copy_gbps, mem_gbps  # noqa: E402

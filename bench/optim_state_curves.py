@@ -33,9 +33,9 @@ RUNS = (("fp32", 0), ("bf16", 0), ("8bit", 0), ("fp32", 1), ("fp32", 2))
 
 def train(data: str | None, state: str, seed: int, steps: int) -> list[float]:
     """The per-step losses of one run through the pipeline (2 CPU workers, no checkpoints, nothing saved)."""
-    from tinypipe.backends.launch import launch
-    from tinypipe.backends.prepare import make_run_plan
-    from tinypipe.backends.run_args import add_run_arguments
+    from tinypipe.backends.launch.prepare import make_run_plan
+    from tinypipe.backends.launch.spawn import launch
+    from tinypipe.backends.options.run_flags import add_run_arguments
 
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)

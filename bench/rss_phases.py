@@ -37,11 +37,11 @@ def child(mode: str, config: str, state: str) -> dict[str, Any]:
     from types import SimpleNamespace
 
     import torch
-    from tinypipe.backends.hf import build_model
-    from tinypipe.backends.host_states import make_host_state
-    from tinypipe.backends.hoststate import AdamWConfig
-    from tinypipe.backends.rank_state import build_rank_state, rss_now, strip_parameters
 
+    from tinypipe.backends.host.layouts import make_host_state
+    from tinypipe.backends.host.state import AdamWConfig
+    from tinypipe.backends.model.hf import build_model
+    from tinypipe.backends.rank.rank_state import build_rank_state, rss_now, strip_parameters
     from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState
 
     torch.set_num_threads(1)

@@ -25,7 +25,7 @@ from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace
 from tinypipe.estimate.hostmem import optimizer_step_bytes, optimizer_step_phases_s, optimizer_steps_s
-from tinypipe.estimate.lora import adapter_step_s, trace_for_policy
+from tinypipe.estimate.lora_costs import adapter_step_s, trace_for_policy
 from tinypipe.ir.kinds import Cost, Direction
 from tinypipe.ir.order import layer_owner
 from tinypipe.ir.schedule import Schedule, resource_gpu
@@ -73,7 +73,7 @@ def action_costs(schedule: Schedule, model: ModelSpec, hardware: Hardware, trace
         raise InputError(f"trace was profiled at {trace.tokens_per_microbatch} tokens per microbatch but the "
                          f"schedule uses {schedule.tokens_per_microbatch}; use a trace for this microbatch size "
                          "(ProfileTrace.scaled_to scales one linearly)")
-    # a frozen base: a trace measured with the adapters as it is, a full one as LoRA changes it (estimate/lora.py)
+    # a frozen base: a trace measured with the adapters as it is, a full one as LoRA changes it (estimate/lora_costs.py)
     trace = trace_for_policy(trace, model, schedule.lora)
     cap = link_capacities(hardware)
     routes: dict[tuple[str, str], tuple[float, tuple[str, ...]]] = {}

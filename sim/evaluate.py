@@ -11,7 +11,7 @@ from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.policy import Policy
-from tinypipe.policy.lora import lora_text
+from tinypipe.policy.lora_spec import lora_text
 from tinypipe.search.policy_search import Evaluation
 
 

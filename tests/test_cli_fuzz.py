@@ -240,10 +240,11 @@ def check_command_line(args: list[str], places: dict[str, str], monkeypatch: pyt
     err, out = io.StringIO(), io.StringIO()
     with contextlib.ExitStack() as stack:
         if HAVE_TORCH:
-            stack.enter_context(mock.patch("tinypipe.backends.launch.start_processes", side_effect=WouldTrain))
-            stack.enter_context(mock.patch("tinypipe.backends.launch._run_here", side_effect=WouldTrain))
-            stack.enter_context(mock.patch("tinypipe.backends.run.addition_accuracy", return_value=0.0))
-            stack.enter_context(mock.patch("tinypipe.backends.prepare.cpu_hardware", side_effect=_fixed_cpu))
+            stack.enter_context(mock.patch("tinypipe.backends.launch.spawn.start_processes", side_effect=WouldTrain))
+            stack.enter_context(mock.patch("tinypipe.backends.launch.spawn._run_here", side_effect=WouldTrain))
+            stack.enter_context(mock.patch("tinypipe.backends.launch.run.addition_accuracy", return_value=0.0))
+            stack.enter_context(mock.patch("tinypipe.backends.launch.prepare.cpu_hardware",
+                                           side_effect=_fixed_cpu))
             stack.enter_context(mock.patch("tinypipe.backends.profile.command.LayerBench", side_effect=WouldTrain))
         stack.enter_context(contextlib.redirect_stderr(err))
         stack.enter_context(contextlib.redirect_stdout(out))

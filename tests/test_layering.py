@@ -59,7 +59,7 @@ def test_core_imports_and_inspects_without_torch_or_simpy() -> None:
     code = BLOCKER + """
 import tinypipe.describe.model, tinypipe.describe.hardware, tinypipe.describe.trace, tinypipe.ir.schedule
 import tinypipe.compiler, tinypipe.compiler.validate, tinypipe.policy
-import tinypipe.estimate.hostmem, tinypipe.cli.inspection, tinypipe.ir.timeline
+import tinypipe.estimate.hostmem, tinypipe.cli.inspect_tables, tinypipe.ir.timeline
 from tinypipe.cli import main
 assert main(['inspect', 'model', 'llama-3.1-8b']) == 0
 assert main(['inspect', 'hardware', 'h200x2']) == 0
@@ -188,3 +188,51 @@ def test_the_architecture_picture_is_the_code() -> None:
         assert all(re.search(rf"\b{n}\b", rows[i]) for n in names), (i, names, rows[i])
     missing = sorted(p.stem for p in _package_files() if p.stem not in ("__init__", "__main__") and p.stem not in text)
     assert missing == []
+
+
+# The backend's rooms from the bottom up (docs/architecture.md): a module imports its own room or one below.
+BACKEND_ROOMS = ("model", "host", "save", "data", "rank", "options", "profile", "launch")
+
+
+def _targets(path: Path) -> list[str]:
+    """Every module `path` imports, relative imports resolved, imports inside functions included."""
+    name = _module(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - max(0, node.level - 1)] if node.level else []
+            out.append(".".join(base + ([node.module] if node.module else [])) if node.level else node.module or "")
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return out
+
+
+def test_backend_rooms_import_down() -> None:
+    """backends/ is rooms only (no module at its top), each a package whose docstring's first line says what
+    it owns; every import between rooms goes to a lower room."""
+    rooms = sorted(p.name for p in (ROOT / "backends").iterdir() if (p / "__init__.py").is_file())
+    assert sorted(BACKEND_ROOMS) == rooms
+    assert sorted(p.name for p in (ROOT / "backends").glob("*.py")) == ["__init__.py"]
+    for room in rooms:
+        doc = ast.get_docstring(ast.parse((ROOT / "backends" / room / "__init__.py").read_text()))
+        assert doc and len(doc.splitlines()[0]) > 20, room
+    up = []
+    for room in BACKEND_ROOMS:
+        for path in sorted((ROOT / "backends" / room).rglob("*.py")):
+            for mod in _targets(path):
+                parts = mod.split(".")
+                if parts[:2] == ["tinypipe", "backends"] and len(parts) > 2 and parts[2] in BACKEND_ROOMS:
+                    if BACKEND_ROOMS.index(parts[2]) > BACKEND_ROOMS.index(room):
+                        up.append(f"{_module(path)} -> {mod}")
+    assert up == []
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """A module's file name names one module of the package: `lora.py` or `options.py` in two rooms would
+    make a reader ask which one a traceback or a doc means."""
+    seen: dict[str, list[str]] = {}
+    for p in _package_files():
+        if p.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}

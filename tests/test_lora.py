@@ -8,7 +8,7 @@ import pytest
 from tinypipe.sim import simulate
 
 from tinypipe.cli import main
-from tinypipe.cli.inspection import model_report
+from tinypipe.cli.inspect_tables import model_report
 from tinypipe.common.errors import InputError
 from tinypipe.compiler import compile_schedule
 from tinypipe.compiler.compile import make_plan
@@ -17,7 +17,7 @@ from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.trace import trace_for
 from tinypipe.estimate import gpumem
-from tinypipe.estimate.lora import (
+from tinypipe.estimate.lora_costs import (
     adapter_params,
     frozen_factors,
     frozen_host_bytes,
@@ -26,7 +26,7 @@ from tinypipe.estimate.lora import (
 )
 from tinypipe.ir.kinds import Kind
 from tinypipe.ir.schedule import Schedule
-from tinypipe.policy.lora import ROLES, LoraSpec, parse_targets
+from tinypipe.policy.lora_spec import ROLES, LoraSpec, parse_targets
 from tinypipe.policy.modes import OptimizerMode
 from tinypipe.policy.policy import PRESETS, Policy
 
@@ -157,7 +157,7 @@ def test_a_trace_measured_with_the_adapters_is_not_scaled_again() -> None:
     they are (every FWD / BWD at the trace's time, and the adapter steps), where a full-training trace is scaled for
     the frozen base; the same trace marked as measured with other adapters is refused."""
     from tinypipe.estimate.floor import schedule_floor
-    from tinypipe.estimate.lora import adapter_step_s
+    from tinypipe.estimate.lora_costs import adapter_step_s
     from tinypipe.ir.kinds import Cost, Direction
 
     m = load_model("llama-3.1-8b")

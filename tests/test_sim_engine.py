@@ -398,7 +398,7 @@ def test_replay_lanes_replace_the_resource_lists() -> None:
 def test_a_slow_host_issues_each_load_after_the_fwd_before_it() -> None:
     """`issue` (replay's hook: per action the loop's pass and the handler's time) starts a device action no
     earlier than its issue began, and the host issues one action at a time, lowest id first among the ready
-    list heads (backends/executor.py). With 500 us handlers for 300 us FWDs the compute head is always
+    list heads (backends/rank/executor.py). With 500 us handlers for 300 us FWDs the compute head is always
     ready, so LOAD L1 goes only after FWD L0 m1's issue (1150 us, after its 50 us pass from 600) and FWD L1
     m0 waits for it; without the loop LOAD L1 ran at 200 us and FWD L1 m0 followed FWD L0 m1 at once."""
     b = Builder()

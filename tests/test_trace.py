@@ -447,8 +447,8 @@ def test_a_lora_run_takes_a_trace_measured_with_its_adapters() -> None:
     """`profile --lora` traces carry their adapters: a LoRA policy with the same adapters takes one as it is
     (no scaling), a full-training trace otherwise (scaled for the frozen base); other adapters or a
     full-training policy refuse a LoRA trace."""
-    from tinypipe.estimate.lora import frozen_trace, trace_for_policy
-    from tinypipe.policy.lora import LoraSpec
+    from tinypipe.estimate.lora_costs import frozen_trace, trace_for_policy
+    from tinypipe.policy.lora_spec import LoraSpec
 
     lora = LoraSpec(rank=16, alpha=32.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
     full = load_trace("h200-llama-3.1-8b-mb4-seq2048-compiled")

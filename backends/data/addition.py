@@ -11,8 +11,8 @@ import torch
 
 from tinypipe.common.errors import InputError
 
-from ..hf import param_seed
-from ..layers import IGNORE_INDEX
+from ..model.hf import param_seed
+from ..model.layers import IGNORE_INDEX
 from .examples import Example, tokenize, window
 from .tokenizers import ByteTokenizer, Tokenizer
 

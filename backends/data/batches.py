@@ -14,7 +14,7 @@ import torch
 
 from tinypipe.common.errors import InputError
 
-from ..layers import IGNORE_INDEX
+from ..model.layers import IGNORE_INDEX
 from .addition import ADDITION, AdditionSequences, AdditionTask
 from .examples import PackedSequences, SequenceSource, pack_examples
 from .formats import read_data

@@ -17,8 +17,8 @@ import torch
 
 from tinypipe.common.errors import InputError
 
-from ..hf import param_seed
-from ..layers import IGNORE_INDEX
+from ..model.hf import param_seed
+from ..model.layers import IGNORE_INDEX
 from .formats import Example, read_examples
 from .tokenizers import Tokenizer
 

@@ -4,6 +4,6 @@
   handlers, timed and sized -> a `tinypipe.describe.trace.ProfileTrace` per microbatch size.
 - `rates`: host <-> device copy rates and their fixed cost, and the host optimizer's rate
   (fused AdamW, the compact planes step) -> `HostRates`, which can rewrite a hardware preset.
-- `options`: the CLI subcommand's options (no torch import); `command`: its main (checks, progress,
+- `profile_flags`: the CLI subcommand's options (no torch import); `command`: its main (checks, progress,
   the files written).
 """

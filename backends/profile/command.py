@@ -35,12 +35,12 @@ from tinypipe.common.progress import Progress
 from tinypipe.describe.hardware import Hardware, load_hardware, shipped_hardware
 from tinypipe.describe.looptimes import LoopTimes
 from tinypipe.describe.trace import ProfileTrace
-from tinypipe.policy.lora import LoraSpec, lora_from_args
+from tinypipe.policy.lora_spec import LoraSpec, lora_from_args
 from tinypipe.policy.modes import HostMemory
 
-from ..cpustat import NOTABLE_STEAL
-from ..hostwork import host_settings
-from ..settings import SEED_LIMIT, rank_threads
+from ..options.settings import SEED_LIMIT, rank_threads
+from ..rank.cpustat import NOTABLE_STEAL
+from ..rank.hostwork import host_settings
 from .devloop import DeviceLoop
 from .measure_layers import KindMeasurement, LayerBench, profile_trace
 from .measure_loop import describe as describe_loop
@@ -139,7 +139,7 @@ def profile_main(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from ..hf import load_source
+    from ..model.hf import load_source
 
     _check(args)
     lora = lora_from_args(args)

@@ -40,10 +40,10 @@ from tinypipe.describe.model import LayerKind
 from tinypipe.ir.schedule import Action, Kind, gpu_resource
 from tinypipe.policy.modes import HostMemory
 
-from ..executor import RunLog, run_actions
-from ..host_states import make_host_state
-from ..hoststate import AdamWConfig
-from ..interpreter import Interpreter, StepData
+from ..host.layouts import make_host_state
+from ..host.state import AdamWConfig
+from ..rank.executor import RunLog, run_actions
+from ..rank.interpreter import Interpreter, StepData
 from .measure_layers import STEP, LayerBench
 
 MICROBATCHES = 4  # FWD / BWD per LOAD + GRAD_OUT (module docstring)

@@ -45,16 +45,16 @@ from tinypipe.describe.model import LayerKind, ModelSpec, head_workspace_bytes, 
 from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.describe.trace import WORKSPACE_FRACTION, KindProfile, ProfileTrace
 from tinypipe.ir.schedule import Action, Kind, Schedule, gpu_resource
-from tinypipe.policy.lora import LoraSpec, lora_text
+from tinypipe.policy.lora_spec import LoraSpec, lora_text
 from tinypipe.policy.modes import HostMemory
 
-from ..compiled import LayerCaller
-from ..hf import build_model
-from ..host_frozen import frozen_host_state
-from ..host_states import make_host_state
-from ..hoststate import DTYPES, AdamWConfig, HostState
-from ..interpreter import Interpreter, StepData
-from ..worker import strip_parameters
+from ..host.frozen import frozen_host_state
+from ..host.layouts import make_host_state
+from ..host.state import DTYPES, AdamWConfig, HostState
+from ..model.compiled import LayerCaller
+from ..model.hf import build_model
+from ..rank.interpreter import Interpreter, StepData
+from ..rank.worker import strip_parameters
 
 STEP, MB = 0, 0  # every measured action belongs to step 0, microbatch 0
 

@@ -42,7 +42,7 @@ from tinypipe.ir.timeline import Record
 from tinypipe.policy import Policy
 from tinypipe.policy.modes import HostMemory
 
-from ..executor import RunLog
+from ..rank.executor import RunLog
 from .devloop import DeviceLoop
 from .measure_layers import LayerBench
 from .optim import Stepper

@@ -8,7 +8,7 @@ over: inside a run the same step ran at 1.55 G params/s (beside GPU dispatch, co
 executor's polling loop), and Qwen3-1.7B's smaller tensors stepped at 1.1-1.4 G params/s. So per
 layer kind (embedding, block, head: their real tensors) and per host memory layout:
 
-- the host state is the run's own (`host_states.make_host_state`: the layer's fp32 masters in the
+- the host state is the run's own (`layouts.make_host_state`: the layer's fp32 masters in the
   layout's slab, one gradient slot), and the step is `HostState.step`, what an
   OPT_STEP runs, on a `HostWorker` thread as in a run, at `threads` torch intra-op threads (the
   count a rank of `tinypipe run` gets). Before each step the worker delivers the gradients as
@@ -56,10 +56,10 @@ from tinypipe.describe.model import LayerKind
 from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.policy.modes import HostMemory
 
-from ..cpustat import NOTABLE_STEAL, Steal
-from ..host_states import make_host_state
-from ..hoststate import AdamWConfig, HostState
-from ..hostwork import HostWorker
+from ..host.layouts import make_host_state
+from ..host.state import AdamWConfig, HostState
+from ..rank.cpustat import NOTABLE_STEAL, Steal
+from ..rank.hostwork import HostWorker
 from .devloop import DeviceLoop
 from .measure_layers import LayerBench
 

@@ -47,9 +47,9 @@ from tinypipe.estimate.hostcal import FORMAT, with_rates
 from tinypipe.estimate.hostmem import optimizer_time_factor
 from tinypipe.policy.modes import HostMemory, OptimizerState
 
-from .. import fused_host_adamw
-from ..host_states import make_host_state
-from ..hoststate import DTYPES, AdamWConfig
+from ..host import fused_host_adamw
+from ..host.layouts import make_host_state
+from ..host.state import DTYPES, AdamWConfig
 
 COPY_BYTES = 256 * MIB  # large enough to reach the link's rate (>= 16 MiB on the H200 host)
 CPU_COPY_BYTES = 64 * MIB  # host memcpy: past the last-level cache, a fraction of a second on 2 cores

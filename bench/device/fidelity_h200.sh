@@ -17,7 +17,7 @@
 #    that matches (pq / pq-compiled / pl / pl-compiled) and its hardware.json (MORE_PROFILES: where a folder
 #    this run did not make is found), appended to $OUT/cuda_h200.jsonl with its trace. ENV: VAR=VALUE[,...]
 #    set for that run only (an A/B run, labelled -ab-...-VAR_VALUE, which bench/fidelity.py leaves out;
-#    backends/hostwork.py host_settings reads TINYPIPE_GIL_SWITCH_S and TINYPIPE_THREADS). A run that would
+#    backends/rank/hostwork.py host_settings reads TINYPIPE_GIL_SWITCH_S and TINYPIPE_THREADS). A run that would
 #    pass DEADLINE_S is skipped.
 # At the end $OUT holds log.txt, cuda_h200.jsonl, the profile folders and the runs' traces; then
 #   python bench/fidelity.py --records $OUT/cuda_h200.jsonl --profile $OUT

@@ -63,13 +63,12 @@ def part_optim(out: Path, dry: bool) -> None:
 def run_once(argv: list[str], trace: Path | None = None) -> dict[str, Any]:
     """One `tinypipe run` in this process's launcher: what it measured and predicted, each resource's busy seconds
     per steady step, the main thread's issue share and the host rates the plan took (`trace`: the Chrome trace)."""
-    from tinypipe.backends import fused_host_adamw
-    from tinypipe.backends.launch import launch
-    from tinypipe.backends.prepare import make_run_plan
-    from tinypipe.backends.report import issue_shares
-    from tinypipe.backends.run_args import add_run_arguments
-    from tinypipe.backends.runtrace import save_trace, timeline
-
+    from tinypipe.backends.host import fused_host_adamw
+    from tinypipe.backends.launch.prepare import make_run_plan
+    from tinypipe.backends.launch.run_report import issue_shares
+    from tinypipe.backends.launch.runtrace import save_trace, timeline
+    from tinypipe.backends.launch.spawn import launch
+    from tinypipe.backends.options.run_flags import add_run_arguments
     from tinypipe.ir.timeline import Timeline
 
     ap = argparse.ArgumentParser()
@@ -127,10 +126,9 @@ def part_runs(out: Path, dry: bool, runs: list[str] | None = None, model: str = 
 
 def part_checkpoint(out: Path, dry: bool) -> None:
     if dry:
-        from tinypipe.backends import frugal
-        from tinypipe.backends.prepare import make_run_plan
-        from tinypipe.backends.run_args import add_run_arguments
-
+        from tinypipe.backends.launch.prepare import make_run_plan
+        from tinypipe.backends.options import frugal
+        from tinypipe.backends.options.run_flags import add_run_arguments
         from tinypipe.common.errors import InputError
 
         ap = argparse.ArgumentParser()

@@ -53,7 +53,7 @@ def with_lora(layer: nn.Module, variant: str, rank: int, alpha: float) -> list[n
                 p.requires_grad_(True)
                 params.append(p)
         return params
-    from tinypipe.backends.lora_linear import LoraLinear
+    from tinypipe.backends.model.lora_linear import LoraLinear
 
     params = []
     for module in list(layer.modules()):

@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export OUT=${OUT:-$(pwd)/bench/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# a run that hangs prints every thread's Python stack (backends/worker.py) instead of dying silently
+# a run that hangs prints every thread's Python stack (backends/rank/worker.py) instead of dying silently
 export TINYPIPE_STACKS_AFTER_S=${TINYPIPE_STACKS_AFTER_S:-240}
 set +e
 python3 -c "import torch, tinypipe, simpy; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"

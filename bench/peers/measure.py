@@ -212,7 +212,7 @@ def host_memory() -> dict[str, Any]:
     allocator held (None where this torch keeps no such statistics)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:  # the one reader of PyTorch's pinned statistics; a peer's record must not hang on it
-        from tinypipe.backends.pinned import torch_pinned_peak_bytes
+        from tinypipe.backends.host.pinned import torch_pinned_peak_bytes
     except ImportError as exc:
         return {"peak_host_rss_bytes": rss, "pinned_host_bytes": None, "pinned_note": f"not read: {exc}"}
     pinned = torch_pinned_peak_bytes()

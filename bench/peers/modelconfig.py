@@ -67,8 +67,8 @@ def params_of(directory: Path) -> int:
 def adapter_params_of(directory: Path, lora: Lora) -> int:
     """Parameters of `lora`'s adapters on the model in `directory` (tinypipe's formula: r (in + out) per
     wrapped linear; its roles are peft's module names less `_proj`)."""
-    from tinypipe.estimate.lora import model_adapter_params
-    from tinypipe.policy.lora import LoraSpec
+    from tinypipe.estimate.lora_costs import model_adapter_params
+    from tinypipe.policy.lora_spec import LoraSpec
 
     targets = tuple(t.removesuffix("_proj") for t in LORA_TARGETS)
     return model_adapter_params(load_model(str(directory)), LoraSpec(rank=lora.rank, alpha=lora.alpha,

@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
                  if args.gpu_mem_gib is not None else "uncapped"},
             details={"search": search, "run_options": run_args})
 
-    from tinypipe.backends.launch import launch
-    from tinypipe.backends.prepare import make_run_plan
-    from tinypipe.backends.run_args import add_run_arguments
-    from tinypipe.backends.runtrace import timeline
+    from tinypipe.backends.launch.prepare import make_run_plan
+    from tinypipe.backends.launch.runtrace import timeline
+    from tinypipe.backends.launch.spawn import launch
+    from tinypipe.backends.options.run_flags import add_run_arguments
 
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     job = dataclasses.replace(plan.job, save_model=False)
     sim = plan.prediction
     if plan.policy.lora is not None:
-        from tinypipe.estimate.lora import model_adapter_params
+        from tinypipe.estimate.lora_costs import model_adapter_params
 
         rec.set(trainable_params=model_adapter_params(plan.spec, plan.policy.lora))
     rec.set(params=plan.spec.params, details={**rec.data["details"], "policy": plan.policy.to_json(),
@@ -104,7 +104,7 @@ def _policy(args: argparse.Namespace, work: Workload, backend: str, scratch: Pat
         if backend != "cuda":
             raise SystemExit("peer_tinypipe: --variant searched plans for a CUDA machine; on the CPU use mobius "
                              "or preset")
-        from tinypipe.backends.prepare import cuda_hardware
+        from tinypipe.backends.launch.prepare import cuda_hardware
 
         out = scratch / "searched.json"
         cmd = [sys.executable, "-m", "tinypipe.cli", "search",
@@ -152,7 +152,7 @@ def _run_args(args: argparse.Namespace, work: Workload, backend: str, policy: st
 
 def _lora_args(work: Workload) -> list[str]:
     """`tinypipe run`'s and `search`'s LoRA options for the workload's adapters (none without --lora)."""
-    from tinypipe.policy.lora import ROLES
+    from tinypipe.policy.lora_spec import ROLES
 
     if work.lora is None:
         return []

@@ -62,7 +62,7 @@ def one_thread() -> object:
 
 def parse_run(*argv: str, seq_len: int = 16) -> argparse.Namespace:
     """`tinypipe run`'s parsed options for a 2-step run of 4 sequences of `seq_len` tokens, plus `argv`."""
-    from tinypipe.backends.run_args import add_run_arguments
+    from tinypipe.backends.options.run_flags import add_run_arguments
 
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)

@@ -16,18 +16,18 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import TINY_QWEN3, parse_run  # noqa: E402
-from tinypipe.backends import checkpoint  # noqa: E402
-from tinypipe.backends.hf import build_model, hf_name_maps, load_source  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.lora import inject, peft_name  # noqa: E402
-from tinypipe.backends.lora_save import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_shapes, check_adapter  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
 
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.model.hf import build_model, hf_name_maps, load_source  # noqa: E402
+from tinypipe.backends.model.lora_adapters import inject, peft_name  # noqa: E402
+from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
+from tinypipe.backends.save import checkpoint  # noqa: E402
+from tinypipe.backends.save.lora_save import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_shapes, check_adapter  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
 from tinypipe.describe.hfconfig import load_model  # noqa: E402
-from tinypipe.policy.lora import LoraSpec  # noqa: E402
+from tinypipe.policy.lora_spec import LoraSpec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_workers")
 
@@ -37,7 +37,7 @@ LORA = LoraSpec(rank=4)
 @pytest.fixture
 def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any worker started here fails the test: every refusal comes before them."""
-    from tinypipe.backends import launch as launch_mod
+    from tinypipe.backends.launch import spawn as launch_mod
 
     for name in ("start_processes", "_run_here"):  # where launch() starts workers, or runs one in-process
         monkeypatch.setattr(launch_mod, name, lambda *a, **k: pytest.fail("a worker was started"))
@@ -126,8 +126,8 @@ def shapes_of(model: str, lora: LoraSpec = LORA) -> dict[str, tuple[int, ...]]:
 
 
 def test_adapter_shapes_are_the_injected_adapters_peft_names_and_shapes() -> None:
-    """`adapter_shapes` (from the model's description) names and sizes exactly the adapters `lora.inject` puts in
-    the blocks, under the keys `lora.peft_name` saves them by."""
+    """`adapter_shapes` (from the model's description) names and sizes exactly the adapters
+    `lora_adapters.inject` puts in the blocks, under the keys `lora_adapters.peft_name` saves them by."""
     stack = build_model("tiny-llama", seed=0)
     _, initial = inject(stack, LORA, list(range(len(stack.layers))), seed=0)
     injected = {peft_name(stack, i, n): tuple(t.shape) for i, own in initial.items() for n, t in own.items()}

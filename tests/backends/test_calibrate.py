@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware, parse_run  # noqa: E402
-from tinypipe.backends import calibrate as cal  # noqa: E402
-from tinypipe.backends import prepare as plan_mod  # noqa: E402
-from tinypipe.backends.calibrate import calibrate_run, calibration_lines  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 
+from tinypipe.backends.launch import calibrate as cal  # noqa: E402
+from tinypipe.backends.launch import prepare as plan_mod  # noqa: E402
+from tinypipe.backends.launch.calibrate import calibrate_run, calibration_lines  # noqa: E402
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.describe.hardware import load_hardware  # noqa: E402
 from tinypipe.estimate import hostcal  # noqa: E402
 from tinypipe.estimate.hostcal import FORMAT, cache_file, read_cached, write_cache  # noqa: E402
@@ -82,11 +82,11 @@ def test_measuring_now_on_the_cpu_gives_a_rates_file() -> None:
 
 def test_the_summary_says_what_steps_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """The run's summary names the host step's code: the one-pass kernel, or the torch operators and why."""
-    from tinypipe.backends import fused_host_adamw
+    from tinypipe.backends.host import fused_host_adamw
 
     plan = type("P", (), {"calibration": None})()
     monkeypatch.setattr(fused_host_adamw, "_STATE", {"why": "no C compiler (cc, gcc or $CC) on the PATH"})
     assert "torch operators" in calibration_lines(plan)[1] and "no C compiler" in calibration_lines(plan)[1]
     monkeypatch.setattr(fused_host_adamw, "_STATE", {})
     if fused_host_adamw.kernel() is not None:
-        assert calibration_lines(plan)[1].endswith("the one-pass kernel (backends/fused_host_adamw.c)")
+        assert calibration_lines(plan)[1].endswith("the one-pass kernel (backends/host/fused_host_adamw.c)")

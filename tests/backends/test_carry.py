@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import assert_same_training, compiled, job, reference  # noqa: E402
-from tinypipe.backends.host_compact import CompactHostState  # noqa: E402
-from tinypipe.backends.interpreter import Interpreter  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
 
+from tinypipe.backends.host.compact import CompactHostState  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.rank.interpreter import Interpreter  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

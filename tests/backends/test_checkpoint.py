@@ -15,9 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import compiled, job  # noqa: E402
-from tinypipe.backends import checkpoint, ckpt_format, frugal  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
 
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.options import frugal  # noqa: E402
+from tinypipe.backends.save import checkpoint, ckpt_format  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
 from tinypipe.describe.hfconfig import load_model  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
@@ -127,8 +128,8 @@ def test_a_lora_run_needs_disk_for_its_adapters_not_the_base() -> None:
     """Under LoRA a checkpoint is the adapters' fp32 weights and two moments per rank (plus its slack) and
     the output the fp32 adapter directory; `--merge` adds the merged model in the save dtype."""
     from tinypipe.estimate.hostmem import CHECKPOINT_SLACK_BYTES
-    from tinypipe.estimate.lora import model_adapter_params
-    from tinypipe.policy.lora import LoraSpec
+    from tinypipe.estimate.lora_costs import model_adapter_params
+    from tinypipe.policy.lora_spec import LoraSpec
 
     spec, lora = load_model("tiny-llama"), LoraSpec(rank=2)
     sched = compiled("tiny-llama", PRESETS["tinypipe"].replace(packing=(3, 3), mapping=(0, 1), lora=lora), 2)

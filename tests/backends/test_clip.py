@@ -15,14 +15,13 @@ torch = pytest.importorskip("torch")
 
 from conftest import TINY_QWEN3_TIED  # noqa: E402
 from test_interpreter import LLAMA, MBS, MBS_PER_STEP, OPTIM, SEQ, assert_same_training, compiled, job  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.hf import build_model  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.layers import IGNORE_INDEX  # noqa: E402
-from tinypipe.backends.reference import reference_train  # noqa: E402
-from tinypipe.sim import simulate  # noqa: E402
-
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.model.hf import build_model  # noqa: E402
+from tinypipe.backends.model.layers import IGNORE_INDEX  # noqa: E402
+from tinypipe.backends.rank.reference import reference_train  # noqa: E402
 from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.compiler.validate import validate  # noqa: E402
 from tinypipe.describe.hardware import load_hardware  # noqa: E402
@@ -31,6 +30,7 @@ from tinypipe.describe.trace import trace_for  # noqa: E402
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes  # noqa: E402
 from tinypipe.ir.schedule import Kind, Schedule  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
+from tinypipe.sim import simulate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_NORM = 0.5  # below the tiny model's gradient norms (~2-5): every step is clipped
@@ -172,7 +172,8 @@ def test_run_plans_clipping_on_the_default_compact_layout_and_a_tied_model(tmp_p
     planned, not refused: the schedule clips, and the predicted host peak is the rank's state with a
     gradient region per layer (no ring slots left for GRAD_OUTs to wait on)."""
     from conftest import parse_run
-    from tinypipe.backends.prepare import make_run_plan
+
+    from tinypipe.backends.launch.prepare import make_run_plan
 
     plan = make_run_plan(parse_run("--model", tied_config, "--gpus", "2", "--max-grad-norm", "1", "--out",
                                    str(tmp_path / "out")))

@@ -13,11 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import K, assert_same_training, compiled, job, reference  # noqa: E402
-from tinypipe.backends.compiled import LayerCaller  # noqa: E402
-from tinypipe.backends.hf import build_model  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.worker import strip_parameters  # noqa: E402
 
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.model.compiled import LayerCaller  # noqa: E402
+from tinypipe.backends.model.hf import build_model  # noqa: E402
+from tinypipe.backends.rank.worker import strip_parameters  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,7 +81,7 @@ def test_compiled_run_settles_the_heap_after_its_first_iteration(freeze: str, mo
 def test_which_runs_settle_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled runs on any backend and every CUDA run settle the heap; an eager CPU run does not; the
     knob turns it off for all."""
-    from tinypipe.backends.hostwork import settle_heap_enabled
+    from tinypipe.backends.rank.hostwork import settle_heap_enabled
 
     monkeypatch.delenv("TINYPIPE_GC_FREEZE", raising=False)
     assert settle_heap_enabled(True, "cpu") and settle_heap_enabled(True, "cuda")

@@ -1,4 +1,4 @@
-"""The host's stolen CPU time (`backends/cpustat.py`), from /proc/stat's first line."""
+"""The host's stolen CPU time (`backends/rank/cpustat.py`), from /proc/stat's first line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tinypipe.backends.cpustat import Steal, cpu_jiffies  # noqa: E402
+from tinypipe.backends.rank.cpustat import Steal, cpu_jiffies  # noqa: E402
 
 # user nice system idle iowait irq softirq steal guest guest_nice
 LINE = "cpu  {u} 0 {s} {i} 0 0 0 {st} 7 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n"

@@ -23,9 +23,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
 
 LOSS_BELOW, ACCURACY_AT_LEAST = 1.0, 5.0
 

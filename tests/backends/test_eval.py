@@ -11,14 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import LLAMA, MBS, MBS_PER_STEP, OPTIM, SEQ, assert_same_training, compiled, job  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.evaluation import eval_steps  # noqa: E402
-from tinypipe.backends.hf import build_model  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.reference import reference_train  # noqa: E402
-from tinypipe.backends.worker import step_data  # noqa: E402
-
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.model.hf import build_model  # noqa: E402
+from tinypipe.backends.rank.evaluation import eval_steps  # noqa: E402
+from tinypipe.backends.rank.reference import reference_train  # noqa: E402
+from tinypipe.backends.rank.worker import step_data  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,10 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import compiled, job  # noqa: E402
-from tinypipe.backends.hostwork import GIL_SWITCH_S, HostWorker, gc_pauses, host_settings  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.streams import CpuStreams, make_streams  # noqa: E402
 
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.rank.hostwork import GIL_SWITCH_S, HostWorker, gc_pauses, host_settings  # noqa: E402
+from tinypipe.backends.rank.streams import CpuStreams, make_streams  # noqa: E402
 from tinypipe.ir.schedule import Kind  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
 
@@ -44,7 +44,7 @@ def test_recvs_are_posted_in_schedule_order_relative_to_the_ranks_compute() -> N
 
 def test_optimizer_steps_run_on_the_host_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """OPT_STEP handlers run on a thread other than the one issuing the rank's actions."""
-    from tinypipe.backends.interpreter import Interpreter
+    from tinypipe.backends.rank.interpreter import Interpreter
 
     seen: dict[str, set[str]] = {"opt": set(), "other": set()}
     original = Interpreter.dispatch

@@ -18,9 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_run import CONSTANT, LR, MBS, SEQ, parse, policy_file, reference  # noqa: E402
-from tinypipe.backends.launch import launch  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.spawn import launch  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,8 +58,9 @@ def test_kill_9_of_a_rank_stops_the_run_and_resume_is_bit_identical(tmp_path: Pa
     naming the rank, the signal and the resume command; `tinypipe run --resume --out DIR` alone
     (model, policy, steps, lr and the rest come from the checkpoint's record) continues from the
     last checkpoint and saves weights bit-identical to an uninterrupted run."""
-    from tinypipe.backends.hf import build_model
     from transformers import AutoModelForCausalLM
+
+    from tinypipe.backends.model.hf import build_model
 
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[2, 1, 2], mapping=[0, 1, 0])
@@ -100,7 +101,7 @@ def test_kill_9_of_a_rank_stops_the_run_and_resume_is_bit_identical(tmp_path: Pa
 TEARDOWN_PROBE = textwrap.dedent("""
     import pickle, sys, tempfile
     from pathlib import Path
-    from tinypipe.backends.rankprocess import lingering_group_threads, process_main
+    from tinypipe.backends.launch.rankprocess import lingering_group_threads, process_main
     job = pickle.loads(Path(sys.argv[1]).read_bytes())
     assert "transformers" not in sys.modules  # as in a freshly spawned worker
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,15 +41,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.launch import launch  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
-from tinypipe.backends.runtrace import timeline  # noqa: E402
-from tinypipe.sim import simulate  # noqa: E402
-
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.runtrace import timeline  # noqa: E402
+from tinypipe.backends.launch.spawn import launch  # noqa: E402
+from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.describe.trace import analytic_trace  # noqa: E402
+from tinypipe.sim import simulate  # noqa: E402
 
 STEPS = 12  # 3 windows of 4 compiled iterations; the steady time is the median after the first
 TIME_BAND = (0.7, 3.0)  # measured / predicted steady iteration time (module docstring)

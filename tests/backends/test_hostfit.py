@@ -12,11 +12,11 @@ import pytest
 pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware, parse_run  # noqa: E402
-from tinypipe.backends import launch as launch_mod  # noqa: E402
-from tinypipe.backends import prepare as plan_mod  # noqa: E402
-from tinypipe.backends.hostfit import check_host_fits  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
 
+from tinypipe.backends.launch import prepare as plan_mod  # noqa: E402
+from tinypipe.backends.launch import spawn as launch_mod  # noqa: E402
+from tinypipe.backends.launch.hostfit import check_host_fits  # noqa: E402
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.cli import main  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
 from tinypipe.describe import thismachine  # noqa: E402

@@ -9,13 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.host_compact import join_planes_on  # noqa: E402
-from tinypipe.backends.host_states import make_host_state  # noqa: E402
-from tinypipe.backends.hoststate import AdamWConfig  # noqa: E402
-from tinypipe.backends.pinned import ALIGN_BYTES, plan  # noqa: E402
-from tinypipe.backends.planes import split  # noqa: E402
-from tinypipe.backends.reference import layer_adamw  # noqa: E402
-
+from tinypipe.backends.host.compact import join_planes_on  # noqa: E402
+from tinypipe.backends.host.layouts import make_host_state  # noqa: E402
+from tinypipe.backends.host.pinned import ALIGN_BYTES, plan  # noqa: E402
+from tinypipe.backends.host.planes import split  # noqa: E402
+from tinypipe.backends.host.state import AdamWConfig  # noqa: E402
+from tinypipe.backends.host.torch_adamw import layer_adamw  # noqa: E402
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,7 +122,7 @@ def test_compact_ring_grows_beyond_its_slots_and_says_so() -> None:
 def test_state_dict_round_trip_continues_exactly(tmp_path: Path, state: str) -> None:
     """Saving and loading the state in a fresh HostState continues with identical steps, for every
     precision of the moments (the quantised ones as held: codes and absmax)."""
-    from tinypipe.backends import checkpoint, ckpt_format
+    from tinypipe.backends.save import checkpoint, ckpt_format
 
     a = make_host_state(_clone(_params()), host_memory="compact", compute_dtype=torch.float32, optim=CFG,
                         optimizer_state=state)
@@ -145,7 +144,7 @@ def test_state_dict_round_trip_continues_exactly(tmp_path: Path, state: str) -> 
 
 @pytest.fixture(scope="module")
 def tiny_llama() -> Any:
-    from tinypipe.backends.hf import build_model
+    from tinypipe.backends.model.hf import build_model
 
     return build_model("tiny-llama", seed=0)
 
@@ -173,7 +172,7 @@ def test_bytes_held_match_hostmem_formulas(tiny_llama: Any, layout: str, layers:
     assert held.grad_bytes == want.grad_bytes
     assert held.optim_state_bytes == want.optim_state_bytes + 4 * tensors
     biggest = max(t.numel() for i in layers for t in state[i].values())
-    from tinypipe.backends.planes import DEFAULT_CHUNK_ELEMS, workspace_elems
+    from tinypipe.backends.host.planes import DEFAULT_CHUNK_ELEMS, workspace_elems
 
     work = 4 * workspace_elems(min(DEFAULT_CHUNK_ELEMS, biggest))
     assert held.scratch_bytes == (work if layout == "compact" else 0)

@@ -1,6 +1,6 @@
 """The per-rank interpreter: dispatch table, executed order, and training equal to the reference.
 
-Ranks run as threads of the test process (`launch.run_threads`, in-process transfers), so the
+Ranks run as threads of the test process (`spawn.run_threads`, in-process transfers), so the
 matrix of policies stays fast; tests/backends/test_run.py runs real processes over gloo.
 """
 
@@ -14,23 +14,23 @@ torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
 from handmade import build  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.executor import run_actions  # noqa: E402
-from tinypipe.backends.host_states import make_host_state  # noqa: E402
-from tinypipe.backends.hoststate import AdamWConfig  # noqa: E402
-from tinypipe.backends.interpreter import ExecutionError, Interpreter, UnknownKindError  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.reference import reference_train  # noqa: E402
-from tinypipe.backends.worker import Job  # noqa: E402
-from tinypipe.sim import simulate  # noqa: E402
-
+from tinypipe.backends.host.layouts import make_host_state  # noqa: E402
+from tinypipe.backends.host.state import AdamWConfig  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.rank.executor import run_actions  # noqa: E402
+from tinypipe.backends.rank.interpreter import ExecutionError, Interpreter, UnknownKindError  # noqa: E402
+from tinypipe.backends.rank.reference import reference_train  # noqa: E402
+from tinypipe.backends.rank.worker import Job  # noqa: E402
 from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.describe.hfconfig import load_model  # noqa: E402
 from tinypipe.describe.trace import analytic_trace  # noqa: E402
 from tinypipe.ir.schedule import HOST_OPTIM, Action, Kind, Schedule, owned_layers, rank_actions, resource_gpu  # noqa: E402  # noqa: E402
 from tinypipe.ir.timeline import Timeline  # noqa: E402
 from tinypipe.policy import PRESETS, Policy  # noqa: E402
+from tinypipe.sim import simulate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

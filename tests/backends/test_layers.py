@@ -12,9 +12,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import torch.nn.functional as F  # noqa: E402
-from tinypipe.backends.hf import UnsupportedModelError, WeightReader, build_model  # noqa: E402
-from tinypipe.backends.hf_save import save_pretrained, shard_name, to_hf_state_dict  # noqa: E402
-from tinypipe.backends.layers import IGNORE_INDEX, Block, Embed, Head, LayerStack, attention_mask  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch import dtype as TorchDtype  # noqa: E402
 from torch.nn import Module  # noqa: E402
@@ -22,6 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import tinypipe.describe.model  # noqa: E402
+from tinypipe.backends.model.hf import UnsupportedModelError, WeightReader, build_model  # noqa: E402
+from tinypipe.backends.model.layers import IGNORE_INDEX, Block, Embed, Head, LayerStack, attention_mask  # noqa: E402
+from tinypipe.backends.save.hf_save import save_pretrained, shard_name, to_hf_state_dict  # noqa: E402
 from tinypipe.describe.model import head_chunk_tokens  # noqa: E402
 
 TINY = {  # small configs of each family; Mistral's window (8) is shorter than the test sequences (16)

@@ -20,9 +20,8 @@ torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
 from test_interpreter import MBS, SEQ, K, compiled, job  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.sim import simulate  # noqa: E402
 
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
 from tinypipe.describe.hfconfig import load_model  # noqa: E402
 from tinypipe.describe.trace import analytic_trace  # noqa: E402
 from tinypipe.ir.schedule import (  # noqa: E402
@@ -32,7 +31,8 @@ from tinypipe.ir.schedule import (  # noqa: E402
     resource_gpu,
 )
 from tinypipe.policy import PRESETS  # noqa: E402
-from tinypipe.policy.lora import LoraSpec  # noqa: E402
+from tinypipe.policy.lora_spec import LoraSpec  # noqa: E402
+from tinypipe.sim import simulate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,7 +96,7 @@ def test_async_gpu_peak_holds_on_a_slow_host(layout: str, monkeypatch: pytest.Mo
     (what was predicted before) but not above the predicted GPU peak (`engine.slow_host_memory`)."""
     import time
 
-    from tinypipe.backends import hostwork
+    from tinypipe.backends.rank import hostwork
 
     submit = hostwork.HostWorker.submit
 

@@ -15,21 +15,22 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 from conftest import TINY_QWEN3  # noqa: E402
-from tinypipe.backends import checkpoint, frugal  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.hf import build_model  # noqa: E402
-from tinypipe.backends.hf_save import to_hf_state_dict  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.layers import IGNORE_INDEX  # noqa: E402
-from tinypipe.backends.lora import initial_value, peft_config  # noqa: E402
-from tinypipe.backends.lora_save import ADAPTER_WEIGHTS  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
-
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.model.hf import build_model  # noqa: E402
+from tinypipe.backends.model.layers import IGNORE_INDEX  # noqa: E402
+from tinypipe.backends.model.lora_adapters import initial_value, peft_config  # noqa: E402
+from tinypipe.backends.options import frugal  # noqa: E402
+from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
+from tinypipe.backends.save import checkpoint  # noqa: E402
+from tinypipe.backends.save.hf_save import to_hf_state_dict  # noqa: E402
+from tinypipe.backends.save.lora_save import ADAPTER_WEIGHTS  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
 from tinypipe.estimate.hostmem import CHECKPOINT_SLACK_BYTES  # noqa: E402
-from tinypipe.policy.lora import LoraSpec  # noqa: E402
+from tinypipe.policy.lora_spec import LoraSpec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -249,7 +250,7 @@ def test_held_out_loss_is_a_plain_forward_of_the_adapters_and_leaves_training_al
     equals peft's forward of the base with the adapters saved at that step, on the same held-out windows (one
     example each, --no-packing), and the run's losses and adapters equal those of the same run without
     evaluation, bit for bit (the evaluation's backward leaves no gradient in the adapters)."""
-    from tinypipe.backends.evaluation import eval_steps
+    from tinypipe.backends.rank.evaluation import eval_steps
 
     model = config(tmp_path)
     train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"

@@ -21,14 +21,14 @@ torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
 from test_interpreter import MBS, MBS_PER_STEP, SEQ, K, job  # noqa: E402
-from tinypipe.backends import hostwork  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.sim import simulate  # noqa: E402
-from tinypipe.sim.guard import simulate_policy  # noqa: E402
 
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.rank import hostwork  # noqa: E402
 from tinypipe.describe.hfconfig import config_path, load_model  # noqa: E402
 from tinypipe.describe.trace import analytic_trace  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
+from tinypipe.sim import simulate  # noqa: E402
+from tinypipe.sim.guard import simulate_policy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,12 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import MBS, MBS_PER_STEP, OPTIM, SEQ, assert_same_training, compiled, job  # noqa: E402
-from tinypipe.backends import moments, planes  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.reference import reference_train  # noqa: E402
-
+from tinypipe.backends.host import moments, planes  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.rank.reference import reference_train  # noqa: E402
 from tinypipe.estimate.hostmem import QUANT_BLOCK_ELEMS, moment_bytes  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
 from tinypipe.policy.modes import OptimizerState  # noqa: E402
@@ -225,7 +225,7 @@ def test_pipeline_training_with_low_precision_moments_equals_the_reference(model
                                                                            tied_config: str) -> None:
     """Five steps through the compiled schedule (windows of 3 + 2; several packs per device; the tied
     Qwen3's head with its embedding) with bf16 or 8-bit moments give the losses and final weights of
-    plain single-process training with the same optimizer (`reference.LowPrecisionAdamW`): losses to
+    plain single-process training with the same optimizer (`torch_adamw.LowPrecisionAdamW`): losses to
     1e-6 relative and weights to 1e-5 / 1e-6, the tolerance of the fp32 tests (on the CPU both are
     bit-identical in practice: the same gradients meet the same chunked arithmetic)."""
     tied = model == "tied"

@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_interpreter import LLAMA, OPTIM, SEQ, assert_same_training, compiled, job  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.optim_rules import (  # noqa: E402
+from tinypipe.backends.host.optim_rules import (  # noqa: E402
     NOT_OF_THE_STEP,
     SCHEDULES,
     LRSchedule,
@@ -24,8 +24,8 @@ from tinypipe.backends.optim_rules import (  # noqa: E402
     schedule_params,
     warmup_steps,
 )
-from tinypipe.backends.reference import reference_train  # noqa: E402
-
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.rank.reference import reference_train  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
 
@@ -125,7 +125,8 @@ def test_the_command_line_takes_the_names_and_json_parameters(tmp_path: Path) ->
     """`run --lr-schedule NAME --lr-schedule-kwargs JSON` settles to the name and the parsed object (what a
     checkpoint records); an unknown name or JSON that is not an object is refused before anything loads."""
     from conftest import parse_run
-    from tinypipe.backends.settings import record, settle
+
+    from tinypipe.backends.options.settings import record, settle
 
     out = str(tmp_path / "out")
     opts = settle(parse_run("--lr-schedule", "cosine_with_min_lr", "--lr-schedule-kwargs", '{"min_lr_rate": 0.1}',

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends import parking  # noqa: E402
-from tinypipe.backends.parking import ParkingLot  # noqa: E402
+from tinypipe.backends.rank import parking  # noqa: E402
+from tinypipe.backends.rank.parking import ParkingLot  # noqa: E402
 
 
 def test_buffers_are_reused_after_give_back_and_grown_in_slabs(monkeypatch: pytest.MonkeyPatch) -> None:

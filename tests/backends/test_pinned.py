@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.pinned import (  # noqa: E402
+from tinypipe.backends.host.pinned import (  # noqa: E402
     ALIGN_BYTES,
     Block,
     PinnedSlab,

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.planes import (  # noqa: E402
+from tinypipe.backends.host.planes import (  # noqa: E402
     MOVES,
     compact_adamw_step,
     hi_as_bf16,
@@ -16,7 +16,7 @@ from tinypipe.backends.planes import (  # noqa: E402
     unfused_compact_adamw_step,
     workspace_elems,
 )
-from tinypipe.backends.reference import layer_adamw  # noqa: E402
+from tinypipe.backends.host.torch_adamw import layer_adamw  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors, many small operators: one thread
 

@@ -18,17 +18,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware  # noqa: E402
-from tinypipe.backends.interpreter import Interpreter, StepData  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
+
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
+from tinypipe.backends.options.settings import rank_threads  # noqa: E402
 from tinypipe.backends.profile import rates as rates_module  # noqa: E402
 from tinypipe.backends.profile.command import trace_file  # noqa: E402
 from tinypipe.backends.profile.measure_layers import STEP, LayerBench  # noqa: E402
 from tinypipe.backends.profile.rates import measure_rates  # noqa: E402
-from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
-from tinypipe.backends.settings import rank_threads  # noqa: E402
-from tinypipe.sim import simulate  # noqa: E402
-from tinypipe.sim.evaluate import SimEvaluator  # noqa: E402
-
+from tinypipe.backends.rank.interpreter import Interpreter, StepData  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.compiler import compile_schedule  # noqa: E402
 from tinypipe.describe.hardware import load_hardware  # noqa: E402
@@ -37,6 +35,8 @@ from tinypipe.describe.model import head_workspace_bytes, head_workspace_fixed_b
 from tinypipe.describe.trace import FORMAT, load_profiles, load_trace  # noqa: E402
 from tinypipe.ir.schedule import Kind  # noqa: E402
 from tinypipe.policy import load_policy  # noqa: E402
+from tinypipe.sim import simulate  # noqa: E402
+from tinypipe.sim.evaluate import SimEvaluator  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,6 @@ from tinypipe.backends.profile.devloop import DeviceLoop, cycle_actions  # noqa:
 from tinypipe.backends.profile.measure_layers import LayerBench  # noqa: E402
 from tinypipe.backends.profile.measure_loop import LOOP_BUDGET_S, MIN_WINDOWS, time_loop, windows_for  # noqa: E402
 from tinypipe.backends.profile.optim import MIN_STEPS, OPT_BUDGET_S, steps_for, time_steps  # noqa: E402
-
 from tinypipe.policy.modes import HostMemory  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -218,9 +217,8 @@ def test_time_loop_takes_every_fwd_and_bwd_of_its_windows(bench: LayerBench) -> 
 def test_issue_times_are_each_actions_issue_span() -> None:
     """Literal: a FWD's / BWD's issue time is its `RunLog.issue` span (end - start), by record id, per kind and
     condition; LoopSamples keeps their medians."""
-    from tinypipe.backends.executor import RunLog
     from tinypipe.backends.profile.measure_loop import LoopSamples, issue_fields
-
+    from tinypipe.backends.rank.executor import RunLog
     from tinypipe.ir.timeline import Record
 
     def rec(i: int, kind: str) -> Record:
@@ -242,9 +240,8 @@ def test_issue_gaps_follow_a_fwd_or_bwd_on_the_same_stream() -> None:
     """Literal: each FWD / BWD's start minus the end of the record before it on its stream (by start), when
     that one is a FWD or BWD; 0 when they overlap; a FWD after a LOAD-bound EVICT, and other streams'
     records, are not counted."""
-    from tinypipe.backends.executor import RunLog
     from tinypipe.backends.profile.measure_loop import issue_gaps
-
+    from tinypipe.backends.rank.executor import RunLog
     from tinypipe.ir.schedule import Kind
     from tinypipe.ir.timeline import Record
 

@@ -11,9 +11,9 @@ pytest.importorskip("transformers")
 
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.hf import build_model  # noqa: E402
-from tinypipe.backends.layers import IGNORE_INDEX  # noqa: E402
-from tinypipe.backends.reference import reference_train  # noqa: E402
+from tinypipe.backends.model.hf import build_model  # noqa: E402
+from tinypipe.backends.model.layers import IGNORE_INDEX  # noqa: E402
+from tinypipe.backends.rank.reference import reference_train  # noqa: E402
 
 OPT = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 

@@ -14,18 +14,18 @@ import pytest
 pytest.importorskip("torch")
 
 from conftest import fixed_cpu_hardware, parse_run  # noqa: E402
-from tinypipe.backends import checkpoint  # noqa: E402
-from tinypipe.backends import prepare as plan_mod  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.rss_guard import (  # noqa: E402
+
+from tinypipe.backends.launch import prepare as plan_mod  # noqa: E402
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.rank.rss_guard import (  # noqa: E402
     FLOOR_ENV,
     SAMPLE_ENV,
     GuardSettings,
     RssGuard,
     default_floor_bytes,
 )
-
+from tinypipe.backends.save import checkpoint  # noqa: E402
 from tinypipe.cli import main  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
 from tinypipe.describe.thismachine import HostMemoryHere, host_available_now, host_total_here  # noqa: E402

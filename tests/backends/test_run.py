@@ -17,15 +17,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import TINY_QWEN3, TINY_QWEN3_TIED, fixed_cpu_hardware  # noqa: E402
-from tinypipe.backends import checkpoint  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.launch import WorkerError, launch  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.reference import reference_train  # noqa: E402
-from tinypipe.backends.report import profile_hint, sparkline  # noqa: E402
-from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
-
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.run_report import profile_hint, sparkline  # noqa: E402
+from tinypipe.backends.launch.spawn import WorkerError, launch  # noqa: E402
+from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
+from tinypipe.backends.rank.reference import reference_train  # noqa: E402
+from tinypipe.backends.save import checkpoint  # noqa: E402
 from tinypipe.cli import build_parser  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
@@ -101,7 +101,7 @@ def test_run_trains_two_processes_saves_and_traces(tmp_path: Path, capfd: pytest
     assert len(load_run_trace(trace).records) == len(actions)  # replay reads the actions only
     ref = reference("tiny-llama", 5)
     model = AutoModelForCausalLM.from_pretrained(str(out))
-    from tinypipe.backends.hf import build_model
+    from tinypipe.backends.model.hf import build_model
 
     names = build_model("tiny-llama", seed=0, only=set()).names
     saved = dict(model.named_parameters())
@@ -115,8 +115,9 @@ def test_run_trains_a_tied_model_and_saves_it_tied(tmp_path: Path, tied_config: 
     """`tinypipe run --gpus 2` on a tied model (mapping chosen by the policy: the head joins the
     embedding's GPU) saves a model that `from_pretrained` loads tied, with exactly the reference's
     trained weights."""
-    from tinypipe.backends.hf import build_model
     from transformers import AutoModelForCausalLM
+
+    from tinypipe.backends.model.hf import build_model
 
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[1, 2, 1, 1], mapping="round-robin")
@@ -233,7 +234,7 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
 def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Each mistake is an InputError raised by the planning step; nothing is spawned."""
-    from tinypipe.backends import launch as launch_mod
+    from tinypipe.backends.launch import spawn as launch_mod
 
     for name in ("start_processes", "_run_here"):  # where launch() starts workers, or runs one in-process
         monkeypatch.setattr(launch_mod, name, lambda *a, **k: pytest.fail("a worker was started"))
@@ -275,8 +276,8 @@ def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: s
 
 def _broken_models(tmp: Path) -> dict[str, str]:
     """Model directories whose weights (two shards and an index, saved from tiny-llama) are broken one way each."""
-    from tinypipe.backends.hf import build_model
-    from tinypipe.backends.hf_save import save_pretrained
+    from tinypipe.backends.model.hf import build_model
+    from tinypipe.backends.save.hf_save import save_pretrained
 
     base = tmp / "saved"
     stack = build_model("tiny-llama", seed=0)
@@ -312,7 +313,7 @@ def _broken_models(tmp: Path) -> dict[str, str]:
 def _corrupt_checkpoint(out: Path) -> str:
     """A run directory whose checkpoint (this module's default settings on 2 ranks, step 1) has a truncated
     rank1.safetensors: written by a real 1-step run, then cut."""
-    from tinypipe.backends.launch import run_threads
+    from tinypipe.backends.launch.spawn import run_threads
 
     plan = make_run_plan(parse("--gpus", "2", "--steps", "2", "--out", str(out)))
     run_threads(dataclasses.replace(plan.job, stop_after=1, progress=False, save_model=False,
@@ -325,7 +326,7 @@ def _corrupt_checkpoint(out: Path) -> str:
 def test_resume_continues_the_recorded_run(tmp_path: Path) -> None:
     """`--resume --out DIR` alone takes every setting from the checkpoint's record, the target steps
     included; a new run's defaults checkpoint every 10 minutes of training."""
-    from tinypipe.backends.settings import RECORDED, record, settle
+    from tinypipe.backends.options.settings import RECORDED, record, settle
 
     first = settle(parse("--steps", "3000", "--model", "tiny-qwen3", "--gpus", "3", "--seed", "7",
                          "--checkpoint-every", "50", "--out", str(tmp_path / "new")))
@@ -342,7 +343,7 @@ def test_a_tied_model_runs_on_every_gpu_under_the_defaults(tmp_path: Path, tied_
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The default policy would put a tied model's head pack, and so every pack, on GPU 0: the
     default job spreads the layers over more packs dealt round-robin, and says so."""
-    import tinypipe.backends.prepare as plan_mod
+    import tinypipe.backends.launch.prepare as plan_mod
 
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: fixed_cpu_hardware(workers))
     plan = make_run_plan(parse("--gpus", "2", "--model", tied_config, "--out", str(tmp_path / "out")))
@@ -356,7 +357,7 @@ def test_checkpoints_by_time_keep_the_last_two(tmp_path: Path) -> None:
     """With time-based checkpoints every window is due when the interval is tiny (steps 4 and 6 of
     a 6-step run, 4 iterations a window): with two kept (--keep-checkpoints 2), both, newest in
     checkpoint/. A long interval leaves only the checkpoint at the end."""
-    from tinypipe.backends.launch import run_threads
+    from tinypipe.backends.launch.spawn import run_threads
 
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
     plan = make_run_plan(parse("--gpus", "2", "--policy", pol, "--steps", "6", "--out", str(tmp_path / "plan")))
@@ -374,8 +375,7 @@ def test_issue_lines_give_each_ranks_share_of_a_steady_step() -> None:
     """Literal: per rank, its main thread's issue spans in the iterations after the first over those
     iterations' time; at 80% or more the line says the GPU likely waits (and suggests --compile when the
     blocks are eager); a run of one iteration has no steady step and no line."""
-    from tinypipe.backends.report import _issue_lines, issue_shares
-
+    from tinypipe.backends.launch.run_report import _issue_lines, issue_shares
     from tinypipe.ir.timeline import Record, Timeline
 
     recs = tuple(Record(i, "g0.compute", "FWD", "F", 1, 0, i // 2, float(i), i + 1.0) for i in range(6))
@@ -394,7 +394,7 @@ def test_issue_lines_give_each_ranks_share_of_a_steady_step() -> None:
 def test_a_run_that_lost_host_cpu_to_the_hypervisor_says_so() -> None:
     """Literal: above 1% of the host's CPU time stolen on any rank, one line with the largest share;
     at or below it, or unknown, none."""
-    from tinypipe.backends.report import _steal_lines
+    from tinypipe.backends.launch.run_report import _steal_lines
 
     def ranks(*shares: float | None) -> list[argparse.Namespace]:
         return [argparse.Namespace(host_steal_share=x) for x in shares]
@@ -482,7 +482,7 @@ def test_cuda_two_gpus_train_like_the_reference(tmp_path: Path, layout: str, opt
 def test_a_policy_that_does_not_fit_host_memory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulator's ledgers at the devices' capacities decide whether the policy fits: a model
     whose host state exceeds the host's memory is an InputError naming the device, before any worker."""
-    import tinypipe.backends.prepare as plan_mod
+    import tinypipe.backends.launch.prepare as plan_mod
 
     small = fixed_cpu_hardware(2)
     small = dataclasses.replace(small, host=dataclasses.replace(small.host, memory_bytes=1 << 20))

@@ -1,6 +1,6 @@
 """What a run writes while it trains: metrics.jsonl (every step, the reference's loss, lr and gradient norm),
 Hugging Face directories every N steps and at a stop, in the dtype asked for, and the model of a run
-resumed at the step it reached. Ranks run as threads (`launch.run_threads`)."""
+resumed at the step it reached. Ranks run as threads (`spawn.run_threads`)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_run import LR, MB, MBS, SEQ, policy_file  # noqa: E402
-from tinypipe.backends import checkpoint  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.reference import reference_train  # noqa: E402
-from tinypipe.backends.run_args import add_run_arguments  # noqa: E402
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
+from tinypipe.backends.rank.reference import reference_train  # noqa: E402
+from tinypipe.backends.save import checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,7 +131,8 @@ def test_a_resumed_runs_tensorboard_shows_each_step_once(tmp_path: Path) -> None
     as the resumed run wrote them (the first run's are purged), as metrics.jsonl keeps one line per step."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tinypipe.backends.metrics import StepLog
+
+    from tinypipe.backends.rank.metrics import StepLog
 
     for start, loss in ((0, 1.0), (2, 2.0)):
         log = StepLog(str(tmp_path), steps=4, start=start, tokens_per_step=8, ranks=1, lr_at=lambda k: 0.1,

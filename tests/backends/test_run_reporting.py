@@ -16,18 +16,18 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_run import MB, MBS, SEQ, parse, policy_file  # noqa: E402
-from tinypipe.backends import metrics  # noqa: E402
+
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.formats import read_data  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer, describe, load_tokenizer  # noqa: E402
-from tinypipe.backends.evaluation import EVAL_SPAN  # noqa: E402
-from tinypipe.backends.launch import run_threads  # noqa: E402
-from tinypipe.backends.metrics import StepLog, eta_s, evals_after  # noqa: E402
-from tinypipe.backends.prepare import make_run_plan  # noqa: E402
-from tinypipe.backends.report import summary  # noqa: E402
-from tinypipe.backends.runtrace import timeline  # noqa: E402
-from tinypipe.backends.steady import common, iteration_times, merged, steady_iteration  # noqa: E402
-
+from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from tinypipe.backends.launch.run_report import summary  # noqa: E402
+from tinypipe.backends.launch.runtrace import timeline  # noqa: E402
+from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
+from tinypipe.backends.launch.steady import common, iteration_times, merged, steady_iteration  # noqa: E402
+from tinypipe.backends.rank import metrics  # noqa: E402
+from tinypipe.backends.rank.evaluation import EVAL_SPAN  # noqa: E402
+from tinypipe.backends.rank.metrics import StepLog, eta_s, evals_after  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
 from tinypipe.ir.timeline import Record, Timeline  # noqa: E402
 
@@ -54,8 +54,8 @@ def test_the_readme_capitals_command_runs_as_written(tmp_path: Path, monkeypatch
     vocabulary), prints the README's header and data lines word for word, and saves runs/capitals, which trains
     further as the README says (its tokenizer: byte ids again). The ranks run as threads here
     (test_run.py starts real worker processes)."""
-    from tinypipe.backends import launch as launch_mod
-    from tinypipe.backends import run as run_mod
+    from tinypipe.backends.launch import run as run_mod
+    from tinypipe.backends.launch import spawn as launch_mod
 
     command, lines, data, shown = readme_capitals()
     monkeypatch.chdir(tmp_path)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from tinypipe.common.errors import InputError, TinypipeError
 from tinypipe.common.progress import CLEAR
-from tinypipe.policy.lora import add_lora_arguments
+from tinypipe.policy.lora_spec import add_lora_arguments
 
 from .inspect import cmd_inspect
 from .simulate import cmd_search, cmd_simulate
@@ -143,13 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                                         "durations; where measurement, replay and prediction diverge"))
 
     pr = sub.add_parser("profile", help="measure per-layer traces and host rates on this device (PyTorch)")
-    from tinypipe.backends.profile.options import add_profile_arguments  # no torch import: always there
+    from tinypipe.backends.profile.profile_flags import add_profile_arguments  # no torch import: always there
 
     add_profile_arguments(pr)
 
     run = sub.add_parser("run", help="train through the compiled schedule (PyTorch)")
     try:
-        from tinypipe.backends.run_args import add_run_arguments
+        from tinypipe.backends.options.run_flags import add_run_arguments
     except ImportError as exc:  # torch missing: the subcommand explains itself when used
         run.add_argument("rest", nargs=argparse.REMAINDER)
         run.set_defaults(_run_missing=str(exc))
@@ -191,7 +191,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     if getattr(args, "_run_missing", None):
         raise InputError(f"`tinypipe run` needs the torch extra: pip install 'tinypipe[torch]' ({args._run_missing})")
-    from tinypipe.backends.run import run_main
+    from tinypipe.backends.launch.run import run_main
 
     status: int = run_main(args)
     return status

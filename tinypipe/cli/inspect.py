@@ -17,10 +17,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from tinypipe.common import table
 
     if args.what == "model":
-        from tinypipe.cli.inspection import model_report
+        from tinypipe.cli.inspect_tables import model_report
         from tinypipe.describe.hardware import load_hardware, shipped_hardware
         from tinypipe.describe.hfconfig import load_model, shipped_models
-        from tinypipe.policy.lora import lora_from_args
+        from tinypipe.policy.lora_spec import lora_from_args
 
         positive("--seq-len", args.seq_len)  # checked even when only the names are listed: never ignored
         positive("--microbatch-size", args.microbatch_size)
@@ -77,7 +77,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.what == "coverage":
         return cmd_inspect_coverage(args)
     if args.what == "hardware":
-        from tinypipe.cli.inspection import hardware_report
+        from tinypipe.cli.inspect_tables import hardware_report
         from tinypipe.describe.hardware import HOST, load_hardware, shipped_hardware
 
         if args.name is not None and not args.name.strip():

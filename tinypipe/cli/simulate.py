@@ -112,7 +112,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.thismachine import HOST_MARGIN_FRACTION
     from tinypipe.describe.trace import find_trace, load_profiles
-    from tinypipe.policy.lora import lora_from_args
+    from tinypipe.policy.lora_spec import lora_from_args
     from tinypipe.search.policy_search import SearchSpace, SearchTarget, describe, least_gpu_bytes, search
     from tinypipe.search.prefer import Prefer
     from tinypipe.sim.evaluate import SimEvaluator

@@ -46,7 +46,7 @@ def workload(args: argparse.Namespace, policy_name: str, profiles: Any, hw: Any 
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import trace_for
     from tinypipe.policy import load_policy
-    from tinypipe.policy.lora import lora_from_args, lora_text
+    from tinypipe.policy.lora_spec import lora_from_args, lora_text
 
     for flag in ("seq_len", "iterations", "microbatches", "microbatch_size"):
         v = getattr(args, flag, None)

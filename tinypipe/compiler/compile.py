@@ -25,7 +25,7 @@ from tinypipe.ir.schedule import Action, Schedule
 from tinypipe.partition.resolve import residency, resolve
 from tinypipe.policy.policy import Policy
 
-# Iterations `tinypipe run` compiles and executes per window (backends/worker.py; fewer when the run has
+# Iterations `tinypipe run` compiles and executes per window (backends/rank/worker.py; fewer when the run has
 # fewer steps, or `window_steps` cuts every window shorter): overlap between iterations is kept inside a
 # window, and the window repeats.
 WINDOW_ITERATIONS = 4

@@ -14,7 +14,7 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     sync: the first LOAD of L in iteration i waits for OPT_STEP L of i-1. async (staleness 1):
     on the one of i-2; OPT_STEP L of i-1 runs as soon as its gradient has landed, and the uploads
     of iteration i that come after it read the previous version from a snapshot the host state
-    takes first (backends/hoststate.py; one bf16 copy of the model at most, counted in
+    takes first (backends/host/state.py; one bf16 copy of the model at most, counted in
     `hostmem.host_bytes`), so all uploads of one iteration read one weight version and no
     gradient waits on the host for the next iteration. Tied embeddings: OPT_STEP of layer 0
     also waits for GRAD_OUT of the head (its gradient share) and, under async, for the head's

@@ -20,7 +20,7 @@ LABEL_BYTES = 8  # token labels are int64 (the loss keeps the microbatch's on th
 NORM_STAT_BYTES = DTYPE_BYTES["fp32"]  # a norm's per-token statistic (reciprocal RMS, mean) is fp32
 
 # The LM head and its loss run over chunks of tokens whose fp32 logits take at most this many bytes
-# (`head_chunk_tokens`; backends/layers.py computes them so), and no [tokens, vocab] tensor of the
+# (`head_chunk_tokens`; backends/model/layers.py computes them so), and no [tokens, vocab] tensor of the
 # whole microbatch exists: unchunked, 4 x 2048 tokens of Llama-3's 128,256-token vocabulary held
 # 11 GiB (a 3.9 GiB fp32 copy of the logits, then log-probs and their gradients). 256 MiB makes
 # 523-token chunks for that vocabulary, whose transient (HEAD_CHUNK_BYTES_PER_LOGIT per logit) is
@@ -77,7 +77,7 @@ class LayerSpec:
     saved_act_bytes_per_token: int  # what autograd keeps for backward without recompute
     boundary_bytes_per_token: int  # the activation handed to the next layer (also what recompute keeps)
     # a block's linears a LoRA may wrap: (roles it plays, in features, out features); a fused q/k/v
-    # projection (GPT-2, GPT-NeoX) plays `q+k+v` (`tinypipe.policy.lora.ROLES`)
+    # projection (GPT-2, GPT-NeoX) plays `q+k+v` (`tinypipe.policy.lora_spec.ROLES`)
     linears: tuple[tuple[str, int, int], ...] = ()
 
     def fwd_flops_per_token(self, seq_len: int) -> float:
@@ -166,7 +166,7 @@ def _block_saved_act_bytes_per_token(s: Shape) -> int:
 
 
 def _head_saved_act_bytes_per_token(hidden: int, *, layer_norm: bool) -> int:
-    """Bytes autograd keeps per token for the head's backward (no recompute), as backends/layers.py's
+    """Bytes autograd keeps per token for the head's backward (no recompute), as backends/model/layers.py's
     chunked head computes it, with h = hidden:
 
           RMSNORM_SAVED_BYTES x h + 4     the final RMSNorm's: its input in fp32, the normalised input
@@ -192,7 +192,7 @@ def head_chunk_tokens(vocab_size: int) -> int:
 
 def head_workspace_bytes(model: ModelSpec, tokens: int) -> int:
     """Transient bytes of the head over a microbatch of `tokens` tokens, on top of what it saves
-    (`_head_saved_act_bytes_per_token`), as backends/layers.py's chunked head computes it: the larger
+    (`_head_saved_act_bytes_per_token`), as backends/model/layers.py's chunked head computes it: the larger
     of its backward's two phases (the forward's peak, one chunk, is below both). With h = hidden,
     v = vocabulary, T = tokens and c = min(T, head_chunk_tokens(v)):
 

@@ -40,7 +40,7 @@ CGROUP_USAGE = {"memory.max": ("memory.current", "inactive_file"),
 # RSS, 6.7% above its prediction; another day the kernel's OOM killer ended the same run (issue 35). A plan at
 # the edge takes 92% of the limit and may run 8.7% above its prediction before it reaches the limit. No fixed
 # part: the measured gap is one ratio, and a fixed part would refuse every small run under a small --host-mem;
-# the workers' RSS guard (backends/rss_guard.py) stops a run cleanly where a prediction misses by more.
+# the workers' RSS guard (backends/rank/rss_guard.py) stops a run cleanly where a prediction misses by more.
 HOST_MARGIN_FRACTION = 0.08
 
 

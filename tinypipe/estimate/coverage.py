@@ -6,7 +6,7 @@ of the compact layout with that moment precision, bf16 compute, sync optimizer: 
 and one GPU holds a layer's backward (`gpumem.least_peak_bytes`, for one sequence of `seq_len` tokens). Both
 are floors: the search then simulates candidates (activations, a ring per GPU) and may find none fits. With
 LoRA (`LORA`: r 16 on all seven linears) the host holds one compute-dtype copy of the base
-(`lora.frozen_host_bytes`) and the GPU a frozen layer's backward beside its adapters. A peer fits when its
+(`lora_costs.frozen_host_bytes`) and the GPU a frozen layer's backward beside its adapters. A peer fits when its
 host bytes per parameter times the parameters fit the host; both peers stream layers, so
 their GPU need is left aside (it favours them).
 
@@ -30,9 +30,9 @@ from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import analytic_trace
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.hostmem import host_bytes
-from tinypipe.estimate.lora import frozen_host_bytes
+from tinypipe.estimate.lora_costs import frozen_host_bytes
 from tinypipe.estimate.plan import base_plan
-from tinypipe.policy.lora import ROLES, LoraSpec
+from tinypipe.policy.lora_spec import ROLES, LoraSpec
 from tinypipe.policy.modes import ActivationHome, HostMemory, OptimizerMode, OptimizerState
 from tinypipe.policy.policy import PRESETS
 

@@ -16,7 +16,7 @@ from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import KindProfile, ProfileTrace
 from tinypipe.estimate.hostmem import optimizer_steps_s
-from tinypipe.estimate.lora import adapter_step_s, trace_for_policy
+from tinypipe.estimate.lora_costs import adapter_step_s, trace_for_policy
 from tinypipe.ir.kinds import Cost, Direction
 from tinypipe.ir.order import layer_owner
 from tinypipe.ir.schedule import Schedule, resource_gpu
@@ -60,7 +60,7 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
     owner = layer_owner(schedule)
     opt_s = optimizer_steps_s(model, schedule.host_memory, hardware.host, trace, optimizer=schedule.optimizer,
                               least=True, optimizer_state=schedule.optimizer_state)
-    # a frozen base: a trace measured with the adapters as it is, a full one as LoRA changes it (estimate/lora.py)
+    # a frozen base: a trace measured with the adapters as it is, a full one as LoRA changes it (estimate/lora_costs.py)
     trace = trace_for_policy(trace, model, schedule.lora)
     profiles: dict[int, KindProfile] = {}
     for a in schedule.actions:

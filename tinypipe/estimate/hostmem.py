@@ -33,7 +33,7 @@ from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState
 # CPU optimizer cost per parameter relative to torch's fused AdamW on an fp32 master, measured side
 # by side for 64M parameters on the 32-core 2xH200 host, 32 threads, median of 7:
 # - compact: join the planes -> fused AdamW -> split, in 4M-element chunks so each chunk's fp32
-#   master stays in cache (backends/planes.py): 1.56x and 1.82x in two runs; the mean is used.
+#   master stays in cache (backends/host/planes.py): 1.56x and 1.82x in two runs; the mean is used.
 #   (Unfused whole-tensor join/step/split: 2.35x there, 3.4x at 2 threads.)
 # - replicated: the step plus the fp32 -> bf16 cast that refreshes the pinned upload copy: 1 + 0.31.
 # A profile's measured steps replace these where it has them (`optimizer_step_s`); docs/performance.md.
@@ -45,12 +45,12 @@ DEFAULT_GRAD_RING_SLOTS = 4
 # 8-bit moments: elements per quantisation block, each with its own fp32 absmax. Dettmers et al. 2021
 # (arXiv:2110.02861) use 2048; torchao's 8-bit AdamW uses 256 (torchao/optim/subclass_8bit.py). Smaller
 # blocks isolate outliers better for 8 B per 256 elements (0.03 B/param); 256 is also a multiple of the
-# chunked step's 64-element alignment (backends/planes.py).
+# chunked step's 64-element alignment (backends/host/planes.py).
 QUANT_BLOCK_ELEMS = 256
 
 # The compact step's time with low-precision moments over its time with fp32 ones, where no rate of this host was
 # measured for them (a run's calibration and `tinypipe profile` measure each; `state_time_factor` takes those): the
-# one-pass kernel (backends/fused_host_adamw.c) at 15 threads on a lent 16-core H100 machine, 64M parameters
+# one-pass kernel (backends/host/fused_host_adamw.c) at 15 threads on a lent 16-core H100 machine, 64M parameters
 # (bench/host_optim_precision.py -> bench/results/host_optim_precision_device.json, 2026-12-05): fp32 5.07 G params/s
 # (at the host's memory bandwidth), bf16 6.23 (fewer bytes), 8bit 3.15 (its table look-ups make it compute-bound).
 # Per core the ratios differ (1 thread, the 2-core dev VM: bf16 1.26, 8bit 3.51;
@@ -72,7 +72,7 @@ def moment_bytes(params: int, state: OptimizerState = OptimizerState.FP32) -> in
 
 def step_bytes_per_param(state: OptimizerState = OptimizerState.FP32, grad_bytes: int = 2) -> float:
     """Bytes of DRAM one compact AdamW step moves per parameter when it reads and writes each once (what the
-    one-pass kernel, backends/fused_host_adamw.c, does): the two planes read and written (4 + 4), the gradient
+    one-pass kernel, backends/host/fused_host_adamw.c, does): the two planes read and written (4 + 4), the gradient
     read (`grad_bytes`: 2 as bf16 leaves the GPU), the moments read and written (2 x `moment_bytes`). fp32 26,
     bf16 18, 8bit 14.06. Its floor on a host is these bytes over the host's copy bandwidth (read + write)."""
     return 8 + grad_bytes + 2 * moment_bytes(1 << 20, state) / (1 << 20)
@@ -159,7 +159,7 @@ def compact_grad_elems(layer_params: list[int], grad_ring_slots: int = DEFAULT_G
     """Elements of the compact layout's host gradients for layers of `layer_params` parameters: a ring of
     `grad_ring_slots` slots of the largest layer (slots hold gradients as the GPU made them, in the compute
     dtype), or with `grad_clip` one region per layer, since the global norm needs them all before any step
-    (backends/host_compact.py allocates exactly this)."""
+    (backends/host/compact.py allocates exactly this)."""
     if not layer_params:
         return 0
     return sum(layer_params) if grad_clip else max(grad_ring_slots, 1) * max(layer_params)

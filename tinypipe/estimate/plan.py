@@ -12,11 +12,11 @@ from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import Hardware
 from tinypipe.describe.model import DTYPE_BYTES, ModelSpec
 from tinypipe.describe.trace import ProfileTrace
-from tinypipe.estimate import lora as lora_
+from tinypipe.estimate import lora_costs as lora_
 from tinypipe.estimate.calibration import CostModel
 from tinypipe.estimate.hostmem import DEFAULT_GRAD_RING_SLOTS, host_bytes, optimizer_steps_s
 from tinypipe.ir.schedule import recomputes
-from tinypipe.policy.lora import LoraSpec
+from tinypipe.policy.lora_spec import LoraSpec
 from tinypipe.policy.modes import (
     ActivationHome,
     HostMemory,
@@ -86,7 +86,7 @@ class Plan:
     # buffers, and torch converts a GPU -> host copy across dtypes on the GPU first: twice the bytes in
     # bf16 (on an H200, a Qwen3-1.7B block's GRAD_OUT took 4.65 ms replicated, 2.0 ms compact)
     grad_out_bytes: tuple[int, ...] = ()
-    # LoRA on a frozen base (`estimate/lora.py`): no base gradient (gr.L{l} is 0 bytes, no GRAD_OUT, no host
+    # LoRA on a frozen base (`estimate/lora_costs.py`): no base gradient (gr.L{l} is 0 bytes, no GRAD_OUT, no host
     # OPT_STEP); each layer's adapters and their AdamW state stay on its GPU (`gpu_state_bytes`), and
     # `master_bytes` / `opt_s` are their fp32 weights and their step on that GPU
     lora: LoraSpec | None = None

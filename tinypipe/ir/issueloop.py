@@ -1,6 +1,6 @@
 """The executor's issue loop as data: what a rank's main thread waits for before it issues an action.
 
-One host thread per rank issues all its actions (backends/executor.py; `tinypipe.ir.schedule.rank_actions`):
+One host thread per rank issues all its actions (backends/rank/executor.py; `tinypipe.ir.schedule.rank_actions`):
 it takes the lowest-id action among its resources' list heads that is ready, issues it (an eager layer's
 kernels are launched while its handler runs) and loops; with nothing ready it sleeps IDLE_SLEEP_S. An
 action is ready when

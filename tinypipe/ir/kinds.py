@@ -63,7 +63,8 @@ class Cost(str, Enum):
     DOWNLOAD = "download"  # a copy of `nbytes` GPU -> host
     PEER = "peer"  # one half of a GPU -> GPU copy; the pair moves the SEND's `nbytes` once both are ready
     OPTIMIZER = "optimizer"  # the layer's parameters at the host optimizer's rate
-    DEVICE_OPTIMIZER = "device_optimizer"  # a fused AdamW over `nbytes` / 4 parameters on the GPU (estimate/lora.py)
+    # a fused AdamW over `nbytes` / 4 parameters on the GPU (estimate/lora_costs.py)
+    DEVICE_OPTIMIZER = "device_optimizer"
     FREE = "free"  # takes no time
 
 

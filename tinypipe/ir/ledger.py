@@ -1,7 +1,7 @@
 """The memory ledger: bytes in use per device under a schedule's memory effects, and their peaks.
 
 One type for the simulator (`sim/memory.py`, which adds capacities and times) and the real backend
-(`backends/executor.py`, which applies the effects as it issues and finishes actions): each device
+(`backends/rank/executor.py`, which applies the effects as it issues and finishes actions): each device
 starts at its static bytes (`Schedule.static_bytes`), an action's `allocs` apply when it starts and
 its `frees` when it ends (docs/schedule-contract.md), and the peak per device is kept. So the same
 effects applied in the same order give the same peaks wherever they are applied.

@@ -8,7 +8,7 @@ and both end when it ends. So the halves do not wait for each other's end (that 
 a half's copy waits for is its own predecessors and its other half's (`predecessors(..., partner=)`).
 
 Lanes (`run_lanes`): the queues a run executes a schedule's actions on. Each resource is one, except
-`host.optim`: every rank has an optimizer thread of its own (backends/hostwork.py), which runs the
+`host.optim`: every rank has an optimizer thread of its own (backends/rank/hostwork.py), which runs the
 OPT_STEPs of the layers the rank owns in list order, so the steps of different ranks overlap.
 
 Pairs: between two GPUs, the k-th SEND (SEND_F or SEND_B) from the sender to the receiver matches the

@@ -42,7 +42,7 @@ from tinypipe.ir.kinds import GPU_STREAMS as GPU_STREAMS
 from tinypipe.ir.kinds import HOST_OPTIM as HOST_OPTIM
 from tinypipe.ir.kinds import KIND_STREAM as KIND_STREAM
 from tinypipe.ir.kinds import Kind as Kind
-from tinypipe.policy.lora import LoraSpec
+from tinypipe.policy.lora_spec import LoraSpec
 from tinypipe.policy.modes import HostMemory, OptimizerMode, OptimizerState, coerce_modes
 
 

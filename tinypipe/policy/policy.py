@@ -11,7 +11,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from tinypipe.common.errors import InputError
 from tinypipe.common.jsonio import Fields, load_json
-from tinypipe.policy.lora import LoraSpec
+from tinypipe.policy.lora_spec import LoraSpec
 from tinypipe.policy.modes import (
     MAPPERS,
     PACKERS,

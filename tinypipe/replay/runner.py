@@ -26,7 +26,7 @@ from tinypipe.ir.order import pair_halves
 from tinypipe.ir.schedule import Schedule
 from tinypipe.ir.timeline import Record, Timeline, issue_s_per_iteration
 from tinypipe.policy import Policy, load_policy
-from tinypipe.policy.lora import lora_text
+from tinypipe.policy.lora_spec import lora_text
 from tinypipe.replay.report import ReplayReport, critical_gaps, kind_rows, resource_rows
 from tinypipe.replay.trace_match import (
     RunTrace,
@@ -125,7 +125,7 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
         policy = policy.replace(microbatches=args.batch_tokens // per_mb)
     elif args.microbatches:
         policy = policy.replace(microbatches=args.microbatches)
-    # `tinypipe run`'s compute dtype: recorded, else its default (backends/prepare.py: bf16 on cuda, fp32 on cpu)
+    # `tinypipe run`'s compute dtype: recorded, else its default (backends/launch/prepare.py: bf16 on cuda, fp32 on cpu)
     dtype = str(run.get("dtype") or ("fp32" if trace.source == "cpu" else "bf16"))
     if isinstance(run.get("profile"), dict):  # the trace the run was planned with (`run --profile`, or shipped)
         profile = ProfileTrace.from_json(run["profile"], where=f"{where}: otherData.run.profile")

@@ -9,7 +9,7 @@ something the executor does; where the prediction (the simulator with its own co
 the replay, the costs are off. `replay_report.py` puts the three side by side.
 
 Decisions, each checked on real H200 runs' traces (docs/fidelity.md):
-- The window. A run executes the compiled K iterations in windows (backends/worker.py): a record's
+- The window. A run executes the compiled K iterations in windows (backends/rank/worker.py): a record's
   id is `action.id + shift * len(actions)`, `shift` the window's first step, and its iteration
   `action.iteration + shift`. Replay takes the first window that ran all K iterations (steps 0..K-1
   unless the run resumed): it is the compiled schedule from a cold start, as the simulator runs it,
@@ -22,7 +22,7 @@ Decisions, each checked on real H200 runs' traces (docs/fidelity.md):
   duration: its end minus the later of the two halves' starts. With the recorded durations the
   wait counts twice: replayed steady iterations came out 35% (2 GPUs, sync) and 9% (async) long.
 - The host optimizer. The schedule has one `host.optim` list; a run has one optimizer thread per
-  rank (backends/hostwork.py), and the ranks' steps overlap (147 of 204 consecutive OPT_STEPs in
+  rank (backends/rank/hostwork.py), and the ranks' steps overlap (147 of 204 consecutive OPT_STEPs in
   the 2-GPU async trace). Replay gives each rank's OPT_STEPs a lane of their own, in schedule
   order (`tinypipe.ir.order.run_lanes`, which the simulator now uses for every schedule); on one lane
   the 2-GPU replays came out 63% (sync) and 43% (async) long.
@@ -37,7 +37,7 @@ Decisions, each checked on real H200 runs' traces (docs/fidelity.md):
   and the mean pass make the replay no longer a strict lower bound (+0.07% on that trace's first
   iteration). Traces without spans (before them) replay as before.
 - The CPU stand-in. Under `--backend cpu` a rank's compute, h2d and d2h actions run one at a time on
-  the rank's thread as they are issued (backends/streams.py), so replay runs them as one lane per
+  the rank's thread as they are issued (backends/rank/streams.py), so replay runs them as one lane per
   rank in their measured start order; transfers and optimizer steps keep their own lanes.
 """
 

@@ -32,11 +32,11 @@ from tinypipe.describe.thismachine import limit_for_peak
 from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.estimate.gpumem import least_peak_bytes
 from tinypipe.estimate.hostmem import host_bytes, optimizer_steps_s
-from tinypipe.estimate.lora import frozen_host_bytes, trace_for_policy
+from tinypipe.estimate.lora_costs import frozen_host_bytes, trace_for_policy
 from tinypipe.estimate.plan import base_plan
 from tinypipe.ir.schedule import recomputes
 from tinypipe.policy import Policy
-from tinypipe.policy.lora import lora_text
+from tinypipe.policy.lora_spec import lora_text
 from tinypipe.policy.modes import (
     HostMemory,
     OptimizerState,

@@ -12,7 +12,7 @@ from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.thismachine import usable_host_bytes
 from tinypipe.describe.trace import ProfileTrace
 from tinypipe.policy import Policy
-from tinypipe.policy.lora import LoraSpec
+from tinypipe.policy.lora_spec import LoraSpec
 from tinypipe.policy.modes import (
     ActivationHome,
     HostMemory,

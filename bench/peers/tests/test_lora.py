@@ -114,11 +114,10 @@ def test_tinypipe_search_and_run_get_its_lora_options_which_its_own_parsers_read
     `tinypipe search` and `tinypipe run`, and tinypipe's parsers read them as rank 16, alpha 32 on all seven
     linears; without --lora neither gets a LoRA option."""
     pytest.importorskip("torch")
-    from tinypipe.backends.run_args import add_run_arguments
-
     from peers.peer_tinypipe import _run_args, _search_args
+    from tinypipe.backends.options.run_flags import add_run_arguments
     from tinypipe.cli import build_parser
-    from tinypipe.policy.lora import ROLES, LoraSpec, lora_from_args
+    from tinypipe.policy.lora_spec import ROLES, LoraSpec, lora_from_args
 
     args = peer_parser("test").parse_args(["--config", "/m", "--result", "r", "--gpu-mem-gib", "24", *LORA])
     work = workload_of(args)

@@ -1,0 +1,1 @@
+"""A run from the command line to its report: inputs checked, the plan, calibration, the ranks started."""

@@ -1,0 +1,1 @@
+"""Models as layer stacks: Hugging Face configs and weights, the layers, LoRA adapters, compiled blocks."""

@@ -1,0 +1,143 @@
+"""LoRA adapters on a frozen, streamed base: LoRA linears with peft's names in each block, tensors on the device.
+
+`inject` wraps the targeted linears of the decoder blocks a rank owns in `lora_linear.LoraLinear`s, which
+have peft's structure and names and compute W x + (alpha / r) B A dropout(x) as peft does under bf16
+autocast: the adapters' fp32 masters cast to the compute dtype. The modules stay structure only
+(`rank_state.strip_parameters`): the base arrives with each LOAD under its wrapped name
+(`...q_proj.base_layer.weight`), the adapters are `Adapters`' fp32 parameters, which live on the device
+for the whole run and are handed to the block beside the base. A's initial values are peft's draw
+(Kaiming uniform, a = sqrt(5)), each from a generator seeded by the run's seed and the adapter's
+peft name, so every process draws the same; B starts at zero.
+
+A frozen block's BWD (`frozen_bwd`) asks autograd for its input's gradient and the adapters' only
+(no base weight requires a gradient, so neither a weight-gradient GEMM nor an accumulator exists);
+the adapters' gradients accumulate in their `.grad` across microbatches, and ADAPT_STEP runs their
+AdamW (fused, on the device) and clears them. Files: `peft_state` names tensors as peft's
+`get_peft_model_state_dict` does, so `PeftModel.from_pretrained` loads what `hf_save`-style code
+writes (`backends/save/lora_save.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from tinypipe.describe.model import LayerKind
+from tinypipe.ir.schedule import Action
+from tinypipe.policy.lora_spec import LoraSpec
+
+from .hf import param_seed
+from .layers import LayerStack
+from .lora_linear import ADAPTER, inject_lora
+
+# the module each role names in the families `run --lora` trains (Llama, Mistral, Qwen2, Qwen3)
+PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+                "down": "down_proj"}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+PEFT_PREFIX = "base_model.model."  # what a PeftModel puts before the Hugging Face model's own names
+
+
+class LoraError(ValueError):
+    """A LoRA run this backend cannot do (the family, an adapter file that does not match)."""
+
+
+def peft_config(lora: LoraSpec) -> Any:
+    """peft's LoraConfig for `lora` (causal LM, no bias, plain scaling)."""
+    from peft import LoraConfig
+
+    # peft annotates lora_alpha as int but scales by alpha / r, so a fractional alpha works as it does in peft
+    kw: dict[str, Any] = {"r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+                          "target_modules": [PEFT_MODULES[t] for t in lora.targets], "bias": "none",
+                          "task_type": "CAUSAL_LM"}
+    return LoraConfig(**kw)
+
+
+def inject(stack: LayerStack, lora: LoraSpec, layers: list[int], *, seed: int
+           ) -> tuple[dict[int, dict[str, str]], dict[int, dict[str, torch.Tensor]]]:
+    """LoRA linears (peft's structure and names) into the owned blocks of `stack` (in place, before their
+    parameters are stripped).
+
+    Returns, per owned layer: {base parameter name -> its name in the injected module} (the LOAD names
+    for `functional_call`) and the adapters' initial fp32 tensors by name in the layer."""
+    family = stack.spec.family
+    if family not in FAMILIES:
+        raise LoraError(f"`run --lora` trains {', '.join(FAMILIES)} models; {stack.spec.name} is {family!r}")
+    modules = {PEFT_MODULES[t] for t in lora.targets}
+    renames: dict[int, dict[str, str]] = {}
+    adapters: dict[int, dict[str, torch.Tensor]] = {}
+    for i in layers:
+        module = stack.layers[i]
+        assert module is not None
+        before = {id(p): n for n, p in module.named_parameters()}
+        if stack.spec.layers[i].kind is LayerKind.BLOCK:
+            inject_lora(module, modules, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+        renames[i] = {before[id(p)]: n for n, p in module.named_parameters() if id(p) in before}
+        adapters[i] = {n: initial_value(peft_name(stack, i, n), tuple(p.shape), seed)
+                       for n, p in module.named_parameters() if "lora_" in n}
+    return renames, adapters
+
+
+def initial_value(key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The initial fp32 value of the adapter tensor peft saves as `key`: peft's draw for A
+    (kaiming_uniform_, a = sqrt(5)) from a generator seeded by `seed` and `key`; B zero."""
+    value = torch.zeros(shape, dtype=torch.float32)
+    if ".lora_A." in key:
+        g = torch.Generator().manual_seed(param_seed(seed, key))
+        nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=g)
+    return value
+
+
+def peft_name(stack: LayerStack, layer: int, name: str) -> str:
+    """The key peft saves an adapter tensor of `layer` under: `block.layer.self_attn.q_proj.lora_A.default.weight`
+    -> `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`."""
+    module, _, rest = name.partition(".lora_")
+    kind, _, leaf = rest.partition(".")  # "A" / "B", then "default.weight"
+    base = stack.names[layer][f"{module}.weight"]  # the Hugging Face name of the wrapped linear's weight
+    return f"{PEFT_PREFIX}{base.removesuffix('.weight')}.lora_{kind}.{leaf.removeprefix(ADAPTER + '.')}"
+
+
+# `interp` below is the rank's `interpreter.Interpreter` (typed Any: the interpreter imports this module)
+def with_adapters(interp: Any, layer: int, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a frozen layer computes with: its loaded base (no gradient) and its adapters (leaves)."""
+    adapters = interp.adapters
+    assert adapters is not None
+    return {**weights, **adapters.of(layer)}
+
+
+def frozen_bwd(interp: Any, a: Action, step: int) -> None:
+    """BWD of a layer on a frozen base: its input's gradient and its adapters' (accumulated in `.grad`).
+
+    The embedding has nothing to train and no layer before it: nothing to do but drop what its FWD kept."""
+    L, m = a.layer, a.microbatch
+    assert L is not None and m is not None
+    dy = interp.output_grad(a, step)
+    if L == 0:
+        interp.graphs.pop((step, L, m), None)
+        adapters = interp.adapters
+        assert adapters is not None
+        if not interp.evaluating:  # a rank without adapters still reports its (empty) share of the step's norm
+            adapters.note_step(step)
+        return None
+    if interp.schedule.recomputes(L):
+        weights = interp._weights(a, step)
+        x, extra = interp._inputs(a, step)
+        xin = x.detach().requires_grad_()
+        leaves = with_adapters(interp, L, weights)
+        with torch.enable_grad():
+            out = interp._call(L, leaves, xin, extra)
+    else:
+        if (step, L, m) not in interp.graphs:
+            raise interp.fail(a, "no forward graph kept for it (FWD missing)")
+        out, kept, leaves = interp.graphs.pop((step, L, m))
+        assert kept is not None
+        xin = kept
+    interp.x.pop((step, L, m), None)
+    inputs = [xin, *(t for t in leaves.values() if t.requires_grad)]
+    with torch.enable_grad():
+        torch.autograd.backward(out, grad_tensors=dy, inputs=inputs)
+    assert xin.grad is not None
+    interp.dx[(step, L, m)] = xin.grad
+    return None

@@ -1,0 +1,1 @@
+"""One rank's training loop: the interpreter, the executor and its streams, transfers, metrics, guards."""

@@ -1,0 +1,1 @@
+"""What a run writes and reads back: training checkpoints, Hugging Face models, peft adapters."""
