@@ -62,6 +62,8 @@ SUITES: dict[str, tuple[str, tuple[Script, ...]]] = {
         _py("optim_state_curves", "results/optim_state_curves.json", "docs/memory.md: loss curves per state precision"),
         _py("rss_phases", "results/rss_phases.json", "docs/memory.md: the start of a run"),
         _py("clip_cost", "results/clip_cost.json", "docs/training.md: Optimisation (--max-grad-norm)"),
+        _py("packing_attention", "results/packing_attention.json",
+            "docs/performance.md: Packed sequences (--device cuda on a GPU)"),
     )),
     "device": ("runs on CUDA GPUs (H200s for the published tables); each appends to results/ or $OUT", (
         _sh("peers", "$OUT/peers_h200.json (with --lora: peers_h200_lora.json)",

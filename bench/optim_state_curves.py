@@ -36,6 +36,7 @@ def train(data: str | None, state: str, seed: int, steps: int) -> list[float]:
     from tinypipe.backends.launch.prepare import make_run_plan
     from tinypipe.backends.launch.spawn import launch
     from tinypipe.backends.options.run_flags import add_run_arguments
+    from tinypipe.cli.edge import run_options
 
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
@@ -43,7 +44,7 @@ def train(data: str | None, state: str, seed: int, steps: int) -> list[float]:
             "--out", str(ROOT / "bench" / "out" / f"curves-{time.time_ns()}")]
     if data:
         argv += ["--data", data]
-    plan = make_run_plan(ap.parse_args(argv))
+    plan = make_run_plan(run_options(ap.parse_args(argv)))
     results = launch(dataclasses.replace(plan.job, progress=False, save_model=False, out=None), plan.world)
     assert results is not None
     losses: dict[int, float] = {}

@@ -13,12 +13,14 @@ import os
 import time
 
 from _common import write_json
-from tinypipe.sim.evaluate import SimEvaluator
 
 from tinypipe.common.table import gib, render
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.target import Target
+from tinypipe.describe.workload import Workload
 from tinypipe.search.policy_search import SearchTarget, search
+from tinypipe.sim.evaluate import SimEvaluator
 
 CASES = (("llama-3.1-70b", "rtx4090x8-pcie4"), ("llama-3.1-8b", "rtx4090x1"))
 
@@ -32,7 +34,8 @@ def main() -> None:
     rows = []
     for model_name, hw_name in CASES:
         model, hw = load_model(model_name), load_hardware(hw_name)
-        w = SearchTarget(model, hw, args.seq_len, args.batch_sequences)
+        work = Workload(model=model, seq_len=args.seq_len, batch_tokens=args.batch_sequences * args.seq_len)
+        w = SearchTarget(work, Target(hardware=hw))
         t0 = time.perf_counter()
         r = search(w, SimEvaluator(model, hw, args.seq_len), workers=args.workers)
         wall = time.perf_counter() - t0

@@ -11,16 +11,18 @@ import os
 import time
 
 from _common import write_json
-from tinypipe.sim.evaluate import SimEvaluator
-from tinypipe.sim.guard import simulate_policy
 
 from tinypipe.common.errors import TinypipeError
 from tinypipe.common.table import render
 from tinypipe.describe.hardware import load_hardware, shipped_hardware
 from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.target import Target
 from tinypipe.describe.trace import trace_for
+from tinypipe.describe.workload import Workload
 from tinypipe.policy import PRESETS
 from tinypipe.search.policy_search import SearchTarget, search
+from tinypipe.sim.evaluate import SimEvaluator
+from tinypipe.sim.guard import simulate_policy
 
 
 def _preset(name: str, model, hw, seq_len: int, batch: int) -> dict:
@@ -50,7 +52,8 @@ def main() -> None:
             row = {"model": model_name, "hardware": hw_name}
             for name in ("resident", "mobius", "tinypipe"):
                 row[name] = _preset(name, model, hw, args.seq_len, args.batch_sequences)
-            w = SearchTarget(model, hw, args.seq_len, args.batch_sequences)
+            work = Workload(model=model, seq_len=args.seq_len, batch_tokens=args.batch_sequences * args.seq_len)
+            w = SearchTarget(work, Target(hardware=hw))
             s = search(w, SimEvaluator(model, hw, args.seq_len), workers=args.workers)
             row["searched"] = s.winner.to_json() if s.winner else {"fits": False, "why": "; ".join(s.advice),
                                                                    "tokens_per_s": 0.0}

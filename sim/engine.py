@@ -194,12 +194,7 @@ class Engine:
                 if dur > 0:
                     yield timeout(dur)
             elif m == OPT:
-                c = cost[aid]
-                flow = isinstance(c, tuple)  # a flow over the host's DRAM (sim/durations.py), else seconds
-                if flow or c > 0:
-                    self._steps_running += 1
-                    yield net.copy(c[1], 0.0, c[2]) if flow else timeout(c)
-                    self._steps_running -= 1
+                yield from self._opt_step(cost[aid])
             elif m == PHASED:
                 yield from self._phased_step(*cost[aid])
             elif m == LOOP:
@@ -208,19 +203,7 @@ class Engine:
                 nbytes, lat, links = cost[aid]
                 yield net.copy(nbytes, lat, links)
             else:
-                fixed = self._fixed.get(aid)
-                other = self._rendezvous.pop(self.partner[aid], None)
-                if other is None:  # first half here: wait for the other to start the copy
-                    mine = self._rendezvous[aid] = event()
-                    done = yield mine
-                else:  # both here: the copy starts (unless both halves' durations are given)
-                    if fixed is not None and self.partner[aid] in self._fixed:
-                        done = event().succeed()
-                    else:
-                        nbytes, lat, links = cost[aid]
-                        done = net.copy(nbytes, lat, links)
-                    other.succeed(done)
-                yield done if fixed is None else timeout(fixed)
+                yield from self._half(aid)
             t1 = env.now
             if is_compute[aid]:
                 compute_end = t1
@@ -234,6 +217,31 @@ class Engine:
                 issuer.ended()
         if lane_gpu is not None:
             self._set_phase(lane_gpu, Phase.IDLE)  # the lane has nothing left
+
+    def _opt_step(self, c: Any) -> Generator[simpy.Event, Any, None]:
+        """An OPT_STEP of `c` seconds, or a flow over the host DRAM (a tuple, sim/durations.py), counted as running."""
+        flow = isinstance(c, tuple)
+        if flow or c > 0:
+            self._steps_running += 1
+            yield self.network.copy(c[1], 0.0, c[2]) if flow else self.env.timeout(c)
+            self._steps_running -= 1
+
+    def _half(self, aid: int) -> Generator[simpy.Event, Any, None]:
+        """A SEND / RECV half: the first here waits for the other, which starts the copy both end with (module
+        docstring); a half with a measured duration takes it after the rendezvous (replay)."""
+        fixed = self._fixed.get(aid)
+        other = self._rendezvous.pop(self.partner[aid], None)
+        if other is None:  # first half here: wait for the other to start the copy
+            mine = self._rendezvous[aid] = self.env.event()
+            done = yield mine
+        else:  # both here: the copy starts (unless both halves' durations are given)
+            if fixed is not None and self.partner[aid] in self._fixed:
+                done = self.env.event().succeed()
+            else:
+                nbytes, lat, links = self._cost[aid]
+                done = self.network.copy(nbytes, lat, links)
+            other.succeed(done)
+        yield done if fixed is None else self.env.timeout(fixed)
 
     def _set_phase(self, gpu: int, phase: Phase) -> None:
         """Rank `gpu`'s compute lane now runs `phase`; its phased steps, if any wait, carry on at the new rate."""

@@ -57,7 +57,7 @@ def _files(root: Path) -> dict[str, str]:
         "NOT_JSON": ("not.json", "{this is not json"),
         "DATA_BAD": ("data.jsonl", '{"text": "fine"}\nnot json\n'),
         "DATA_OK": ("data.txt", "1+1=2\n" * 200),
-        "DATA_CSV": ("data.csv", "text,label\nhello,1\n"),
+        "DATA_CSV": ("data.csv", "name,label\nhello,1\n"),  # a table without a record field
     }
     out = {}
     for key, (name, text) in made.items():

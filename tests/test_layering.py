@@ -236,3 +236,50 @@ def test_no_two_modules_share_a_file_name() -> None:
         if p.name not in ("__init__.py", "__main__.py"):
             seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
     assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}
+
+
+def test_no_function_over_80_lines() -> None:
+    """No function or method of the package is over 80 lines from its `def` to its last line (tinypipe/cli/
+    aside, whose commands read their flags in one place): a longer one is split into named steps."""
+    long = []
+    for path in _package_files():
+        rel = path.relative_to(ROOT)
+        if rel.parts[:2] == ("tinypipe", "cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []
+
+
+def test_the_namespace_stops_at_the_cli_and_each_shared_flag_is_declared_once() -> None:
+    """No function of the core outside `tinypipe/cli/` has a parameter annotated `argparse.Namespace` or named
+    `args`: the CLI reads the parsed command line into typed records (`cli/edge.py`) and passes those down. Each
+    flag several commands share (`cli.flags.SHARED`) is declared with `add_argument` in exactly one place,
+    `cli/flags.py`, whichever parsers (the CLI's, run's, profile's) register it."""
+    from tinypipe.cli.flags import SHARED
+
+    takes = []
+    for path in sorted((ROOT / "tinypipe").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[1] in ("cli", "sim", "backends", "traces"):  # the CLI, and the links to sim/, backends/
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x)]:
+                    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                    if arg.arg == "args" or "Namespace" in annotation:
+                        takes.append(f"{rel}:{node.lineno} {node.name}({arg.arg}: {annotation})")
+    assert takes == []
+    declared: dict[str, list[str]] = {}
+    for path in _package_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+                for flag in node.args:
+                    if isinstance(flag, ast.Constant) and isinstance(flag.value, str) and flag.value.startswith("--"):
+                        declared.setdefault(flag.value, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert {f: declared.get(f, []) for f in SHARED if len(declared.get(f, [])) != 1} == {}
+    assert {f: declared[f][0] for f in SHARED if not declared[f][0].startswith("tinypipe/cli/flags.py:")} == {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tinypipe.sim import simulate
 
 from tinypipe.cli import main
 from tinypipe.cli.inspect_tables import model_report
@@ -29,6 +28,7 @@ from tinypipe.ir.schedule import Schedule
 from tinypipe.policy.lora_spec import ROLES, LoraSpec, parse_targets
 from tinypipe.policy.modes import OptimizerMode
 from tinypipe.policy.policy import PRESETS, Policy
+from tinypipe.sim import simulate
 
 ALL = LoraSpec(rank=16, alpha=32, targets=ROLES)
 
@@ -181,3 +181,15 @@ def test_a_trace_measured_with_the_adapters_is_not_scaled_again() -> None:
     with pytest.raises(InputError, match="measured with LoRA"):
         simulate(sched, m, hw, other)
 
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_search_refuses_a_moments_precision_that_lora_does_not_have(state: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`search --lora --optimizer-state bf16/8bit` is refused in one line, as `run` refuses it: the adapters' AdamW
+    state is fp32 on their GPU (`auto` searches that one precision)."""
+    argv = ["search", "--model", "tiny-llama", "--hardware", "h200x1", "--seq-len", "64", "--batch-tokens", "512",
+            "--lora", "4", "--optimizer-state", state]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --optimizer-state {state}: a LoRA run's AdamW state is its adapters', held in fp32 on the "
+                   "GPU (the frozen base has none on the host); leave --optimizer-state out\n")

@@ -24,8 +24,9 @@ from tinypipe.describe.model import (
     head_workspace_fixed_bytes,
 )
 
-SHIPPED = ["gpt2-xl", "llama-3.1-70b", "llama-3.1-8b", "mistral-7b", "pythia-1b", "qwen2-7b", "qwen3-1.7b",
-           "qwen3-14b", "qwen3-32b", "qwen3-4b", "tiny-llama"]
+SHIPPED = ["gpt2-xl", "llama-3.1-70b", "llama-3.1-8b", "mistral-7b", "mixtral-8x7b", "pythia-1b", "qwen2-7b",
+           "qwen3-1.7b", "qwen3-14b", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-32b", "qwen3-4b", "tiny-llama",
+           "tiny-mixtral", "tiny-qwen3-moe"]
 
 # Hand-sized configs (hidden 8, vocab 10) whose per-layer counts are worked out in the comments.
 LLAMA_GQA = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -263,7 +264,8 @@ def test_load_paths(tmp_path: Path) -> None:
     ({k: v for k, v in LLAMA_GQA.items() if k != "intermediate_size"},
      "llama.json: intermediate_size: missing required field"),
     ({**LLAMA_GQA, "model_type": "bert"},
-     "llama.json: model_type: must be one of llama, mistral, qwen2, qwen3, gpt2, gpt_neox; got 'bert'"),
+     "llama.json: model_type: must be one of llama, mistral, qwen2, qwen3, gpt2, gpt_neox, qwen3_moe, mixtral; "
+     "got 'bert'"),
     ({**LLAMA_GQA, "num_attention_heads": 3, "num_key_value_heads": 3},
      "llama.json: num_attention_heads: 3 heads do not divide the hidden size 8 "
      "(give head_dim, or fix the sizes)"),

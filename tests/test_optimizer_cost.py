@@ -15,7 +15,9 @@ from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.optimprofile import OptimizerProfile
+from tinypipe.describe.target import Target
 from tinypipe.describe.trace import FORMAT, ProfileTrace, load_trace, trace_for
+from tinypipe.describe.workload import Workload
 from tinypipe.estimate.hostmem import optimizer_s_per_param, optimizer_step_s
 from tinypipe.policy import PRESETS
 from tinypipe.search.policy_search import SearchTarget, lower_bound
@@ -111,7 +113,8 @@ def test_search_bound_spreads_the_steps_over_the_ranks() -> None:
     hw = load_hardware("h200x2")
     trace = measured(trace_for(SPEC, hw.gpus[0], 1, 2048), embed={"compact": 2.0}, block={"compact": 1.0},
                      head={"compact": 2.0})
-    target = SearchTarget(SPEC, hw, 2048, 8, profiles=(replace(trace, analytic=False, model=SPEC.name),))
+    target = SearchTarget(Workload(model=SPEC, seq_len=2048, batch_tokens=8 * 2048,
+                                   profiles=(replace(trace, analytic=False, model=SPEC.name),)), Target(hardware=hw))
     bound, _ = lower_bound(target, PRESETS["tinypipe"].replace(microbatch_size=1, microbatches=8))
     assert bound == pytest.approx(18.0)
 

@@ -11,7 +11,9 @@ from tinypipe.compiler import compile_schedule
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.model import LayerKind, LayerSpec, ModelSpec
+from tinypipe.describe.target import Target
 from tinypipe.describe.trace import analytic_trace
+from tinypipe.describe.workload import Workload
 from tinypipe.estimate.hostmem import (
     CHECKPOINT_SLACK_BYTES,
     QUANT_BLOCK_ELEMS,
@@ -117,7 +119,7 @@ def test_search_finds_a_full_fine_tuning_of_llama_8b_on_a_64gb_workstation_only_
     from tinypipe.sim.evaluate import SimEvaluator
 
     model, hw = load_model("llama-3.1-8b"), load_hardware("rtx4090x1")
-    w = SearchTarget(model, hw, 2048, 32)
+    w = SearchTarget(Workload(model=model, seq_len=2048, batch_tokens=32 * 2048), Target(hardware=hw))
     narrow = dict(microbatch_sizes=(2,), pack_sizes=(2,), packers=(), swaps=(SwapMode.LAYER,), recompute=(True,),
                   activation_homes=(ActivationHome.GPU,), mappings=("cross",), prefetch_depths=(1,),
                   residents=(ResidentMode.AUTO,))
@@ -176,10 +178,9 @@ def test_parked_activations_count_against_host_memory_and_a_tight_host_keeps_the
     peak by 14 GiB (the simulator's ledger: the most parked at once), at most what the plan counts for them
     (every microbatch's recomputed layer inputs: 16 GiB); parked, the policy fits 64 GiB but not 56, kept on
     the GPU it fits both, and the search, given both homes under --host-mem 56GiB, keeps them on the GPU."""
+    from tinypipe.estimate.plan import base_plan
     from tinypipe.sim import simulate
     from tinypipe.sim.evaluate import SimEvaluator
-
-    from tinypipe.estimate.plan import base_plan
 
     model, hw = load_model("llama-3.1-8b"), load_hardware("rtx4090x1")
     p = PRESETS["tinypipe"].replace(packing="uniform", pack_size=2, mapping="cross", prefetch_depth=1, microbatches=16,
@@ -200,6 +201,7 @@ def test_parked_activations_count_against_host_memory_and_a_tight_host_keeps_the
             assert SimEvaluator(model, hw, 2048, None, limit)(p.replace(activation_home=home)).fits == ok, home
     narrow = dict(microbatch_sizes=(2,), pack_sizes=(2,), packers=(), swaps=(SwapMode.LAYER,), recompute=(True,),
                   mappings=("cross",), prefetch_depths=(1,), residents=(ResidentMode.AUTO,), optimizer_state="8bit")
-    w = SearchTarget(model, hw, 2048, 32, host_mem_bytes=tight)
+    w = SearchTarget(Workload(model=model, seq_len=2048, batch_tokens=32 * 2048),
+                     Target(hardware=hw, host_mem_bytes=tight))
     res = search(w, SimEvaluator(model, hw, 2048, None, tight), space=SearchSpace(**narrow))
     assert res.winner is not None and res.winner.policy.activation_home == ActivationHome.GPU

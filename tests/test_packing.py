@@ -168,3 +168,18 @@ def test_cost_iteration_bounds() -> None:
     assert e.iteration_s >= max(e.busy_s) and e.iteration_s >= e.optimizer_s
     slow_cpu = estimate(replace(w, opt_s=(10.0,) * 12), (3, 3, 3, 3), (0, 1, 0, 1))
     assert slow_cpu.iteration_s >= 120.0
+
+
+def test_every_packer_and_mapper_name_has_its_rule() -> None:
+    """`partition.resolve`'s tables hold a rule for exactly the packer and mapper names a policy accepts, and each
+    packer, under each mapper, packs every layer onto the plan's GPUs."""
+    from tinypipe.partition.resolve import MAPPER_TABLE, PACKER_TABLE, resolve
+    from tinypipe.policy.modes import MAPPERS, PACKERS
+    from tinypipe.policy.policy import Policy
+
+    assert sorted(PACKER_TABLE) == sorted(PACKERS) and sorted(MAPPER_TABLE) == sorted(MAPPERS)
+    hw = load_hardware("h200x2")
+    for packer in PACKERS:
+        for mapper in MAPPERS:
+            sizes, gpus = resolve(Policy(name="p", packing=packer, mapping=mapper), wl(8), hw)
+            assert sum(sizes) == 8 and min(sizes) >= 1 and len(gpus) == len(sizes) and set(gpus) <= {0, 1}

@@ -140,3 +140,22 @@ def test_mypy_catches_a_misspelled_mode(tmp_path) -> None:
                        capture_output=True, text=True, cwd=root, timeout=300)
     flagged = {int(line.split(":")[1]) for line in r.stdout.splitlines() if line.startswith(str(f))}
     assert flagged == {7, 8, 9}, r.stdout
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_lora_with_low_precision_moments_is_refused(state: str, tmp_path: Path) -> None:
+    """Under LoRA the adapters' AdamW state is fp32 on their GPU and the frozen base has none: a policy asking for
+    bf16 or 8-bit moments with `lora` is refused (in a file, naming it), never run with fp32 moments; fp32 is
+    what the run does, so it is accepted."""
+    from tinypipe.policy.lora_spec import LoraSpec
+
+    with pytest.raises(InputError, match=rf"policy 'custom': optimizer_state: {state} moments are the host "
+                                         r"optimizer's; with lora the adapters' AdamW state is fp32"):
+        Policy(lora=LoraSpec(rank=4), optimizer_state=state)  # type: ignore[arg-type]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "mine", "lora": {"rank": 4}, "optimizer_state": state}))
+    with pytest.raises(InputError, match=rf"^{path}: policy 'mine': optimizer_state: {state} moments"):
+        load_policy(str(path))
+    with pytest.raises(InputError, match="optimizer_state"):
+        Policy(optimizer_state=state).replace(lora=LoraSpec(rank=4))  # type: ignore[arg-type]
+    assert Policy(lora=LoraSpec(rank=4), optimizer_state="fp32").lora == LoraSpec(rank=4)  # type: ignore[arg-type]

@@ -12,24 +12,24 @@ steps: two windows) and an eager Qwen3-1.7B run on one H200 with its main thread
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tinypipe.sim import simulate
 
-from tinypipe.cli import main
+from tinypipe.cli import build_parser, main
+from tinypipe.cli.edge import replay_options
 from tinypipe.compiler import compile_schedule
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.trace import trace_for
 from tinypipe.policy import load_policy
 from tinypipe.replay.report import ReplayReport
-from tinypipe.replay.runner import add_replay_arguments, replay, settle
+from tinypipe.replay.runner import ReplayOptions, replay, settle
 from tinypipe.replay.trace_match import RunTrace, issue_durations, load_run_trace
+from tinypipe.sim import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -44,10 +44,8 @@ def h200_trace(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def args_of(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    add_replay_arguments(ap)
-    return ap.parse_args(argv)
+def args_of(argv: list[str]) -> ReplayOptions:
+    return replay_options(build_parser().parse_args(["replay", *argv]))
 
 
 def replay_of(argv: list[str]) -> ReplayReport:

@@ -6,6 +6,8 @@ import dataclasses
 
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
+from tinypipe.describe.target import Target
+from tinypipe.describe.workload import Workload
 from tinypipe.policy import Policy
 from tinypipe.search.policy_search import (
     BAND,
@@ -20,8 +22,9 @@ from tinypipe.search.policy_search import (
 )
 
 
-def _w(**kw: object) -> SearchTarget:
-    return SearchTarget(load_model("llama-3.1-8b"), load_hardware("rtx4090x8-pcie4"), 2048, 8, **kw)  # type: ignore[arg-type]
+def _w(host_mem_bytes: int | None = None) -> SearchTarget:
+    return SearchTarget(Workload(model=load_model("llama-3.1-8b"), seq_len=2048, batch_tokens=8 * 2048),
+                        Target(hardware=load_hardware("rtx4090x8-pcie4"), host_mem_bytes=host_mem_bytes))
 
 
 SMALL = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(2, 4), packers=("holistic",), swaps=("layer", "pack"),
@@ -110,7 +113,7 @@ def test_simulated_search_is_the_same_serial_and_parallel() -> None:
     from tinypipe.sim.evaluate import SimEvaluator
 
     model, hw = load_model("tiny-llama"), load_hardware("h200x2")
-    w = SearchTarget(model, hw, 64, 4)
+    w = SearchTarget(Workload(model=model, seq_len=64, batch_tokens=4 * 64), Target(hardware=hw))
     space = SearchSpace(microbatch_sizes=(1, 2), pack_sizes=(1, 3), packers=("holistic",), recompute=(True,),
                         activation_homes=("gpu",), prefetch_depths=(1,), host_memories=("compact",))
     serial = search(w, SimEvaluator(model, hw, 64), space=space, workers=1)

@@ -17,7 +17,7 @@ from tinypipe.common.errors import InputError
 from ..model.layers import IGNORE_INDEX
 from .addition import ADDITION, AdditionSequences, AdditionTask
 from .examples import PackedSequences, SequenceSource, pack_examples
-from .formats import read_data
+from .formats import read_source
 from .summary import DataSummary
 from .tokenizers import Tokenizer, describe
 
@@ -82,8 +82,10 @@ class Batches:
 def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int, microbatch_size: int,
                  microbatches: int, seed: int, replica: int = 0, replicas: int = 1,
                  task: AdditionTask | None = None, packing: bool = True, document_mask: bool = True,
-                 hold_out: float = 0.0, part: str = "train") -> Batches:
-    """Batches from a data file, or from the addition task when `data` is None or "addition".
+                 hold_out: float = 0.0, part: str = "train", split: str | None = None,
+                 config: str | None = None) -> Batches:
+    """Batches from a data file or a Hugging Face dataset id (`split` and `config` of it: `formats.read_source`),
+    or from the addition task when `data` is None or "addition".
     `document_mask`: a file's windows carry their document ids (`Batches.documents`). `hold_out`: the
     share of a file's windows (the last ones, at least one) kept for evaluation: `part` "train" serves
     the others, "eval" those."""
@@ -94,7 +96,7 @@ def make_batches(data: str | Path | None, *, tokenizer: Tokenizer, seq_len: int,
     if data is None or (str(data) == ADDITION and not Path(ADDITION).exists()):
         source = AdditionSequences(task or AdditionTask(seed=seed), tokenizer, seq_len)
     else:
-        read = read_data(data)
+        read = read_source(data, split=split, config=config)
         packed = pack_examples(read.examples, tokenizer, seq_len, packing=packing)
         inputs, labels, docs = packed.inputs, packed.labels, packed.documents
         held = 0

@@ -1,54 +1,56 @@
-"""Reading a training-data file into `Example`s, its format told from its content, never from its name.
+"""Reading training data into `Example`s, its format told from its content, never from its name.
 
-Formats:
-- JSON Lines, one record per line (a file of one JSON object counts too), each record one of
-  `{"text": ...}` (loss on all of it), `{"prompt": ..., "completion": ...}` (loss on the completion)
-  or `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the tokenizer's chat
-  template, loss on the assistant turns only);
-- plain UTF-8 text: one example, loss on all of it.
+Formats (each record is one of `records.py`'s kinds: text, prompt/completion, messages, ShareGPT, Alpaca):
+- JSON Lines, one record per line (a file of one JSON object counts too), or a JSON array of records;
+- a table, CSV or TSV (named `.csv`/`.tsv`, or lines that all hold the same number of commas or tabs): a header
+  row naming at least one record field, then one record per row, every cell a string;
+- Parquet (a file that starts with `PAR1`): one record per row, read with pyarrow (which the `datasets` package,
+  tinypipe's `data` extra, brings);
+- plain UTF-8 text: one example, loss on all of it;
+- a Hugging Face dataset id (`org/name`, where no such file exists), one split of it: `hubdata.py`.
 
-Anything else is an InputError naming the file (and line): bytes that are not UTF-8 text, a JSON
-document that is not records (`[...]`), CSV or TSV (a `.csv`/`.tsv` name, or lines that all hold the
-same number of commas or tabs), a file named `.json`/`.jsonl`/`.ndjson` whose content is not JSON.
+Anything else is an InputError naming the file (and line, record or row): bytes that are not UTF-8 text nor
+Parquet, a table without a record field among its columns, a file named `.json`/`.jsonl`/`.ndjson` whose content
+is not JSON.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tinypipe.common.errors import InputError
+from tinypipe.describe.hubcache import is_hub_id
+
+from .records import FIELDS, RECORD_HELP, DataFile, Example, collect, record
+
+__all__ = ["DataFile", "Example", "read_examples", "read_data", "read_source"]
 
 JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 TABLE_SUFFIXES = (".csv", ".tsv")
-ROLES = ("system", "user", "assistant", "tool")
-RECORD_HELP = ('each line is one {"text": ...}, {"prompt": ..., "completion": ...} or '
-               '{"messages": [{"role": ..., "content": ...}, ...]}')
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """A data file read: its format in words (`JSON Lines (prompt/completion)`, `plain text`) and its examples."""
-
-    format: str
-    examples: list[Example]
-
-
-@dataclass(frozen=True)
-class Example:
-    """One training example: loss on `completion` only (a plain text has no prompt); or, with
-    `messages` ((role, content) pairs), a conversation with loss on the assistant turns."""
-
-    prompt: str
-    completion: str
-    messages: tuple[tuple[str, str], ...] | None = None
+PARQUET_MAGIC = b"PAR1"
+DEFAULT_SPLIT = "train"  # a Hub dataset's split when none is given
 
 
 def read_examples(path: str | Path) -> list[Example]:
     """The examples of a data file (see the module docstring); InputError naming the file and line."""
     return read_data(path).examples
+
+
+def read_source(data: str | Path, *, split: str | None = None, config: str | None = None) -> DataFile:
+    """The examples of a data file, or of split `split` (default `train`) of a Hugging Face dataset id in
+    configuration `config` (`hubdata.read_hub_dataset`)."""
+    text = str(data)
+    if is_hub_id(text):
+        from .hubdata import read_hub_dataset
+
+        return read_hub_dataset(text, split=split or DEFAULT_SPLIT, config=config)
+    if split is not None or config is not None:
+        raise InputError(f"{text}: a split or configuration (--data-split, --data-config) is chosen within a Hugging "
+                         "Face dataset id (org/name); a local file has neither")
+    return read_data(text)
 
 
 def read_data(path: str | Path) -> DataFile:
@@ -57,10 +59,12 @@ def read_data(path: str | Path) -> DataFile:
     if not p.is_file():
         raise InputError(f"{p}: no such data file" + (" (it is a directory)" if p.is_dir() else ""))
     raw = p.read_bytes()
+    if raw.startswith(PARQUET_MAGIC):
+        return _read_parquet(p)
     if b"\0" in raw[:65536]:
-        raise InputError(f"{p}: a binary file, not text or JSON Lines ({RECORD_HELP})")
+        raise InputError(f"{p}: a binary file, not text, JSON Lines or Parquet ({RECORD_HELP})")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (as spreadsheets write CSV) is not text
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise InputError(f"{p}:{line}: not UTF-8 text (byte {exc.start})") from exc
@@ -73,8 +77,7 @@ def read_data(path: str | Path) -> DataFile:
         raise InputError(f"{p}:{line}: not a JSON object; a {p.suffix} data file is JSON Lines: {RECORD_HELP}")
     table = _table_delimiter(p, text)
     if table is not None:
-        raise InputError(f"{p}: looks like {table} (a table), which tinypipe does not read; convert it to JSON Lines "
-                         f"({RECORD_HELP}) or plain text")
+        return _read_table(p, text, table)
     return DataFile("plain text", [Example("", text)])
 
 
@@ -84,23 +87,15 @@ def _read_json(p: Path, text: str) -> DataFile:
     except json.JSONDecodeError:
         whole = None  # JSON Lines (or broken JSON: the lines say where)
     if isinstance(whole, list):
-        raise InputError(f"{p}: a JSON array; write one record per line (JSON Lines): {RECORD_HELP}")
+        if not whole:
+            raise InputError(f"{p}: an empty JSON array: no training examples")
+        return collect("a JSON array", (record(r, f"{p}: record {k}") for k, r in enumerate(whole, 1)))
     if isinstance(whole, dict):
-        return _records("a JSON object", [_record(whole, f"{p}:1")])
+        return collect("a JSON object", [record(whole, f"{p}:1")])
     if whole is not None:
         raise InputError(f"{p}:1: expected a JSON object, got {type(whole).__name__}")
-    return _records("JSON Lines", [_parse_line(line, f"{p}:{n}") for n, line in enumerate(text.splitlines(), 1)
-                                   if line.strip()])
-
-
-def _records(container: str, records: list[tuple[str, Example]]) -> DataFile:
-    """The examples of (kind, example) records, and the format: `JSON Lines (text)`, or with a count of each kind
-    where they are mixed: `JSON Lines (390 prompt/completion, 10 text)`."""
-    counts: dict[str, int] = {}
-    for kind, _ in records:
-        counts[kind] = counts.get(kind, 0) + 1
-    kinds = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{n:,} {k}" for k, n in counts.items())
-    return DataFile(f"{container} ({kinds})", [ex for _, ex in records])
+    return collect("JSON Lines", (_parse_line(line, f"{p}:{n}") for n, line in enumerate(text.splitlines(), 1)
+                                  if line.strip()))
 
 
 def _table_delimiter(p: Path, text: str) -> str | None:
@@ -116,51 +111,44 @@ def _table_delimiter(p: Path, text: str) -> str | None:
     return None
 
 
+def _read_table(p: Path, text: str, name: str) -> DataFile:
+    """A CSV or TSV file's rows as records, by its header's column names."""
+    reader = csv.DictReader(io.StringIO(text), delimiter="\t" if name == "TSV" else ",")
+    columns = [c.strip() for c in reader.fieldnames or ()]
+    if not set(columns) & set(FIELDS):
+        raise InputError(f"{p}: looks like {name} (a table) with columns {', '.join(columns) or 'none'}, none of them "
+                         f"a record field ({', '.join(FIELDS)}); {RECORD_HELP}")
+    rows = []
+    try:
+        for row in reader:
+            rows.append(record({k.strip(): v for k, v in row.items() if k is not None}, f"{p}:{reader.line_num}"))
+    except csv.Error as exc:
+        raise InputError(f"{p}:{reader.line_num}: not {name} ({exc})") from None
+    if not rows:
+        raise InputError(f"{p}: a {name} header without rows: no training examples")
+    return collect(name, rows)
+
+
+def _read_parquet(p: Path) -> DataFile:
+    """A Parquet file's rows as records."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError(f"{p}: a Parquet file, which needs pyarrow: pip install datasets (tinypipe's [data] "
+                         "extra), which brings it") from None
+    try:
+        rows = pq.read_table(p).to_pylist()
+    except Exception as exc:  # pyarrow raises its own error kinds for a damaged file
+        raise InputError(f"{p}: not a readable Parquet file ({type(exc).__name__}: {' '.join(str(exc).split())})"
+                         ) from None
+    if not rows:
+        raise InputError(f"{p}: a Parquet file without rows: no training examples")
+    return collect("Parquet", (record(r, f"{p}: row {k}") for k, r in enumerate(rows, 1)))
+
+
 def _parse_line(line: str, where: str) -> tuple[str, Example]:
     try:
-        record = json.loads(line)
+        value = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: not a JSON object ({exc.msg} at column {exc.colno}); {RECORD_HELP}") from exc
-    return _record(record, where)
-
-
-def _record(record: Any, where: str) -> tuple[str, Example]:
-    """A record's kind (`text`, `prompt/completion`, `messages`) and its example."""
-    if not isinstance(record, dict):
-        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    kinds = [k for k in ("text", "messages") if k in record] + (["prompt/completion"] if "prompt" in record
-                                                                 or "completion" in record else [])
-    if len(kinds) > 1:
-        raise InputError(f"{where}: give one of \"text\", \"prompt\" and \"completion\", or \"messages\", not "
-                         f"{' and '.join(kinds)}")
-    if "text" in record:
-        return "text", Example("", _string(record, "text", where))
-    if "messages" in record:
-        return "messages", Example("", "", _messages(record["messages"], where))
-    if "prompt" in record and "completion" in record:
-        return "prompt/completion", Example(_string(record, "prompt", where), _string(record, "completion", where))
-    found = ", ".join(sorted(map(str, record))) or "none"
-    raise InputError(f"{where}: needs a \"text\" field, \"prompt\" and \"completion\" fields, or \"messages\" "
-                     f"(found: {found})")
-
-
-def _messages(value: Any, where: str) -> tuple[tuple[str, str], ...]:
-    if not isinstance(value, list) or not value:
-        raise InputError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}}")
-    out = []
-    for k, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InputError(f"{where}: message {k + 1} must be an object with string \"role\" and \"content\"")
-        if m["role"] not in ROLES:
-            raise InputError(f"{where}: message {k + 1} has role {m['role']!r}; roles are {', '.join(ROLES)}")
-        out.append((m["role"], m["content"]))
-    if not any(role == "assistant" for role, _ in out):
-        raise InputError(f"{where}: no \"assistant\" message: the loss falls on assistant turns only")
-    return tuple(out)
-
-
-def _string(record: dict[str, Any], key: str, where: str) -> str:
-    value = record[key]
-    if not isinstance(value, str):
-        raise InputError(f"{where}: \"{key}\" must be a string, got {type(value).__name__}")
-    return value
+    return record(value, where)

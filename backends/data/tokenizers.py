@@ -9,6 +9,8 @@ from typing import Protocol
 
 from tinypipe.common.errors import InputError
 
+from .chatspans import assistant_spans
+
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 BYTE_VOCAB_IDS = 258  # ByteTokenizer's ids at most: 256 bytes, end-of-text, padding
 
@@ -82,28 +84,14 @@ class HFTokenizer:
         return len(self.tok)
 
     def chat(self, messages: Sequence[tuple[str, str]]) -> tuple[list[int], list[bool]]:
-        """The chat template's rendering of `messages`, tokenised, with loss on the assistant turns.
-
-        An assistant turn is the text the template adds when that message joins the conversation,
-        after the generation prompt (for ChatML: the content and `<|im_end|>\\n`), as TRL's
-        assistant-only loss marks it. Found by rendering each prefix of the conversation, which
-        needs a template whose renderings of successive prefixes extend each other.
-        """
+        """The chat template's rendering of `messages`, tokenised, with loss on the assistant turns as the
+        template renders them in the whole conversation (`chatspans.assistant_spans`: for ChatML, each turn's
+        content and `<|im_end|>\\n`; for Qwen3's, the last turn's thinking block too, and no earlier turn's,
+        which the template drops)."""
         if not getattr(self.tok, "chat_template", None):
             raise InputError(f"{self.directory}: the tokenizer has no chat template, which \"messages\" data needs "
                              "(add chat_template to tokenizer_config.json, or give prompt/completion records)")
-        msgs = [{"role": r, "content": c} for r, c in messages]
-        full = self._render(msgs, False)
-        spans = []
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            before, upto = self._render(msgs[:i], True), self._render(msgs[: i + 1], False)
-            if not (upto.startswith(before) and full.startswith(upto)):
-                raise InputError(f"{self.directory}: the chat template does not render the conversation prefix by "
-                                 "prefix (an earlier turn changes when later ones are added), so the assistant "
-                                 "turns cannot be told apart for their loss")
-            spans.append((len(before), len(upto)))
+        full, spans = assistant_spans(self._render, messages, str(self.directory))
         if self.tok.is_fast:
             enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(enc["input_ids"])

@@ -30,9 +30,10 @@ class Adapters:
     def of(self, layer: int) -> dict[str, nn.Parameter]:
         return self.params.get(layer, {})
 
-    def step(self, layer: int, *, at_step: int) -> None:
+    def step(self, layer: int, *, at_step: int, grad_scale: float = 1.0) -> None:
         """AdamW over the layer's adapters with the gradients its BWDs accumulated, at the learning rate of
-        training step `at_step`; then clear them."""
+        training step `at_step`; then clear them. `grad_scale`: the gradients are multiplied by it first (clipping
+        by the global norm); the step's gradient norm for the metrics is the one before."""
         opt = self.opt.get(layer)
         if opt is None:
             raise LoraError(f"layer {layer} has no adapters to step")
@@ -44,9 +45,18 @@ class Adapters:
         sq = float(sum(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads if g is not None))
         n, total = self._grad_sq.get(at_step, (0, 0.0))
         self._grad_sq[at_step] = (n + 1, total + sq)
+        if grad_scale != 1.0:
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_scale)
         opt.step()
         opt.zero_grad(set_to_none=True)
         self.steps[layer] += 1
+
+    def grad_sq(self, layer: int) -> float:
+        """The sum of squares of the layer's adapter gradients now (0 for a layer without adapters or gradients)."""
+        grads = [p.grad for p in self.params.get(layer, {}).values() if p.grad is not None]
+        return float(sum(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads))
 
     def drop_grads(self, layer: int) -> None:
         """Clear the layer's adapter gradients without a step (an evaluation window's backward made them)."""

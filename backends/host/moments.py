@@ -94,7 +94,7 @@ def state_shapes(numel: int, state: OptimizerState) -> dict[str, tuple[tuple[int
 def zero_state(numel: int, state: OptimizerState) -> dict[str, torch.Tensor]:
     """Fresh moments (zeros) of one parameter under `state`; 8bit: code of 0.0 in each map, absmax 0."""
     out = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in state_shapes(numel, state).items()}
-    if OptimizerState(state) == OptimizerState.INT8:
+    if OptimizerState(state).quantised:
         out["exp_avg"].fill_(int((maps(True)[0] == 0).nonzero()[0]))
         out["exp_avg_sq"].fill_(int((maps(False)[0] == 0).nonzero()[0]))
     return out
@@ -158,7 +158,7 @@ class _Step:
     def __init__(self, h: torch.Tensor, low: torch.Tensor, g: torch.Tensor, moments: dict[str, torch.Tensor],
                  state: OptimizerState, step_t: torch.Tensor, c: int, hp: dict[str, float]) -> None:
         self.state, self.step_t, self.c, self.hp = state, step_t, c, hp
-        self.quantised = state == OptimizerState.INT8
+        self.quantised = OptimizerState(state).quantised
         # Every chunk's views, made once per step (one `split` per tensor, not a slice per chunk and tensor):
         # hi as int16 and as bf16, lo as int16 and as uint16, grad, then bf16: m, v; 8bit: m codes,
         # v codes, m absmax, v absmax (as [blocks, 1] columns).

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from tinypipe.common.errors import InputError
-from tinypipe.common.units import GIB, MIB, parse_bytes
+from tinypipe.common.units import GIB, MIB
 from tinypipe.describe.hardware import Hardware
+from tinypipe.describe.target import host_mem_bytes
 from tinypipe.describe.thismachine import (
     HOST_MARGIN_FRACTION,
     host_limit_here,
@@ -42,7 +43,7 @@ def _size(b: int) -> str:
 def run_host_limit(hardware: Hardware, host_mem: str | None) -> tuple[int, str]:
     """The host bytes the run may take and a phrase saying where the figure comes from."""
     if host_mem:
-        return parse_bytes(host_mem, "--host-mem"), f"{host_mem} (--host-mem)"
+        return host_mem_bytes(host_mem), f"{host_mem} (--host-mem)"
     limit, said = host_limit_here(hardware, host_memory_here())
     return limit, said if limit >= GIB else f"{_size(limit)} ({said.split('(', 1)[1]}"
 

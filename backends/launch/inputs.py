@@ -1,4 +1,4 @@
-"""`tinypipe run`'s inputs checked before any worker starts: weights, checkpoint files, evaluation, clipping.
+"""`tinypipe run`'s inputs checked before any worker starts: weights, checkpoint files, evaluation, LoRA's libraries.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the data. `check_weights` reads only the headers: a shard that is
@@ -83,26 +83,58 @@ def check_weights(directory: Path, needed: Iterable[str]) -> None:
                          f"{', '.join(map(repr, missing[:3]))}")
 
 
-def check_eval(args: RunOptions, train: Batches, tokenizer: Tokenizer) -> None:
+def check_eval(opts: RunOptions, train: Batches, tokenizer: Tokenizer) -> None:
     """The held-out data: read, and at least one step of it."""
+    from tinypipe.describe.hubcache import is_hub_id
+
     from ..data.batches import make_batches
     from ..rank.evaluation import eval_steps
 
-    held = make_batches(args.eval_data or args.data, tokenizer=tokenizer, seq_len=args.seq_len,
-                        microbatch_size=train.microbatch_size, microbatches=train.microbatches, seed=args.seed,
-                        packing=args.packing, hold_out=0.0 if args.eval_data else (args.eval_fraction or 0.0),
-                        part="eval")
+    if opts.eval_data is not None and is_hub_id(opts.eval_data):
+        raise InputError(f"--eval-data {opts.eval_data}: a Hugging Face dataset is read as --data only (its "
+                         "--data-split); hold out a share of it with --eval-fraction, or give a held-out file")
+    held = make_batches(opts.eval_data or opts.data, tokenizer=tokenizer, seq_len=opts.seq_len,
+                        microbatch_size=train.microbatch_size, microbatches=train.microbatches, seed=opts.seed,
+                        packing=opts.packing, hold_out=0.0 if opts.eval_data else (opts.eval_fraction or 0.0),
+                        part="eval", split=None if opts.eval_data else opts.data_split,
+                        config=None if opts.eval_data else opts.data_config)
     need = train.microbatches * train.microbatch_size
     if eval_steps(held) < 1:
-        raise InputError(f"{args.eval_data or '--eval-fraction'}: {len(held.source)} held-out sequence(s) of "  # type: ignore[arg-type]
-                         f"{args.seq_len} tokens, fewer than one step's {need}; give more held-out data")
+        raise InputError(f"{opts.eval_data or '--eval-fraction'}: {len(held.source)} held-out sequence(s) of "  # type: ignore[arg-type]
+                         f"{opts.seq_len} tokens, fewer than one step's {need}; give more held-out data")
 
 
-def check_clip(policy: Policy) -> None:
-    """--max-grad-norm clips the host optimizer's gradients; a LoRA run's adapters step on the device."""
-    if policy.lora is not None:
-        raise InputError("--max-grad-norm: with --lora the adapters step on the device; clipping them is not "
-                         "supported yet")
+def check_lora_libraries(lora: LoraSpec | None) -> None:
+    """A LoRA run writes peft's adapter directory, and a 4-bit base is quantised by bitsandbytes: either missing
+    is refused here, in one line with its install command, before a step is trained."""
+    if lora is None:
+        return
+    from ..model import nf4
+
+    try:
+        with nf4.hub_kernels_hidden():  # peft imports bitsandbytes where it is installed
+            import peft  # noqa: F401
+    except ImportError:
+        raise InputError("--lora: the adapters are saved as a peft adapter directory, and peft is not installed; "
+                         "pip install 'tinypipe[lora]'") from None
+    if lora.nf4:
+        try:
+            nf4.functional()
+        except ImportError:
+            raise InputError("--load-in-4bit: the 4-bit base is quantised by bitsandbytes, which is not installed "
+                             f"or does not load here; {nf4.INSTALL}") from None
+
+
+def check_lora_policy(policy: Policy, given: str | None) -> None:
+    """A LoRA run's host holds one frozen copy of the base, in no host optimizer's layout: a policy file (`given`)
+    that asks for the replicated layout is refused (a preset's layout is its own, and unused under LoRA)."""
+    from tinypipe.policy import PRESETS
+    from tinypipe.policy.modes import HostMemory
+
+    if policy.lora is None or given is None or given in PRESETS or policy.host_memory == HostMemory.COMPACT:
+        return
+    raise InputError(f"--policy {given}: host_memory {policy.host_memory} with LoRA: the host holds one frozen copy of "
+                     "the base, no optimizer state to lay out; leave host_memory out of the policy")
 
 
 def check_rank_files(directory: Path, ranks: int) -> None:

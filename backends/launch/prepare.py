@@ -5,51 +5,51 @@ spawned: a model that cannot be found or trained, a data file that is not JSONL,
 does not fit the model or the devices (the compiler's checks, then the simulator's memory ledgers
 at the devices' capacities), more devices than exist, batch sizes that do not divide.
 
-The schedule is compiled for a `Hardware` describing where the run happens. On CUDA that is the
-shipped preset of the GPU model when one matches, else a description of the local GPUs; on the
-CPU backend, N worker processes stand in for GPUs and `cpu_hardware` describes them with rates
-measured in a fraction of a second (GEMM rate, copy bandwidth, AdamW rate): the simulator's
-prediction printed beside the measurement is made with it and an analytic trace.
+The schedule is compiled for a `Hardware` describing where the run happens (`devices.py`). On CUDA
+that is the shipped preset of the GPU model when one matches, else a description of the local GPUs;
+on the CPU backend, N worker processes stand in for GPUs and `cpu_hardware` describes them with
+rates measured in a fraction of a second: the simulator's prediction printed beside the measurement
+is made with it and an analytic trace.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from tinypipe.common.errors import InputError
 from tinypipe.common.table import gib
-from tinypipe.common.units import MIB, parse_bytes
 from tinypipe.compiler import WINDOW_ITERATIONS, window_steps
-from tinypipe.describe.hardware import GPU, HOST, Hardware, Host, Link, load_hardware, shipped_hardware
+from tinypipe.describe.hardware import Hardware
 from tinypipe.describe.model import ModelSpec
+from tinypipe.describe.target import gpu_mem_bytes
 from tinypipe.describe.trace import ProfileTrace, load_profiles, trace_for, unmatched_note
 from tinypipe.ir.schedule import Schedule
 from tinypipe.policy import Policy, load_policy
-from tinypipe.policy.lora_spec import LoraSpec, lora_from_args, lora_text
+from tinypipe.policy.lora_spec import LoraSpec, lora_text
 from tinypipe.sim import SimResult
 from tinypipe.sim.guard import simulate_policy
 
+from ..data.batches import Batches
+from ..data.tokenizers import Tokenizer
 from ..host.optim_rules import default_lr, lr_schedule, warmup_steps
 from ..host.state import AdamWConfig
 from ..model.hf import ModelSource, hf_name_maps
+from ..model.lora_adapters import expert_ranks
 from ..options.record import RunOptions
 from ..options.settings import DEFAULT_MICROBATCH_SIZE, DEFAULT_POLICY, rank_threads
 from ..rank.rss_guard import GuardSettings
 from ..rank.worker import Job
-from ..save.lora_save import check_adapter, lora_files
+from ..save.lora_save import LoraFiles, check_adapter, lora_files
 from .calibrate import calibrate_run
+from .devices import cpu_hardware, cuda_hardware, first_gpus
 from .hostfit import check_host_fits, run_host_limit
-from .inputs import check_checkpoint, check_clip, check_eval
+from .inputs import check_checkpoint, check_eval, check_lora_libraries, check_lora_policy
 
 MAX_CPU_WORKERS_PER_CORE = 4  # more CPU workers than this per core is a mistake, not a test
 
@@ -74,75 +74,16 @@ class RunPlan:
     data_lines: tuple[str, ...] = ()  # what the run read from --data (data.summary), printed under the header
 
 
-def _rate(fn: Callable[[], object], work: float, repeat: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return work / max(best, 1e-9)
-
-
-def cpu_hardware(workers: int, *, threads: int) -> Hardware:
-    """N CPU worker processes as stand-in GPUs, with rates measured here on `threads` threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = torch.randn(256, 256)
-        flops = _rate(lambda: [a @ a for _ in range(8)], 8 * 2 * 256**3)
-        src, dst = torch.empty(8 * MIB, dtype=torch.uint8), torch.empty(8 * MIB, dtype=torch.uint8)
-        gbps = _rate(lambda: dst.copy_(src), src.numel()) / 1e9
-        p = torch.zeros(1 << 18, requires_grad=True)
-        p.grad = torch.ones_like(p)
-        opt = torch.optim.AdamW([p], fused=True)
-        adam = _rate(opt.step, p.numel())
-    finally:
-        torch.set_num_threads(before)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cores = os.cpu_count() or 1
-    return Hardware(
-        name=f"cpu-x{workers}", provenance="measured",
-        source=f"this host's CPU as {workers} worker processes ({threads} thread(s) each): {flops / 1e9:.1f} GFLOP/s "
-               f"(fp32 GEMM 256^3), {gbps:.1f} GB/s copies, {adam / 1e6:.0f} M params/s fused AdamW, measured "
-               f"at start-up; all workers share the host's memory",
-        host=Host(memory_bytes=mem, dma_gbps=gbps, cpu_cores=cores, adam_params_per_s=adam),
-        gpus=tuple(GPU(f"gpu{i}", "CPU", mem, flops, gbps) for i in range(workers)), switches=("rc0",),
-        links=(Link(HOST, "rc0", "mem", gbps, 0.0),)
-        + tuple(Link("rc0", f"gpu{i}", "pcie", gbps, 2e-6) for i in range(workers)))
-
-
-def cuda_hardware(gpus: int, name: str | None) -> Hardware:
-    """`name` (a preset or file), else the shipped preset of the local GPU model with enough GPUs."""
-    if not torch.cuda.is_available():
-        raise InputError("--backend cuda: no CUDA device is available (torch.cuda.is_available() is false); "
-                         "use --backend cpu")
-    have = torch.cuda.device_count()
-    if gpus > have:
-        raise InputError(f"--gpus {gpus}: only {have} CUDA device{'s' if have != 1 else ''} here")
-    hw: Hardware | None = None
-    if name is not None:
-        hw = load_hardware(name)
-    else:
-        model = torch.cuda.get_device_name(0)
-        for preset in shipped_hardware():
-            cand = load_hardware(preset)
-            if cand.gpus[0].model.casefold() in model.casefold() and len(cand.gpus) >= gpus:
-                if hw is None or len(cand.gpus) < len(hw.gpus):
-                    hw = cand
-        if hw is None:
-            raise InputError(f"no shipped hardware preset describes {model!r}; give --hardware NAME|FILE "
-                             f"(presets: {', '.join(shipped_hardware())})")
-    if len(hw.gpus) < gpus:
-        raise InputError(f"--gpus {gpus}: hardware {hw.name} has only {len(hw.gpus)} GPUs")
-    return hw
-
-
 def _check_model(name: str) -> ModelSource:
-    """The model's source, its weights checked (index, shards, every tensor the model needs)."""
+    """The model's source, its weights checked (index, shards, every tensor the model needs); a Hugging Face Hub
+    id's weights and tokenizer in the Hugging Face cache (downloaded there if need be) before any worker reads them."""
+    from tinypipe.describe.hubcache import is_hub_id, model_dir
+
     from ..model.hf import load_source
     from .inputs import check_weights
 
+    if is_hub_id(name):
+        model_dir(name, weights=True)
     source = load_source(name)
     d = source.directory
     if d is not None and Path(name).is_dir() and not source.has_weights:
@@ -154,106 +95,155 @@ def _check_model(name: str) -> ModelSource:
     return source
 
 
-def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[str], None] | None = None
-                  ) -> RunPlan:
-    """Check the `tinypipe run` options and compile the schedule; InputError on any mistake.
-    A Namespace (the parsed command line) is settled first (`settings.settle`). `phase(text)` hears
-    what starts next (the CLI shows it as progress)."""
+def make_run_plan(opts: RunOptions, *, phase: Callable[[str], None] | None = None) -> RunPlan:
+    """Check the settled `tinypipe run` options (`settings.settle` builds them) and compile the schedule;
+    InputError on any mistake. `phase(text)` hears what starts next (the CLI shows it as progress)."""
     from ..data.addition import ADDITION
+    from ..data.tokenizers import load_tokenizer
+
+    guard = GuardSettings.from_env()  # the workers' host-memory guard (backends/rank/rss_guard.py)
+    if opts.backend == "cpu" and opts.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
+        raise InputError(f"--gpus {opts.gpus}: too many CPU workers for {os.cpu_count()} cores "
+                         f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
+    if opts.record is not None:  # --resume: the rank files complete and holding what meta.json says, before any work
+        check_checkpoint(opts.out, opts.record, opts.gpus)
+    say = phase or (lambda text: None)
+    profiles = load_profiles(opts.profile)  # measured traces (`tinypipe profile`)
+    # `--model` a peft adapter directory: its base model, and its LoraSpec (backends/save/lora_save.py)
+    files, base, adapter_lora = lora_files(opts.model, lora=opts.lora, optimizer_state=opts.optimizer_state,
+                                           merge=opts.merge, save=opts.save, save_every=opts.save_every)
+    opts = dataclasses.replace(opts, model=base)
+    say(f"checking the model {opts.model}")
+    source = _check_model(opts.model)
+    spec = source.spec
+    if opts.seq_len > spec.max_seq_len:
+        raise InputError(f"--seq-len {opts.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
+    data = None if opts.data is None or (opts.data == ADDITION and not Path(ADDITION).exists()) else opts.data
+    tokenizer = load_tokenizer(source.directory, vocab_size=spec.vocab_size,
+                               byte_tokens=data is None or opts.byte_tokens)
+    policy, pinned = _run_policy(opts, source, files, adapter_lora)
+    opts, batches = _batches(opts, data, tokenizer, policy, say)
+    machine = _machine(opts, spec, policy, profiles, say)
+    evaluating = bool(opts.eval_data or opts.eval_fraction)
+    eval_every = (opts.eval_every or max(1, opts.steps // 10)) if evaluating else 0
+    iterations = window_steps(0, iterations=WINDOW_ITERATIONS, steps=opts.steps,
+                              every=(opts.checkpoint_every, opts.save_every, eval_every))
+    say("compiling and simulating the schedule")
+    policy, compiled, (schedule, prediction), spread_note = _schedule(opts, spec, policy, pinned, machine, iterations)
+    note = "\n".join(n for n in (machine.note, spread_note) if n is not None) or None
+    job = _job(opts, spec, policy, schedule, machine, data=data, eval_every=eval_every, files=files, guard=guard)
+    return RunPlan(job=job, world=opts.gpus, policy=policy, spec=spec, hardware=machine.hardware, trace=machine.trace,
+                   schedule=schedule, prediction=prediction, batch_tokens=opts.batch_tokens, addition_task=data is None,
+                   note=note, compiled_policy=compiled, calibration=machine.calibration, data_lines=batches.lines())
+
+
+def _run_policy(opts: RunOptions, source: ModelSource, files: LoraFiles, adapter_lora: LoraSpec | None
+                ) -> tuple[Policy, Policy]:
+    """The run's policy with the microbatch count of --batch-tokens, and what the schedule is compiled from: the
+    same, with a resumed run's packs pinned on its ranks (the packer's choice may depend on rates measured now)."""
+    policy = _policy(opts, adapter_lora)
+    check_lora_policy(policy, opts.policy)
+    if opts.record and opts.policy is None and isinstance(opts.record.get("policy"), dict):
+        policy = Policy.from_json(opts.record["policy"], where=f"{opts.out}: the checkpoint's policy")
+    check_lora_libraries(policy.lora)
+    if policy.lora is not None and source.spec.is_moe:  # InputError for what peft refuses on a MoE model's experts
+        expert_ranks(policy.lora)
+    if files.adapter is not None and policy.lora is not None:  # an adapter made for another base is refused here
+        check_adapter(files.adapter, source.spec, hf_name_maps(source.config), policy.lora, opts.model)
+    packs = opts.record.get("pack_sizes") if opts.record else None
+    pinned = policy if packs is None or opts.record is None else policy.replace(
+        packing=tuple(packs), mapping=tuple(opts.record["pack_gpu"]))
+    tokens_per_mb = policy.microbatch_size * opts.seq_len
+    if opts.batch_tokens % tokens_per_mb:
+        raise InputError(f"--batch-tokens {opts.batch_tokens}: not a multiple of the microbatch "
+                         f"({policy.microbatch_size} sequences x {opts.seq_len} tokens = {tokens_per_mb})")
+    policy = policy.replace(microbatches=opts.batch_tokens // tokens_per_mb)
+    return policy, pinned.replace(microbatches=policy.microbatches)
+
+
+def _batches(opts: RunOptions, data: str | None, tokenizer: Tokenizer, policy: Policy, say: Callable[[str], None]
+             ) -> tuple[RunOptions, Batches]:
+    """The training data as the run's steps (the options with --epochs' step count), the held-out data and the
+    first step checked."""
     from ..data.batches import make_batches
     from ..data.examples import PackedSequences
-    from ..data.tokenizers import load_tokenizer
-    from ..options.settings import record, settle
     from ..rank.interpreter import ExecutionError
     from ..rank.worker import step_data
 
-    args = settle(options)  # defaults or the resumed run's record; numbers and output paths checked
-    guard = GuardSettings.from_env()  # the workers' host-memory guard (backends/rank/rss_guard.py)
-    if args.backend == "cpu" and args.gpus > MAX_CPU_WORKERS_PER_CORE * (os.cpu_count() or 1):
-        raise InputError(f"--gpus {args.gpus}: too many CPU workers for {os.cpu_count()} cores "
-                         f"(at most {MAX_CPU_WORKERS_PER_CORE} per core)")
-    if args.record is not None:  # --resume: the rank files complete and holding what meta.json says, before any work
-        check_checkpoint(args.out, args.record, args.gpus)
-    say = phase or (lambda text: None)
-    profiles = load_profiles(args.profile)  # measured traces (`tinypipe profile`)
-    # `--model` a peft adapter directory: its base model, and its LoraSpec (backends/save/lora_save.py)
-    files, base, adapter_lora = lora_files(args)
-    args = dataclasses.replace(args, model=base)
-    say(f"checking the model {args.model}")
-    source = _check_model(args.model)
-    spec = source.spec
-    if args.seq_len > spec.max_seq_len:
-        raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
-    data = None if args.data is None or (args.data == ADDITION and not Path(ADDITION).exists()) else args.data
-    addition = data is None
-    tokenizer = load_tokenizer(source.directory, vocab_size=spec.vocab_size, byte_tokens=addition or args.byte_tokens)
-    policy = _policy(args, adapter_lora)
-    if args.record and args.policy is None and isinstance(args.record.get("policy"), dict):
-        policy = Policy.from_json(args.record["policy"], where=f"{args.out}: the checkpoint's policy")
-    if files.adapter is not None and policy.lora is not None:  # an adapter made for another base is refused here
-        check_adapter(files.adapter, spec, hf_name_maps(source.config), policy.lora, args.model)
-    packs = args.record.get("pack_sizes") if args.record else None
-    pinned = policy if packs is None or args.record is None else policy.replace(
-        packing=tuple(packs), mapping=tuple(args.record["pack_gpu"]))
-    tokens_per_mb = policy.microbatch_size * args.seq_len
-    if args.batch_tokens % tokens_per_mb:
-        raise InputError(f"--batch-tokens {args.batch_tokens}: not a multiple of the microbatch "
-                         f"({policy.microbatch_size} sequences x {args.seq_len} tokens = {tokens_per_mb})")
-    policy = policy.replace(microbatches=args.batch_tokens // tokens_per_mb)
     if data is not None:
         say(f"reading and tokenizing {data}")
-    batches = make_batches(data, tokenizer=tokenizer, seq_len=args.seq_len, microbatch_size=policy.microbatch_size,
-                           microbatches=policy.microbatches, seed=args.seed, packing=args.packing,
-                           hold_out=0.0 if args.eval_data else (args.eval_fraction or 0.0))
-    if args.epochs is not None and not args.resume and isinstance(batches.source, PackedSequences):
-        args = dataclasses.replace(args, steps=max(1, math.ceil(args.epochs * len(batches.source)
-                                                                * args.seq_len / args.batch_tokens)))
-    evaluating = bool(args.eval_data or args.eval_fraction)
-    if evaluating:
-        check_eval(args, batches, tokenizer)
-    first = int(args.record["step"]) if args.record else 0
+    batches = make_batches(data, tokenizer=tokenizer, seq_len=opts.seq_len, microbatch_size=policy.microbatch_size,
+                           microbatches=policy.microbatches, seed=opts.seed, packing=opts.packing,
+                           hold_out=0.0 if opts.eval_data else (opts.eval_fraction or 0.0), split=opts.data_split,
+                           config=opts.data_config)
+    if opts.epochs is not None and not opts.resume and isinstance(batches.source, PackedSequences):
+        opts = dataclasses.replace(opts, steps=max(1, math.ceil(opts.epochs * len(batches.source)
+                                                                * opts.seq_len / opts.batch_tokens)))
+    if opts.eval_data or opts.eval_fraction:
+        check_eval(opts, batches, tokenizer)
+    first = int(opts.record["step"]) if opts.record else 0
     try:
         step_data(batches, first)
     except ExecutionError as exc:
-        raise InputError(f"--seq-len {args.seq_len}: {exc}; give longer sequences") from None
-    # a resumed run keeps its packs on its ranks (the packer's choice may depend on rates measured now)
-    pinned = pinned.replace(microbatches=policy.microbatches)
-    threads = max(1, (os.cpu_count() or 1) // args.gpus)
-    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
-    if gpu_mem is not None and args.backend != "cuda":
+        raise InputError(f"--seq-len {opts.seq_len}: {exc}; give longer sequences") from None
+    return opts, batches
+
+
+@dataclass(frozen=True)
+class _Machine:
+    """Where the run happens and what it plans with: the hardware (calibrated), the compute dtype, the GPU cap,
+    whether blocks compile, the trace, a note on the traces, and the calibration's line."""
+
+    hardware: Hardware
+    dtype: str
+    gpu_mem: int | None
+    compile_blocks: bool
+    trace: ProfileTrace
+    note: str | None
+    calibration: str | None
+
+
+def _machine(opts: RunOptions, spec: ModelSpec, policy: Policy, profiles: tuple[ProfileTrace, ...],
+             say: Callable[[str], None]) -> _Machine:
+    """The devices (CUDA's preset, or this CPU measured as stand-in GPUs), calibrated to this host, and the trace."""
+    threads = max(1, (os.cpu_count() or 1) // opts.gpus)
+    gpu_mem = gpu_mem_bytes(opts.gpu_mem) if opts.gpu_mem else None
+    if gpu_mem is not None and opts.backend != "cuda":
         raise InputError("--gpu-mem: only with --backend cuda (CPU workers have no device memory to cap)")
-    if args.backend == "cuda":
-        hardware = cuda_hardware(args.gpus, args.hardware)
-        dtype = args.dtype or "bf16"
+    if opts.backend == "cuda":
+        hardware = cuda_hardware(opts.gpus, opts.hardware)
+        dtype = opts.dtype or "bf16"
         if gpu_mem is not None and gpu_mem > min(g.memory_bytes for g in hardware.gpus):
-            raise InputError(f"--gpu-mem {args.gpu_mem}: more than the {gib(hardware.gpus[0].memory_bytes)} "
+            raise InputError(f"--gpu-mem {opts.gpu_mem}: more than the {gib(hardware.gpus[0].memory_bytes)} "
                              f"of {hardware.gpus[0].model}")
     else:
-        say(f"measuring this CPU as {args.gpus} worker(s)")
-        hardware = cpu_hardware(args.gpus, threads=threads)
-        dtype = args.dtype or "fp32"
-    if len(hardware.gpus) > args.gpus:
-        hardware = _first_gpus(hardware, args.gpus)
-    compile_blocks = args.backend == "cuda" if args.compile is None else args.compile
+        say(f"measuring this CPU as {opts.gpus} worker(s)")
+        hardware = cpu_hardware(opts.gpus, threads=threads)
+        dtype = opts.dtype or "fp32"
+    if len(hardware.gpus) > opts.gpus:
+        hardware = first_gpus(hardware, opts.gpus)
+    compile_blocks = opts.backend == "cuda" if opts.compile is None else opts.compile
     lora = lora_text(policy.lora)
-    asked = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=profiles,
+    asked = trace_for(spec, hardware.gpus[0], policy.microbatch_size, opts.seq_len, dtype, profiles=profiles,
                       compiled=compile_blocks, lora=lora)
     note = unmatched_note(profiles, asked, spec, compiled=compile_blocks)
     hardware, planning, calibration = calibrate_run(
-        args.calibrate or "auto", args.backend, hardware, profiles, say=say, dtype=dtype,
-        threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1))
-    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, args.seq_len, dtype, profiles=planning,
+        opts.calibrate or "auto", opts.backend, hardware, profiles, say=say, dtype=dtype,
+        threads=rank_threads(opts.backend, opts.gpus, os.cpu_count() or 1))
+    trace = trace_for(spec, hardware.gpus[0], policy.microbatch_size, opts.seq_len, dtype, profiles=planning,
                       compiled=compile_blocks, lora=lora)
-    eval_every = (args.eval_every or max(1, args.steps // 10)) if evaluating else 0
-    iterations = window_steps(0, iterations=WINDOW_ITERATIONS, steps=args.steps,
-                              every=(args.checkpoint_every, args.save_every, eval_every))
-    say("compiling and simulating the schedule")
-    clip = args.max_grad_norm is not None
-    if clip:
-        check_clip(policy)
+    return _Machine(hardware, dtype, gpu_mem, compile_blocks, trace, note, calibration)
+
+
+def _schedule(opts: RunOptions, spec: ModelSpec, policy: Policy, pinned: Policy, m: _Machine, iterations: int
+              ) -> tuple[Policy, Policy, tuple[Schedule, SimResult], str | None]:
+    """The compiled schedule and its prediction, checked against the host's and the GPUs' memory; a policy that
+    leaves a GPU without a pack gives way, in the default job, to one that spreads its layers (with a note).
+    Returns the policy, what the schedule was compiled from, the schedule and prediction, and that note."""
+    hardware, trace, gpu_mem = m.hardware, m.trace, m.gpu_mem
+    clip = opts.max_grad_norm is not None
     schedule, prediction = _compile(pinned, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip)
-    compiled = pinned
-    check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, args.host_mem),
+    check_host_fits(pinned, prediction.peak_host_bytes, run_host_limit(hardware, opts.host_mem),
                     lambda p: _host_peak(p, spec, hardware, trace, iterations, gpu_mem, grad_clip=clip))
     if not prediction.fits:
         cap = "" if gpu_mem is None else f" with --gpu-mem {gib(gpu_mem)}"
@@ -262,59 +252,64 @@ def make_run_plan(options: RunOptions | argparse.Namespace, *, phase: Callable[[
         raise InputError(f"policy {policy.name!r} does not fit {spec.name} on {hardware.name}{cap}: "
                          f"{prediction.violation}{kept}")
     used = sorted(set(schedule.pack_gpu))
-    if used != list(range(args.gpus)):
-        spread = _on_every_gpu(policy, spec, hardware, trace, iterations, grad_clip=clip)
-        why = (f"policy {policy.name!r} puts packs on GPUs {used}, but the run has --gpus {args.gpus}: every GPU "
-               "needs at least one pack" + (f" ({spec.name} ties its LM head to its token embedding, so the head's "
-                                            "pack runs on the first pack's GPU)" if spec.tied_embeddings else ""))
-        if spread is None:
-            raise InputError(f"{why}; no policy with more packs fits either: try fewer --gpus")
-        if args.policy is not None or packs is not None:  # the user's choice: say what works instead
-            change = {"packing": spread[0].packing, "num_packs": spread[0].num_packs, "mapping": spread[0].mapping}
-            raise InputError(f"{why}; with {json.dumps(change)} in the policy it runs here")
-        policy, (schedule, prediction) = spread  # the default job: take the spread-out variant
-        compiled = policy
-        spread_note = (f"note: the {policy.name} policy leaves a GPU without a pack here, so its {len(spec.layers)} "
-                       f"layers run in {policy.num_packs} balanced packs dealt round-robin")
-        note = spread_note if note is None else f"{note}\n{spread_note}"
-    lr = default_lr(spec.params) if args.lr is None else args.lr
-    warm = warmup_steps(args.steps, steps=args.warmup_steps, ratio=args.warmup_ratio)
-    out = args.out
-    identity = {"model": args.model, "data": args.data, "seed": args.seed, "seq_len": args.seq_len,
-                "batch_tokens": args.batch_tokens, "gpus": args.gpus, "policy": policy.to_json(),
-                "lr": lr, "betas": list(args.betas), "eps": args.eps, "weight_decay": args.weight_decay,
-                "dtype": dtype, "pack_sizes": [len(p) for p in schedule.pack_layers],
-                "pack_gpu": list(schedule.pack_gpu)}
-    from ..options.frugal import check_disk
+    if used == list(range(opts.gpus)):
+        return policy, pinned, (schedule, prediction), None
+    spread = _on_every_gpu(policy, spec, hardware, trace, iterations, grad_clip=clip)
+    why = (f"policy {policy.name!r} puts packs on GPUs {used}, but the run has --gpus {opts.gpus}: every GPU "
+           "needs at least one pack" + (f" ({spec.name} ties its LM head to its token embedding, so the head's "
+                                        "pack runs on the first pack's GPU)" if spec.tied_embeddings else ""))
+    if spread is None:
+        raise InputError(f"{why}; no policy with more packs fits either: try fewer --gpus")
+    if opts.policy is not None or (opts.record.get("pack_sizes") if opts.record else None) is not None:
+        change = {"packing": spread[0].packing, "num_packs": spread[0].num_packs, "mapping": spread[0].mapping}
+        raise InputError(f"{why}; with {json.dumps(change)} in the policy it runs here")  # the user's choice
+    policy = spread[0]  # the default job: take the spread-out variant
+    return policy, policy, spread[1], (f"note: the {policy.name} policy leaves a GPU without a pack here, so its "
+                                       f"{len(spec.layers)} layers run in {policy.num_packs} balanced packs dealt "
+                                       "round-robin")
 
-    save_dtype = args.save_dtype or model_dtype(args.model)
-    check_disk(out, spec, schedule, keep=args.keep_checkpoints, checkpoints=True, save_dtype=save_dtype,
-               save_model=args.save or bool(args.save_every), merge=args.merge,
-               model_copies=1 + (args.steps // args.save_every if args.save_every else 0))
-    if args.resume:  # the same checks the workers make, before any of them starts
+
+def _job(opts: RunOptions, spec: ModelSpec, policy: Policy, schedule: Schedule, m: _Machine, *, data: str | None,
+         eval_every: int, files: LoraFiles, guard: GuardSettings) -> Job:
+    """What the workers execute; the disk checked for the run's outputs, a resumed run's checkpoint for its
+    identity."""
+    from ..options.frugal import check_disk
+    from ..options.settings import record
+
+    lr = default_lr(spec.params) if opts.lr is None else opts.lr
+    warm = warmup_steps(opts.steps, steps=opts.warmup_steps, ratio=opts.warmup_ratio)
+    out = opts.out
+    identity = {"model": opts.model, "data": opts.data, "seed": opts.seed, "seq_len": opts.seq_len,
+                "batch_tokens": opts.batch_tokens, "gpus": opts.gpus, "policy": policy.to_json(),
+                "lr": lr, "betas": list(opts.betas), "eps": opts.eps, "weight_decay": opts.weight_decay,
+                "dtype": m.dtype, "pack_sizes": [len(p) for p in schedule.pack_layers],
+                "pack_gpu": list(schedule.pack_gpu)}
+    save_dtype = opts.save_dtype or model_dtype(opts.model)
+    check_disk(out, spec, schedule, keep=opts.keep_checkpoints, checkpoints=True, save_dtype=save_dtype,
+               save_model=opts.save or bool(opts.save_every), merge=opts.merge,
+               model_copies=1 + (opts.steps // opts.save_every if opts.save_every else 0))
+    if opts.resume:  # the same checks the workers make, before any of them starts
         from ..save import checkpoint
 
         found = checkpoint.find(out)
         assert found is not None  # settle read it
         checkpoint.read_meta(found, identity)
-    job = Job(model=args.model, schedule=schedule, steps=args.steps, seq_len=args.seq_len,
-              microbatch_size=policy.microbatch_size, data=data, seed=args.seed,
-              byte_tokens=args.byte_tokens, packing=args.packing, save_every=args.save_every, grad_norm=args.grad_norm,
-              max_grad_norm=args.max_grad_norm, eval_data=args.eval_data, eval_fraction=args.eval_fraction or 0.0,
-              eval_every=eval_every,
-              save_dtype=save_dtype, save_model=args.save,
-              optim=AdamWConfig(lr=lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
-                                schedule=lr_schedule(lr, args.lr_schedule, args.lr_schedule_kwargs, warm, args.steps),
-                                decay_exempt=not args.decay_all),
-              backend=args.backend, out=out,
-              checkpoint_every=args.checkpoint_every, checkpoint_s=60.0 * args.checkpoint_minutes,
-              resume=args.resume, identity=identity, record=record(args), gpu_mem_bytes=gpu_mem,
-              keep_checkpoints=args.keep_checkpoints,
-              threads=rank_threads(args.backend, args.gpus, os.cpu_count() or 1),
-              compile_blocks=compile_blocks, trace_memory=args.trace_memory, lora_files=files, rss_guard=guard)
-    return RunPlan(job=job, world=args.gpus, policy=policy, spec=spec, hardware=hardware, trace=trace,
-                   schedule=schedule, prediction=prediction, batch_tokens=args.batch_tokens, addition_task=addition,
-                   note=note, compiled_policy=compiled, calibration=calibration, data_lines=batches.lines())
+    return Job(model=opts.model, schedule=schedule, steps=opts.steps, seq_len=opts.seq_len,
+               microbatch_size=policy.microbatch_size, data=data, data_split=opts.data_split,
+               data_config=opts.data_config, seed=opts.seed,
+               byte_tokens=opts.byte_tokens, packing=opts.packing, save_every=opts.save_every, grad_norm=opts.grad_norm,
+               max_grad_norm=opts.max_grad_norm, eval_data=opts.eval_data, eval_fraction=opts.eval_fraction or 0.0,
+               eval_every=eval_every, report_to=opts.report_to,
+               save_dtype=save_dtype, save_model=opts.save,
+               optim=AdamWConfig(lr=lr, betas=opts.betas, eps=opts.eps, weight_decay=opts.weight_decay,
+                                 schedule=lr_schedule(lr, opts.lr_schedule, opts.lr_schedule_kwargs, warm, opts.steps),
+                                 decay_exempt=not opts.decay_all),
+               backend=opts.backend, out=out,
+               checkpoint_every=opts.checkpoint_every, checkpoint_s=60.0 * opts.checkpoint_minutes,
+               resume=opts.resume, identity=identity, record=record(opts), gpu_mem_bytes=m.gpu_mem,
+               keep_checkpoints=opts.keep_checkpoints,
+               threads=rank_threads(opts.backend, opts.gpus, os.cpu_count() or 1),
+               compile_blocks=m.compile_blocks, trace_memory=opts.trace_memory, lora_files=files, rss_guard=guard)
 
 
 def _compile(policy: Policy, spec: ModelSpec, hardware: Hardware, trace: ProfileTrace,
@@ -363,32 +358,25 @@ def model_dtype(model: str) -> str:
     return SAVE_DTYPES.get(str(given), "fp32")
 
 
-def _policy(args: RunOptions, adapter_lora: LoraSpec | None = None) -> Policy:
+def _policy(opts: RunOptions, adapter_lora: LoraSpec | None = None) -> Policy:
     """--policy (default: the embedded job's preset and microbatch size), --microbatch-size over it; LoRA from
     --lora, else from the adapter directory `--model` names (`adapter_lora`)."""
-    policy = load_policy(args.policy or DEFAULT_POLICY)
-    size = args.microbatch_size
-    if size is None and not args.policy:
+    policy = load_policy(opts.policy or DEFAULT_POLICY)
+    size = opts.microbatch_size
+    if size is None and not opts.policy:
         size = DEFAULT_MICROBATCH_SIZE
     if size is not None:
         if size < 1:
             raise InputError(f"--microbatch-size: must be >= 1, got {size}")
         policy = policy.replace(microbatch_size=size)
-    if getattr(args, "optimizer_state", None) is not None:
-        policy = policy.replace(optimizer_state=args.optimizer_state)
-    lora = lora_from_args(args) or adapter_lora
+    if opts.optimizer_state is not None:
+        policy = policy.replace(optimizer_state=opts.optimizer_state)
+    if adapter_lora is not None and opts.lora is None and opts.load_in_4bit:  # an adapter continued on a 4-bit base
+        adapter_lora, opts = dataclasses.replace(adapter_lora, nf4=True), dataclasses.replace(opts, load_in_4bit=False)
+    lora = opts.lora_spec() or adapter_lora
     if lora is not None:
         if lora.dropout > 0 and policy.recompute:
             raise InputError(f"--lora-dropout {lora.dropout:g}: needs a policy without recompute (a recomputed "
                              "forward would draw other dropout masks than the one its input came from)")
         policy = policy.replace(lora=lora)
     return policy
-
-
-def _first_gpus(hw: Hardware, n: int) -> Hardware:
-    """`hw` restricted to its first n GPUs (links to the others dropped)."""
-    keep = {f"gpu{i}" for i in range(n)}
-    links = tuple(x for x in hw.links if not (x.a.startswith("gpu") and x.a not in keep)
-                  and not (x.b.startswith("gpu") and x.b not in keep))
-    return Hardware(name=f"{hw.name}[:{n}]", provenance=hw.provenance, source=hw.source, host=hw.host,
-                    gpus=hw.gpus[:n], switches=hw.switches, links=links, gpu_p2p=hw.gpu_p2p)

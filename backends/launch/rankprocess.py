@@ -6,6 +6,7 @@ torchrun); the rest is what a clean start and teardown of its process group need
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -91,9 +92,10 @@ def process_main(local_rank: int, job: Job, world: int, init_method: str, result
         comm = DistComm(rank, world, backend=backend)
         group = DistGroup(rank, world, backend)
         if env_rank is not None:  # torchrun: each process planned for itself; rank 0's plan is the one run
-            box = [job]
+            feed = job.feed  # the Python API's callback stays in rank 0's process, where train() was called
+            box = [dataclasses.replace(job, feed=None)]
             dist.broadcast_object_list(box, src=0, group=group.group)
-            job = box[0]
+            job = dataclasses.replace(box[0], feed=feed if rank == 0 else None)
         # clipping: the optimizer threads all-reduce each step's gradient norm in a group of their own
         norms = DistGroup(rank, world, backend, own_group=True) if job.schedule.grad_clip else None
         result = train_rank(job, rank, world, comm, group, stop=stop, local_rank=local_rank, norms=norms)

@@ -1,20 +1,22 @@
-"""`tinypipe run`: settle the options, plan the run, start the workers, then print the report.
+"""`tinypipe run`: plan the run from its settled options, start the workers, then print the report.
 
 With no arguments it runs the embedded job: the tiny byte-level Llama (`tiny-llama`) learning
 multi-digit addition generated from the seed, on 2 CPU worker processes. The options are
-registered in `run_flags`, settled into a `RunOptions` in `settings`, planned in `prepare`; the
+registered in `run_flags`, settled into a `RunOptions` in `settings` (by the CLI), planned in `prepare`; the
 report (`run_report.summary`) shows the loss curve, held-out addition accuracy before and after (for
 the embedded task), tokens/s, peak device and host memory with bytes per parameter, and the
-simulator's prediction for the same schedule beside each measurement.
+simulator's prediction for the same schedule beside each measurement. `execute` is the command's body,
+which the Python API (`tinypipe.train`) calls too, with a callback that hears each step's metrics.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only when this imports
     raise ImportError("torch is not installed")
@@ -22,17 +24,41 @@ if importlib.util.find_spec("torch") is None:  # the CLI registers `run` only wh
 from .run_report import header, summary  # noqa: E402 - after the torch check
 from .runtrace import save_trace  # noqa: E402 - after the torch check
 
+if TYPE_CHECKING:
+    from ..options.record import RunOptions
+    from ..rank.stepfeed import LocalFeed
+    from ..rank.worker import RankResult
+    from .prepare import RunPlan
+
 ACCURACY_MAX_PARAMS = 100_000_000  # larger models train on the addition task unscored (minutes of CPU forward)
 
 
-def run_main(args: argparse.Namespace) -> int:
-    """The `tinypipe run` command; returns the exit code (user mistakes raise InputError)."""
+@dataclass(frozen=True)
+class RunOutcome:
+    """What a run on rank 0 ended with: its plan, every rank's result, the held-out addition accuracy before
+    and after (None: not measured), the report it printed, and its exit code (130: stopped early)."""
+
+    plan: RunPlan
+    results: list[RankResult]
+    before: float | None
+    after: float | None
+    report: str
+    code: int
+
+
+def run_main(opts: RunOptions) -> int:
+    """The `tinypipe run` command on its settled options (`settings.settle`); returns the exit code (user mistakes
+    raise InputError)."""
+    outcome = execute(opts)
+    return 0 if outcome is None else outcome.code
+
+
+def execute(opts: RunOptions, *, feed: LocalFeed | None = None) -> RunOutcome | None:
+    """Plan, train, report (on stdout) on the settled options; None on a torchrun rank other than 0. `feed`: the
+    Python API's callback, which hears rank 0's metrics rows and may stop the run (`stepfeed`)."""
     from tinypipe.common.errors import CapacityError, InputError
     from tinypipe.common.progress import Progress
 
-    from ..options.settings import settle
-
-    opts = settle(args)  # before any heavy import: numbers, optimizer settings, output paths, --resume record
     lead = int(os.environ.get("RANK", "0")) == 0  # torchrun starts every rank here; rank 0 reports
     note = Progress("run") if lead else None
 
@@ -58,11 +84,11 @@ def run_main(args: argparse.Namespace) -> int:
         phase("measuring held-out addition accuracy before training")
         before = addition_accuracy(plan.job.model, plan.job.seed)
     phase(f"starting {plan.world} {plan.job.backend} worker process(es)")
-    results = launch(plan.job, plan.world)
+    results = launch(dataclasses.replace(plan.job, feed=feed), plan.world)
     if note is not None:
         note.close()
     if results is None:  # a torchrun rank other than 0
-        return 0
+        return None
     interrupted = any(r.interrupted for r in results)
     low = next((r.low_memory for r in sorted(results, key=lambda r: r.rank) if r.low_memory), None)
     if interrupted and low is not None:  # the guard stopped the run, which saved no model at the stop
@@ -81,12 +107,14 @@ def run_main(args: argparse.Namespace) -> int:
             save_trace(plan, results, opts.trace)
         except OSError as exc:
             trace_error = f"--trace {opts.trace}: cannot write ({exc.strerror or exc}); the run itself is complete"
-    print(summary(plan, results, before, after, trace_path=None if trace_error else opts.trace))
+    report = summary(plan, results, before, after, trace_path=None if trace_error else opts.trace)
+    print(report)
     if interrupted and low is not None:
         raise CapacityError(stop_line(low, plan.job.out))
     if trace_error:
         raise InputError(trace_error)
-    return 130 if interrupted else 0
+    return RunOutcome(plan=plan, results=results, before=before, after=after, report=report,
+                      code=130 if interrupted else 0)
 
 
 def addition_accuracy(model: str, seed: int, *, base: str | None = None) -> float:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from tinypipe.describe.layershape import borrowed_from
 from tinypipe.ir.timeline import Timeline
-from tinypipe.policy.modes import HostMemory
 
 from ..rank.cpustat import NOTABLE_STEAL
 from ..rank.evaluation import EVAL_SPAN
@@ -95,11 +94,12 @@ def _host_lines(plan: RunPlan, results: Sequence[RankResult]) -> list[str]:
     for r in results:
         f = (host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, layers=tuple(r.layers),
                         optimizer=plan.policy.optimizer, grad_clip=sched.grad_clip) if sched.lora is None
-             else frozen_host_bytes(spec, compute_dtype=sched.compute_dtype, layers=tuple(r.layers)))
+             else frozen_host_bytes(spec, compute_dtype=sched.compute_dtype, layers=tuple(r.layers),
+                                    nf4=sched.lora.nf4))
         per_rank += f.total_bytes - (0 if pinned else f.pinned_rounding_bytes)
     whole = (host_bytes(spec, sched.host_memory, compute_dtype=sched.compute_dtype, optimizer=plan.policy.optimizer,
                         grad_clip=sched.grad_clip)
-             if sched.lora is None else frozen_host_bytes(spec, compute_dtype=sched.compute_dtype))
+             if sched.lora is None else frozen_host_bytes(spec, compute_dtype=sched.compute_dtype, nf4=sched.lora.nf4))
     parts = ", ".join(f"{label} {held[k] / n:.2f}" for k, label in HELD_PARTS if held[k])
     rss = sum(r.peak_rss_bytes for r in results)
     layout = sched.host_memory if sched.lora is None else f"frozen base, LoRA {sched.lora.text()}"
@@ -107,7 +107,7 @@ def _host_lines(plan: RunPlan, results: Sequence[RankResult]) -> list[str]:
            f"          formula {per_rank / n:.2f} B/param for the layers each of the {len(results)} rank(s) holds "
            f"({whole.bytes_per_param:.2f} for the whole model on one rank); it leaves out the optimizer scratch, "
            f"stale copies ({(held['scratch_bytes'] + held['stale_bytes']) / n:.2f}) and AdamW's step counters"]
-    if len(results) > 1 and sched.host_memory == HostMemory.COMPACT and per_rank > whole.total_bytes * 1.05:
+    if len(results) > 1 and sched.host_memory.grad_ring and per_rank > whole.total_bytes * 1.05:
         out.append(f"          each rank has its own gradient ring and scratch, sized by its largest layer: on a model "
                    f"of {n:,} parameters they weigh as much as the per-parameter state")
     out.append(f"          predicted peak {_mib(sim.peak_host_bytes)}; peak RSS of the workers {_mib(rss)}")
@@ -171,6 +171,18 @@ def _issue_lines(tl: Timeline, results: Sequence[RankResult], iteration_s: float
     return [f"host      main thread issuing the GPU's work: {text} of each steady step{hint}"]
 
 
+def _evaluating(results: Sequence[RankResult]) -> dict[int, list[tuple[float, float]]]:
+    """Each rank's held-out evaluations (start, end), which its training speed leaves out."""
+    return {r.rank: [(a, b) for name, a, b in r.host if name == EVAL_SPAN] for r in results}
+
+
+def steady_step_s(plan: RunPlan, results: Sequence[RankResult]) -> float:
+    """The steady step's seconds the report's `speed` line measures (0 when no step ran)."""
+    if not any(r.steps_run for r in results):
+        return 0.0
+    return steady_summary(timeline(plan, list(results)), pauses=common(_evaluating(results).values()))[0]
+
+
 def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, after: float | None, *,
             trace_path: str | None = None) -> str:
     """The end-of-run report for people."""
@@ -185,7 +197,7 @@ def summary(plan: RunPlan, results: Sequence[RankResult], before: float | None, 
         return "\n".join([done, f"saved     {plan.job.out} at step {plan.job.steps}, nothing left to train "
                                 f"(AutoModelForCausalLM.from_pretrained loads it)"])
     tl = timeline(plan, list(results))
-    evaluating = {r.rank: [(a, b) for name, a, b in r.host if name == EVAL_SPAN] for r in results}
+    evaluating = _evaluating(results)
     iteration_s, how = steady_summary(tl, pauses=common(evaluating.values()))  # while every rank evaluated
     tokens = plan.batch_tokens
     measured_tps = tokens / iteration_s if iteration_s > 0 else 0.0

@@ -5,7 +5,9 @@ is one rank; otherwise one CPU rank runs in this process, and more ranks (or any
 spawned with `torch.multiprocessing` (gloo on CPU, NCCL on CUDA), meeting through a file store in
 a fresh temporary directory. A rank that fails brings the
 others down (spawn terminates them) and its error comes back as one line. Rank 0 gathers every
-rank's `RankResult`; `launch` returns them on rank 0 and None on the other torchrun ranks.
+rank's `RankResult`; `launch` returns them on rank 0 and None on the other torchrun ranks. A job with the
+Python API's callback (`stepfeed.LocalFeed`) hears spawned rank 0's metrics rows through a queue, relayed here
+while the ranks run.
 
 `run_threads` runs the ranks as threads of this process with in-process transfers: for tests.
 """
@@ -13,6 +15,7 @@ rank's `RankResult`; `launch` returns them on rank 0 and None on the other torch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -31,8 +34,11 @@ from tinypipe.common.errors import TinypipeError
 
 from ..rank.comm import LocalComm
 from ..rank.groups import LocalGroup
+from ..rank.stepfeed import LocalFeed, spawned_feed
 from ..rank.worker import Job, RankResult, train_rank
 from .rankprocess import process_main
+
+FEED_POLL_S = 0.1  # how often the launcher relays rank 0's metrics rows to the Python API's callback
 
 
 class WorkerError(TinypipeError):
@@ -120,6 +126,15 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
             return torch.load(path, weights_only=False) if path else None
     if world == 1 and job.backend == "cpu":
         return [_run_here(job, LocalGroup(1))]
+    local = job.feed if isinstance(job.feed, LocalFeed) else None  # the Python API's callback (`stepfeed`)
+    remote = None if local is None else spawned_feed()  # rank 0's rows come back through its queue
+    if remote is not None:
+        job = dataclasses.replace(job, feed=remote)
+
+    def relay() -> None:
+        if remote is not None and local is not None:
+            remote.relay(local)
+
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "results.pt")
         # a file store in a fresh directory: unlike a "free" TCP port picked here, nothing else can
@@ -131,8 +146,8 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
                 ctx = start_processes(process_main, args=(job, world, init, path), nprocs=world,
                                                             join=False, start_method="spawn")
                 try:
-                    while not ctx.join():
-                        pass
+                    while not ctx.join(timeout=None if remote is None else FEED_POLL_S):
+                        relay()
                 except ProcessRaisedException as exc:
                     # a rank killed by a signal (not spawn's own SIGTERM) broke its peers' connections
                     killed = [(r, p.exitcode) for r, p in enumerate(ctx.processes)
@@ -155,6 +170,7 @@ def launch(job: Job, world: int) -> list[RankResult] | None:
                             os.unlink(f)
         finally:
             signal.signal(signal.SIGINT, previous)
+        relay()  # the rows written since the last poll
         results: list[RankResult] = torch.load(path, weights_only=False)  # written by rank 0 (process_main)
         return results
 

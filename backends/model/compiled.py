@@ -8,7 +8,7 @@ is compiled as a function of (weights, input), and every block of that structure
 weights are graph inputs, so a new version or another layer reuses the graph; what fuses is the
 block's elementwise work (norms, rotary, the gated MLP's activation), which eager runs as separate
 memory-bound kernels. The embedding and the head stay eager (a lookup; the head's chunked loss is
-already its own autograd function).
+already its own autograd function), and so do MoE blocks (their routers' hooks, `moe.watch`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import moe
 from .layers import Block
 
 # "inductor" on a GPU; the tests pass "aot_eager", which traces the same graphs without generating code
@@ -43,7 +44,8 @@ class LayerCaller:
         self._compiled: dict[Hashable, Callable[..., torch.Tensor]] = {}
 
     def __call__(self, module: nn.Module, weights: dict[str, torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
-        if not (self.compile_blocks and isinstance(module, Block)):
+        # a MoE block runs eager: its routers hand their logits out through forward hooks (moe.py)
+        if not (self.compile_blocks and isinstance(module, Block)) or moe.routers(module):
             return _apply(module, weights, args)
         key = _structure(module)
         fn = self._compiled.get(key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,13 @@ from safetensors import safe_open
 from torch import nn
 
 from tinypipe.common.errors import InputError
+from tinypipe.describe.families import RUN_FAMILIES
 from tinypipe.describe.hfconfig import config_path, load_config, load_model, shipped_models
 from tinypipe.describe.model import ModelSpec
 
+from . import moe
 from .layers import Block, Embed, Head, LayerStack
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the decoder-only families `run` can split
 ATTN_IMPLEMENTATION = "sdpa"  # causal without a mask: SDPA's flash kernel on CUDA, fused on CPU
 DEFAULT_INIT_STD = 0.02  # transformers' default `initializer_range`
 TIED = ("lm_head.weight", "embed_tokens.weight")  # the shared matrix: name in the Head, name in the Embed
@@ -61,9 +63,9 @@ def load_source(name_or_path: str, *, attn_implementation: str = ATTN_IMPLEMENTA
     spec = load_model(name_or_path)
     raw = load_config(name_or_path)
     family = raw.get("model_type")
-    if family not in FAMILIES:
+    if family not in RUN_FAMILIES:  # the decoder-only families `run` can split
         raise UnsupportedModelError(
-            f"{path}: `run` trains {', '.join(FAMILIES)} models; this one is {family!r} "
+            f"{path}: `run` trains {', '.join(RUN_FAMILIES)} models; this one is {family!r} "
             f"(shipped models: {', '.join(shipped_models())})")
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "torch_dtype", "dtype")}
     config = AutoConfig.for_model(family, **fields)
@@ -152,6 +154,7 @@ def split_meta(config: Any) -> tuple[list[nn.Module], list[dict[str, str]], nn.M
     metas += [Block(layer, rotary, attn_implementation=impl, sliding_window=sliding_window(config, k))
               for k, layer in enumerate(base.layers)]
     metas.append(Head(base.norm, model.lm_head))
+    moe.mark(metas, moe.routing(metas, config))  # MoE blocks keep their router logits (the load-balancing loss)
     hf_name: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         hf_name.setdefault(id(p), n)  # a tied matrix keeps its first (embedding) name
@@ -208,7 +211,7 @@ def sliding_window(config: Any, k: int) -> int | None:
         return None
     if layer_types:  # 5.x and late 4.x Qwen2/Qwen3 configs say it per layer
         return int(window) if layer_types[k] == "sliding_attention" else None
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "mixtral"):
         return int(window)
     if getattr(config, "use_sliding_window", False):  # 4.4x Qwen2/Qwen3
         return int(window) if k >= getattr(config, "max_window_layers", 0) else None
@@ -233,22 +236,36 @@ def init_layer(meta: nn.Module, names: dict[str, str], *, seed: int, std: float)
     these families: Linear and Embedding weights ~ N(0, std) (the padding row zero), biases 0,
     norm weights 1; each parameter from its own generator seeded by `param_seed(seed, name)`."""
     out: dict[str, torch.Tensor] = {}
+    drawn: list[tuple[str, nn.Module, torch.Tensor]] = []
     for name, param in meta.named_parameters():
         if name not in names:  # another layer's (the tied LM head's embedding matrix)
             continue
         owner_name, _, leaf = name.rpartition(".")
         owner = meta.get_submodule(owner_name)
         if "Norm" in type(owner).__name__:
-            value = torch.ones(param.shape) if leaf == "weight" else torch.zeros(param.shape)
+            out[name] = torch.ones(param.shape) if leaf == "weight" else torch.zeros(param.shape)
         elif leaf == "bias":
-            value = torch.zeros(param.shape)
+            out[name] = torch.zeros(param.shape)
         else:
-            generator = torch.Generator().manual_seed(param_seed(seed, names[name]))
-            value = torch.empty(param.shape).normal_(0.0, std, generator=generator)
-            padding = getattr(owner, "padding_idx", None)
-            if isinstance(owner, nn.Embedding) and padding is not None:
-                value[padding] = 0.0
-        out[name] = value
+            out[name] = torch.empty(param.shape)
+            drawn.append((name, owner, out[name]))
+
+    def draw(item: tuple[str, nn.Module, torch.Tensor]) -> None:
+        name, owner, value = item
+        value.normal_(0.0, std, generator=torch.Generator().manual_seed(param_seed(seed, names[name])))
+        padding = getattr(owner, "padding_idx", None)
+        if isinstance(owner, nn.Embedding) and padding is not None:
+            value[padding] = 0.0
+
+    # one generator per parameter draws on one core: the parameters draw side by side (a 70B layer's seven
+    # matrices, 0.86 G values, in the time of its largest, instead of one after another)
+    workers = min(len(drawn), torch.get_num_threads())
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(draw, drawn))
+    else:
+        for item in drawn:
+            draw(item)
     return out
 
 

@@ -2,8 +2,9 @@
 
 The modules here wrap Hugging Face's own modules (`embed_tokens`, one decoder layer, `norm` and
 `lm_head`) so that each pipeline layer is called on its own: a block builds its positions (0..s-1),
-rotary embeddings and causal mask itself. `hf.build_model` makes a `LayerStack` of them; the few
-lines that differ between transformers versions are in `_call_decoder_layer` and `hf.make_rotary`.
+rotary embeddings and causal mask itself (a packed window's per-document attention: `doc_attention`).
+`hf.build_model` makes a `LayerStack` of them; the few lines that differ between transformers versions
+are in `_call_decoder_layer` and `hf.make_rotary`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinypipe.describe.model import ModelSpec, head_chunk_tokens
+
+from . import doc_attention
 
 IGNORE_INDEX = -100  # labels with this value carry no loss (torch's and Hugging Face's convention)
 
@@ -53,6 +56,11 @@ class Block(nn.Module):
         self.layer = layer
         self.attn_implementation = attn_implementation
         self.sliding_window = sliding_window
+        # packed windows attend per document without an [s, s] mask where the layer's attention takes one
+        self.routed = doc_attention.route(layer, attn_implementation)
+        # None: packed windows take `attention_path`'s choice; "mask", "segments" or "flex" forces one (the
+        # benchmark and the tests compare them; the last two need `routed`)
+        self.packed_attention: str | None = None
         self._rotary: dict[torch.device, nn.Module | None] = {torch.device("cpu"): rotary}
 
     def rotary_on(self, device: torch.device) -> nn.Module | None:
@@ -62,11 +70,23 @@ class Block(nn.Module):
             self._rotary[device] = None if cpu is None else copy.deepcopy(cpu).to(device)
         return self._rotary[device]
 
+    def attention_path(self, device: torch.device) -> str:
+        """How a packed window attends on `device`: `flex` or `segments` (`doc_attention`), or `mask` (a
+        [b, 1, s, s] mask, where the layer's attention cannot be routed), unless `packed_attention` says."""
+        forced = self.packed_attention
+        if forced is None:
+            return doc_attention.packed_path(device) if self.routed else "mask"
+        if forced not in doc_attention.PATHS or (forced != "mask" and not self.routed):
+            raise ValueError(f"packed_attention {forced!r}: this block takes one of "
+                             f"{', '.join(doc_attention.PATHS if self.routed else ('mask',))}")
+        return forced
+
     def forward(self, hidden: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """`documents` [b, s]: the document each position belongs to (packed windows); a position then
         attends only to earlier positions of its own document, and positions count from each document's
         start, as if each document were a sequence of its own."""
         seq_len = hidden.shape[1]
+        mask: torch.Tensor | doc_attention.DocumentAttention | None
         if documents is None:
             position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
             mask = attention_mask(seq_len, device=hidden.device, dtype=hidden.dtype,
@@ -75,8 +95,11 @@ class Block(nn.Module):
         else:
             documents = documents.to(hidden.device)
             position_ids = document_positions(documents)
-            mask = document_mask(documents, position_ids, dtype=hidden.dtype,
-                                 attn_implementation=self.attn_implementation, sliding_window=self.sliding_window)
+            path = self.attention_path(hidden.device)
+            mask = (document_mask(documents, position_ids, dtype=hidden.dtype,
+                                  attn_implementation=self.attn_implementation, sliding_window=self.sliding_window)
+                    if path == "mask" else
+                    doc_attention.document_attention(documents, sliding_window=self.sliding_window, path=path))
         rotary = self.rotary_on(hidden.device)
         position_embeddings = None if rotary is None else rotary(hidden, position_ids)
         return _call_decoder_layer(self.layer, hidden, mask, position_ids, position_embeddings)
@@ -257,8 +280,9 @@ def document_mask(documents: torch.Tensor, positions: torch.Tensor, *, dtype: to
     return additive.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def _call_decoder_layer(layer: nn.Module, hidden: torch.Tensor, mask: torch.Tensor | None,
-                        position_ids: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
+def _call_decoder_layer(layer: nn.Module, hidden: torch.Tensor,
+                        mask: torch.Tensor | doc_attention.DocumentAttention | None, position_ids: torch.Tensor,
+                        position_embeddings: Any) -> torch.Tensor:
     """Call a Hugging Face decoder layer the way its model's forward does, in any transformers >= 4.45.
 
     transformers 5.x takes `position_embeddings` and returns a tensor; 4.4x returns a tuple whose

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import tinypipe.cli.flags as flags
 from tinypipe.common.errors import InputError
 from tinypipe.common.table import gib
 from tinypipe.policy.modes import OptimizerState
@@ -26,9 +27,9 @@ KEEP_HELP = ("complete training-state checkpoints kept in --out (default 1: the 
 
 def add_frugal_arguments(p: argparse.ArgumentParser) -> None:
     """Register --optimizer-state and --keep-checkpoints on `run`'s parser (defaults: None, see settings)."""
-    p.add_argument("--optimizer-state", choices=OptimizerState.choices(), default=None,
-                   help="how the host holds AdamW's moments: fp32 (exact), bf16, or 8bit (block-wise quantised, "
-                        "Dettmers et al. 2021); the master stays fp32 (default: the policy's, fp32)")
+    flags.add_optimizer_state(p, "how the host holds AdamW's moments: fp32 (exact), bf16, or 8bit (block-wise "
+                                 "quantised, Dettmers et al. 2021); the master stays fp32 (default: the policy's, "
+                                 "fp32)")
     p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N", help=KEEP_HELP)
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+from tinypipe.policy.lora_spec import LoraSpec, lora_from_flags
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,8 @@ class RunOptions:
     trace_memory: bool = False
     grad_norm: bool = True
     max_grad_norm: float | None = None
+    data_split: str | None = None  # a Hugging Face dataset's split (None: train) and configuration
+    data_config: str | None = None
     eval_data: str | None = None
     eval_fraction: float | None = None
     eval_every: int | None = None
@@ -67,14 +71,20 @@ class RunOptions:
     lora_alpha: float | None = None
     lora_dropout: float | None = None
     lora_targets: str | None = None
+    load_in_4bit: bool = False  # --lora's base held as NF4 on the host (`LoraSpec.nf4`)
     merge: bool = False
+    report_to: str | None = None  # `wandb`: metrics.jsonl's numbers to Weights & Biases too
     record: dict[str, Any] | None = None  # the checkpoint's meta.json when resuming
 
     @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> RunOptions:
-        """The fields of `ns` (settled) by name; argparse's lists become tuples."""
-        given = vars(ns)
+    def from_values(cls, given: Mapping[str, Any]) -> RunOptions:
+        """The fields of `given` (settled options by name); lists become tuples."""
         values: dict[str, Any] = {f.name: given[f.name] for f in fields(cls) if f.name in given}
         values["betas"] = (float(values["betas"][0]), float(values["betas"][1]))
         values["profile"] = tuple(values.get("profile") or ())
         return cls(**values)
+
+    def lora_spec(self) -> LoraSpec | None:
+        """The adapters `--lora` and its flags ask for (None: every parameter trains)."""
+        return lora_from_flags(self.lora, self.lora_alpha, self.lora_dropout, self.lora_targets,
+                               bool(self.load_in_4bit))

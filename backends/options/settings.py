@@ -11,11 +11,11 @@ any heavy import or worker: numbers, the optimizer's settings, and every output 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +38,15 @@ DEFAULTS: dict[str, Any] = {
     "warmup_ratio": 0.05, "decay_all": False, "betas": DEFAULT_BETAS, "eps": 1e-8, "weight_decay": 0.0, "seed": 0,
     "backend": "cpu", "checkpoint_every": 0, "checkpoint_minutes": 10.0, "byte_tokens": False, "packing": True,
     "epochs": None, "save_every": 0, "save_dtype": None, "keep_checkpoints": 1, "lr_schedule_kwargs": None,
+    "load_in_4bit": False,
 }
 # Options recorded in a checkpoint and restored by --resume (argparse dest names).
 RECORDED = ("model", "data", "policy", "microbatch_size", "gpus", "steps", "seq_len", "batch_tokens", "dtype",
             "lr", "lr_schedule", "warmup_steps", "warmup_ratio", "decay_all", "betas", "eps", "weight_decay", "seed",
             "backend", "checkpoint_every", "checkpoint_minutes", "byte_tokens", "packing", "epochs", "save_every",
             "save_dtype", "optimizer_state", "keep_checkpoints", "lora", "lora_alpha", "lora_dropout",
-            "lora_targets", "max_grad_norm", "eval_data", "eval_fraction", "eval_every", "lr_schedule_kwargs")
+            "lora_targets", "load_in_4bit", "max_grad_norm", "eval_data", "eval_fraction", "eval_every",
+            "lr_schedule_kwargs", "data_split", "data_config")
 # may differ from the record
 FREE_ON_RESUME = ("steps", "backend", "checkpoint_every", "checkpoint_minutes", "save_every", "save_dtype",
                   "keep_checkpoints")
@@ -72,51 +74,34 @@ def _show(v: Any) -> str:
     return " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
 
-def settle(args: argparse.Namespace | RunOptions) -> RunOptions:
-    """`args` (the parsed command line) with every recorded option filled in and checked, as a
-    `RunOptions`; InputError on a mistake. Settled options are returned as they are."""
-    if isinstance(args, RunOptions):
-        return args
-    out = argparse.Namespace(**vars(args))
-    if out.model is not None and not out.model.strip():
+def settle(given: Mapping[str, Any] | RunOptions) -> RunOptions:
+    """`given` (the options as the command line gave them, by argparse dest, None where not given) with every
+    recorded option filled in and checked, as a `RunOptions`; InputError on a mistake. Settled options are
+    returned as they are."""
+    if isinstance(given, RunOptions):
+        return given
+    asked = dict(given)
+    model = asked.get("model")
+    if model is not None and not model.strip():
         raise InputError("--model: empty; give a shipped model name, a config.json or a model directory")
-    if out.model is not None and Path(out.model).exists():  # a path: recorded absolute, so any directory resumes it
-        out.model = str(Path(out.model).resolve())
-    if isinstance(getattr(out, "lr_schedule_kwargs", None), str):  # JSON on the command line; a dict when recorded
-        out.lr_schedule_kwargs = _json_object(out.lr_schedule_kwargs, "--lr-schedule-kwargs")
-    args = out
-    out = argparse.Namespace(**vars(args))
-    out.record = None  # the checkpoint's meta.json when resuming
-    if args.resume:
-        if not args.out:
-            raise InputError("--resume: give --out DIR, the directory of the run to continue")
-        out.record = _read_record(Path(args.out))
-        ran = out.record.get("run", {})
-        for dest in RECORDED:
-            given, recorded = getattr(args, dest, None), ran.get(dest)
-            if given is None:
-                setattr(out, dest, recorded if dest in ran else _default(dest, DEFAULTS))
-            elif dest in ran and dest not in FREE_ON_RESUME and _norm(given) != _norm(recorded):
-                raise InputError(f"--resume: the run in {args.out} was started with {_flag(dest)} "
-                                 f"{_show(recorded) if recorded is not None else '(default)'}, this command gives "
-                                 f"{_flag(dest)} {_show(given)}; leave it out to continue the run as it was, or "
-                                 "start a new run in another --out")
-        done = int(out.record["step"])
-        if not isinstance(out.steps, int) or out.steps < done:
-            raise InputError(f"--steps {out.steps}: the checkpoint in {args.out} is already at step {done}; give "
-                             f"--steps {done} to save its model, or more to train further")
-        # out.steps == done: nothing to train; the workers load the checkpoint and save the model
+    if model is not None and Path(model).exists():  # a path: recorded absolute, so any directory resumes it
+        asked["model"] = str(Path(model).resolve())
+    if isinstance(asked.get("lr_schedule_kwargs"), str):  # JSON on the command line; a dict when recorded
+        asked["lr_schedule_kwargs"] = _json_object(asked["lr_schedule_kwargs"], "--lr-schedule-kwargs")
+    out = dict(asked, record=None)  # record: the checkpoint's meta.json when resuming
+    if asked.get("resume"):
+        _resumed(asked, out)
     else:
         for dest in RECORDED:
-            if getattr(args, dest, None) is None:
-                setattr(out, dest, _default(dest, DEFAULTS))
-        if out.epochs is not None:
-            if out.data is None:
+            if asked.get(dest) is None:
+                out[dest] = _default(dest, DEFAULTS)
+        if out["epochs"] is not None:
+            if out["data"] is None:
                 raise InputError("--epochs: give --data (the embedded addition task has no end); or use --steps")
-            out.steps = 0  # counted by the planner from the data
-    if not out.out:
-        out.out = str(Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
-    opts = RunOptions.from_namespace(out)  # a record holds JSON lists: from_namespace makes them tuples
+            out["steps"] = 0  # counted by the planner from the data
+    if not out.get("out"):
+        out["out"] = str(Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
+    opts = RunOptions.from_values(out)  # a record holds JSON lists: from_values makes them tuples
     _check_numbers(opts)
     if opts.hardware is not None and opts.backend != "cuda":
         raise InputError(f"--hardware {opts.hardware}: only for --backend cuda (the cpu backend measures this "
@@ -124,9 +109,35 @@ def settle(args: argparse.Namespace | RunOptions) -> RunOptions:
     check_dir(Path(opts.out), "--out")
     if not opts.resume:
         _refuse_earlier_run(Path(opts.out))
+    if opts.report_to == "wandb" and not _importable("wandb"):
+        raise InputError("--report-to wandb: the wandb package is not installed here; pip install wandb, or leave "
+                         "--report-to out (metrics.jsonl and TensorBoard do not need it)")
     if opts.trace:
         check_file(Path(opts.trace), "--trace")
     return opts
+
+
+def _resumed(asked: dict[str, Any], out: dict[str, Any]) -> None:
+    """--resume: fill `out` from the checkpoint's record of the run in --out; an option given again must match it."""
+    where = asked.get("out")
+    if not where:
+        raise InputError("--resume: give --out DIR, the directory of the run to continue")
+    out["record"] = _read_record(Path(where))
+    ran = out["record"].get("run", {})
+    for dest in RECORDED:
+        given, recorded = asked.get(dest), ran.get(dest)
+        if given is None:
+            out[dest] = recorded if dest in ran else _default(dest, DEFAULTS)
+        elif dest in ran and dest not in FREE_ON_RESUME and _norm(given) != _norm(recorded):
+            raise InputError(f"--resume: the run in {where} was started with {_flag(dest)} "
+                             f"{_show(recorded) if recorded is not None else '(default)'}, this command gives "
+                             f"{_flag(dest)} {_show(given)}; leave it out to continue the run as it was, or "
+                             "start a new run in another --out")
+    done = int(out["record"]["step"])
+    if not isinstance(out["steps"], int) or out["steps"] < done:
+        raise InputError(f"--steps {out['steps']}: the checkpoint in {where} is already at step {done}; give "
+                         f"--steps {done} to save its model, or more to train further")
+    # out["steps"] == done: nothing to train; the workers load the checkpoint and save the model
 
 
 def _default(dest: str, defaults: dict[str, Any]) -> Any:
@@ -175,6 +186,9 @@ def _check_numbers(a: RunOptions) -> None:
         raise InputError(f"--eval-fraction: must be in (0, 1), got {a.eval_fraction}")
     if a.eval_fraction is not None and a.data is None:
         raise InputError("--eval-fraction: give --data to hold a share of it out (or --eval-data FILE)")
+    if (a.data_split is not None or a.data_config is not None) and a.data is None:
+        flag = "--data-split" if a.data_split is not None else "--data-config"
+        raise InputError(f"{flag}: give --data ORG/NAME, the Hugging Face dataset to read it of")
     if a.eval_every is not None and a.eval_every < 1:
         raise InputError(f"--eval-every: must be >= 1, got {a.eval_every}")
     if a.eval_every is not None and a.eval_data is None and a.eval_fraction is None:
@@ -208,14 +222,26 @@ def _check_numbers(a: RunOptions) -> None:
         raise InputError(f"--seed: must be in 0..{SEED_LIMIT - 1}, got {a.seed}")
 
 
-def record(args: RunOptions) -> dict[str, Any]:
+def record(opts: RunOptions) -> dict[str, Any]:
     """What a checkpoint records of the run's options (JSON-ready), for `settle` on --resume."""
-    return {dest: _norm(getattr(args, dest)) for dest in RECORDED}
+    return {dest: _norm(getattr(opts, dest)) for dest in RECORDED}
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` imports here: one in sys.modules counts as it is (a stand-in, or None: blocked)."""
+    import importlib.util
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _refuse_earlier_run(out: Path) -> None:
-    """A new run never overwrites an earlier run's checkpoint or saved model in --out: a Hugging Face model, a
-    LoRA run's adapter directory and merged model, or a model saved every N steps (`worker`: OUT/step-N)."""
+    """A new run never overwrites an earlier run's checkpoint, saved model or metrics in --out: a Hugging Face
+    model, a LoRA run's adapter directory and merged model, a model saved every N steps (`worker`: OUT/step-N),
+    or the lines of a metrics.jsonl (a run with --no-save and no checkpoint leaves nothing else)."""
+    from ..rank.metrics import METRICS_FILE
     from ..save import checkpoint
 
     held = [p.name for p in (out / "config.json", out / "model.safetensors.index.json", out / "model.safetensors",
@@ -225,6 +251,12 @@ def _refuse_earlier_run(out: Path) -> None:
     held += [f"{name}/" for name in saved[:3]] + ([f"{len(saved) - 3} more step-N/"] if len(saved) > 3 else [])
     if checkpoint.find(str(out)) is not None:
         held.insert(0, "a checkpoint")
+    metrics = out / METRICS_FILE
+    if metrics.is_file() and metrics.stat().st_size:  # an empty one (a run that failed at its start) holds nothing
+        if not held:  # nothing of the run to continue: say what to move away
+            raise InputError(f"--out {out}: already holds an earlier run's {METRICS_FILE} (and no checkpoint to "
+                             "continue with --resume); move it away or choose another directory")
+        held.append(METRICS_FILE)
     if held:
         raise InputError(f"--out {out}: already holds an earlier run ({', '.join(held)}); continue it with --resume "
                          "or choose another directory")

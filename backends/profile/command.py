@@ -17,12 +17,12 @@ Files written into `--out DIR` (made if missing; files of the same names are rep
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import re
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,9 @@ from tinypipe.common.outputs import check_dir
 from tinypipe.common.progress import Progress
 from tinypipe.describe.hardware import Hardware, load_hardware, shipped_hardware
 from tinypipe.describe.looptimes import LoopTimes
+from tinypipe.describe.optimprofile import OptimizerProfile
 from tinypipe.describe.trace import ProfileTrace
-from tinypipe.policy.lora_spec import LoraSpec, lora_from_args
+from tinypipe.policy.lora_spec import LoraSpec
 from tinypipe.policy.modes import HostMemory
 
 from ..options.settings import SEED_LIMIT, rank_threads
@@ -46,6 +47,7 @@ from .measure_layers import KindMeasurement, LayerBench, profile_trace
 from .measure_loop import describe as describe_loop
 from .measure_loop import has_block, time_loop, with_loop
 from .optim import describe, measure_optimizer, quiet
+from .profile_flags import ProfileOptions
 from .rates import HostRates, measure_rates
 
 RATES_FILE, HARDWARE_FILE = "rates.json", "hardware.json"
@@ -105,59 +107,59 @@ def gpu_model_and_base(device: torch.device, hardware: str | None) -> tuple[str,
     return best.gpus[0].model, best
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(opts: ProfileOptions) -> None:
     for flag in ("seq_len", "repeat", "threads", "optimizer_rounds"):
-        v = getattr(args, flag)
+        v = getattr(opts, flag)
         if v is not None and v < 1:
             raise InputError(f"--{flag.replace('_', '-')}: must be >= 1, got {v}")
     for flag, most in (("repeat", 10_000), ("warmup", 10_000), ("threads", 4096), ("optimizer_rounds", 100),
                        ("seq_len", 1 << 20)):
-        v = getattr(args, flag)
+        v = getattr(opts, flag)
         if v is not None and v > most:
             raise InputError(f"--{flag.replace('_', '-')}: at most {most:,}, got {v}")
     for flag in ("warmup", "seed"):
-        if getattr(args, flag) < 0:
-            raise InputError(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
-    if args.seed >= SEED_LIMIT:
-        raise InputError(f"--seed: must be < 2**63, got {args.seed}")
-    bad = [s for s in args.microbatch_size if s < 1]
+        if getattr(opts, flag) < 0:
+            raise InputError(f"--{flag}: must be >= 0, got {getattr(opts, flag)}")
+    if opts.seed >= SEED_LIMIT:
+        raise InputError(f"--seed: must be < 2**63, got {opts.seed}")
+    bad = [s for s in opts.microbatch_size if s < 1]
     if bad:
         raise InputError(f"--microbatch-size: every size must be >= 1, got {bad[0]}")
-    huge = [s for s in args.microbatch_size if s > 65536]
+    huge = [s for s in opts.microbatch_size if s > 65536]
     if huge:
         raise InputError(f"--microbatch-size: at most 65,536, got {huge[0]}")
-    check_dir(Path(args.out), "--out")
-    if args.backend == "cuda" and not torch.cuda.is_available():
+    check_dir(Path(opts.out), "--out")
+    if opts.backend == "cuda" and not torch.cuda.is_available():
         raise InputError("--backend cuda: no CUDA device is available (torch.cuda.is_available() is false); "
                          "use --backend cpu")
 
 
-def profile_main(args: argparse.Namespace) -> int:
+def profile_main(opts: ProfileOptions) -> int:
     """The `tinypipe profile` command (options: tinypipe.cli); returns the exit code."""
     with host_settings():  # the GIL switch interval a run has (the threads are set per measurement)
-        return _profile(args)
+        return _profile(opts)
 
 
-def _profile(args: argparse.Namespace) -> int:
+def _profile(opts: ProfileOptions) -> int:
     from ..model.hf import load_source
 
-    _check(args)
-    lora = lora_from_args(args)
-    spec = load_source(args.model).spec  # an unknown or untrainable model is an InputError, before any work
-    if args.seq_len > spec.max_seq_len:
-        raise InputError(f"--seq-len {args.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
-    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "cuda" else torch.device("cpu")
-    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    compile_blocks = device.type == "cuda" if args.compile is None else args.compile
-    threads = args.threads or os.cpu_count() or 1
-    gpu_model, base = gpu_model_and_base(device, args.hardware)
+    _check(opts)
+    lora = opts.lora
+    spec = load_source(opts.model).spec  # an unknown or untrainable model is an InputError, before any work
+    if opts.seq_len > spec.max_seq_len:
+        raise InputError(f"--seq-len {opts.seq_len}: {spec.name} handles at most {spec.max_seq_len} positions")
+    device = torch.device("cuda", torch.cuda.current_device()) if opts.backend == "cuda" else torch.device("cpu")
+    dtype = opts.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    compile_blocks = device.type == "cuda" if opts.compile is None else opts.compile
+    threads = opts.threads or os.cpu_count() or 1
+    gpu_model, base = gpu_model_and_base(device, opts.hardware)
     if device.type == "cuda" and gpu_model.casefold() not in torch.cuda.get_device_name(device).casefold():
         print(f"note: the traces are named for {gpu_model!r} (--hardware), measured on "
               f"{torch.cuda.get_device_name(device)!r}", file=sys.stderr)
-    out = Path(args.out)
+    out = Path(opts.out)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     on = device_name(device) + (f", {threads} thread(s)" if device.type == "cpu" else "")
-    bar = None if args.json else Progress("profile")
+    bar = None if opts.json else Progress("profile")
 
     def say(text: str) -> None:
         if bar is not None:
@@ -167,65 +169,73 @@ def _profile(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     try:
         say(f"building {spec.name} (embedding, one block, head) on {device}")
-        bench = LayerBench(args.model, device=device, dtype=dtype, seed=args.seed, compile_blocks=compile_blocks,
+        bench = LayerBench(opts.model, device=device, dtype=dtype, seed=opts.seed, compile_blocks=compile_blocks,
                            lora=lora)
-        sizes = sorted(set(args.microbatch_size))
+        sizes = sorted(set(opts.microbatch_size))
         measured: dict[int, list[KindMeasurement]] = {}
         for size in sizes:
             measured[size] = []
             for kind in KINDS:
-                say(f"timing the {kind} at {size} x {args.seq_len} tokens ({args.warmup} + {args.repeat} runs)")
-                measured[size].append(bench.measure(kind, microbatch_size=size, seq_len=args.seq_len,
-                                                    repeat=args.repeat, warmup=args.warmup, seed=args.seed))
-        optimizer, opt_note = None, ""
-        opt_threads = args.threads or rank_threads(device.type, 1, os.cpu_count() or 1)
-        loops: dict[int, tuple[LoopTimes, str]] = {}
-        largest = None  # the optimizer's device loop (the largest microbatch size), reused for its loop times
-        # The optimizer first: in an H200 profile that timed the compiled block's loop before it,
-        # every later step of that process ran 1.3-2.6x slower even with nothing else
-        # running (a 50 M compact step 80 ms alone, against 30 ms in the eager profile minutes earlier
-        # and 26 ms in a compiled one without the loop); the cause is not known.
-        if not args.no_optimizer and lora is None:  # once, beside the largest microbatch's device work, for every trace
-            largest = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed)
-            phases = None if not args.optimizer_phases else {
-                only: DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=args.seq_len, seed=args.seed, only=only)
-                for only in ("fwd", "bwd")}
-            rounds = args.optimizer_rounds or (3 if device.type == "cuda" else 1)
-            optimizer, steps, steal = measure_optimizer(bench, largest, threads=opt_threads,
-                                                        max_steps=min(args.repeat, 5), rounds=rounds, say=say,
-                                                        phases=phases)
-            opt_note = describe(opt_threads, steps, largest, phases) + "; " + steal_note(steal)
-            del phases
-        if not args.no_loop and lora is None and has_block(bench):
-            for size in sizes:
-                say(f"timing the block inside the executor's loop at {size} x {args.seq_len} tokens, alone and "
-                    f"beside a stepping host optimizer ({opt_threads} thread(s))")
-                loop = (largest if largest is not None and size == sizes[-1] else
-                        DeviceLoop(bench, microbatch_size=size, seq_len=args.seq_len, seed=args.seed))
-                loops[size] = _loop_times(bench, loop, threads=opt_threads, max_windows=args.repeat)
-            del loop
-        del largest
+                say(f"timing the {kind} at {size} x {opts.seq_len} tokens ({opts.warmup} + {opts.repeat} runs)")
+                measured[size].append(bench.measure(kind, microbatch_size=size, seq_len=opts.seq_len,
+                                                    repeat=opts.repeat, warmup=opts.warmup, seed=opts.seed))
+        opt_threads = opts.threads or rank_threads(device.type, 1, os.cpu_count() or 1)
+        optimizer, opt_note, loops = _host_step_and_loops(opts, bench, sizes, device, opt_threads, say)
         traces = [profile_trace(measured[size], bench.spec, gpu_model=gpu_model, dtype=dtype, microbatch_size=size,
-                                seq_len=args.seq_len, repeat=args.repeat, warmup=args.warmup, on=on, when=when,
+                                seq_len=opts.seq_len, repeat=opts.repeat, warmup=opts.warmup, on=on, when=when,
                                 compiled=compile_blocks, optimizer=optimizer, optimizer_source=opt_note, lora=lora)
                   for size in sizes]
         traces = [with_loop(t, *loops[t.microbatch_size]) if t.microbatch_size in loops else t for t in traces]
         del bench
         rates = None
-        if not args.no_rates:
+        if not opts.no_rates:
             say(f"measuring copies and the host optimizer on {threads} thread(s)")
-            rates = measure_rates(device, threads=threads, compute_dtype=dtype, repeat=min(args.repeat, 5), when=when)
+            rates = measure_rates(device, threads=threads, compute_dtype=dtype, repeat=min(opts.repeat, 5), when=when)
     finally:
         torch.set_num_threads(before)
         if bar is not None:
             bar.close()
     written = _write(out, traces, rates, base)
-    if args.json:
+    if opts.json:
         print(json.dumps({"written": [str(p) for p in written], "traces": [t.to_json() for t in traces],
                           "rates": rates.to_json() if rates else None}, indent=2))
         return 0
     print(_report(spec.name, gpu_model, on, traces, rates, written, base))
     return 0
+
+
+def _host_step_and_loops(opts: ProfileOptions, bench: LayerBench, sizes: list[int], device: torch.device,
+                         opt_threads: int, say: Callable[[str], None]
+                         ) -> tuple[dict[str, OptimizerProfile] | None, str, dict[int, tuple[LoopTimes, str]]]:
+    """Each layer kind's host optimizer step (with how it was timed) and the block's loop times per microbatch
+    size, as the options ask (none for a frozen base: it has no host step)."""
+    optimizer, opt_note = None, ""
+    loops: dict[int, tuple[LoopTimes, str]] = {}
+    largest = None  # the optimizer's device loop (the largest microbatch size), reused for its loop times
+    # The optimizer first: in an H200 profile that timed the compiled block's loop before it,
+    # every later step of that process ran 1.3-2.6x slower even with nothing else
+    # running (a 50 M compact step 80 ms alone, against 30 ms in the eager profile minutes earlier
+    # and 26 ms in a compiled one without the loop); the cause is not known.
+    if not opts.no_optimizer and opts.lora is None:  # once, beside the largest microbatch's device work, for all
+        largest = DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=opts.seq_len, seed=opts.seed)
+        phases = None if not opts.optimizer_phases else {
+            only: DeviceLoop(bench, microbatch_size=sizes[-1], seq_len=opts.seq_len, seed=opts.seed, only=only)
+            for only in ("fwd", "bwd")}
+        rounds = opts.optimizer_rounds or (3 if device.type == "cuda" else 1)
+        optimizer, steps, steal = measure_optimizer(bench, largest, threads=opt_threads,
+                                                    max_steps=min(opts.repeat, 5), rounds=rounds, say=say,
+                                                    phases=phases)
+        opt_note = describe(opt_threads, steps, largest, phases) + "; " + steal_note(steal)
+        del phases
+    if not opts.no_loop and opts.lora is None and has_block(bench):
+        for size in sizes:
+            say(f"timing the block inside the executor's loop at {size} x {opts.seq_len} tokens, alone and "
+                f"beside a stepping host optimizer ({opt_threads} thread(s))")
+            loop = (largest if largest is not None and size == sizes[-1] else
+                    DeviceLoop(bench, microbatch_size=size, seq_len=opts.seq_len, seed=opts.seed))
+            loops[size] = _loop_times(bench, loop, threads=opt_threads, max_windows=opts.repeat)
+        del loop
+    return optimizer, opt_note, loops
 
 
 def _loop_times(bench: LayerBench, loop: DeviceLoop, *, threads: int, max_windows: int) -> tuple[LoopTimes, str]:

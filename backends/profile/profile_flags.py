@@ -1,34 +1,61 @@
-"""`tinypipe profile`'s options, registered by the CLI on every start (so this module imports no torch)."""
+"""`tinypipe profile`'s options: registered by the CLI on every start (so this module imports no torch), and the
+typed record `command.profile_main` takes."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from tinypipe.policy.lora_spec import add_lora_arguments
+import tinypipe.cli.flags as flags
+from tinypipe.policy.lora_spec import LoraSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    """`tinypipe profile`'s options as the command line gave them (`cli.edge` builds it; `command` checks it)."""
+
+    model: str
+    out: str
+    seq_len: int = 2048
+    microbatch_size: tuple[int, ...] = (1,)  # one trace each
+    backend: str = "cpu"
+    dtype: str | None = None  # None: fp32 on cpu, bf16 on cuda
+    repeat: int = 10
+    warmup: int = 2
+    threads: int | None = None
+    hardware: str | None = None
+    compile: bool | None = None
+    no_rates: bool = False
+    no_optimizer: bool = False
+    optimizer_rounds: int | None = None
+    optimizer_phases: bool = False
+    no_loop: bool = False
+    lora: LoraSpec | None = None
+    seed: int = 0
+    json: bool = False
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     """Register `tinypipe profile`'s options on `p` (the CLI's subparser); `command.profile_main` runs it."""
-    p.add_argument("--model", required=True, help="shipped model name, config.json, or a local model directory")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--microbatch-size", type=int, nargs="+", default=[1], metavar="N",
-                   help="sequences per microbatch, one trace each (default 1)")
-    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: this host's CPU, as `run --backend cpu` uses it; cuda: the current GPU (default cpu)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
-                   help="compute dtype (default: fp32 on cpu, bf16 on cuda, as `run`)")
+    flags.add_model(p, "shipped model name, config.json, or a local model directory", required=True)
+    flags.add_seq_len(p, "tokens per sequence (default 2048)")
+    flags.add_microbatch_size(p, "sequences per microbatch, one trace each (default 1)", default=[1], many=True,
+                              metavar="N")
+    flags.add_backend(p, "cpu: this host's CPU, as `run --backend cpu` uses it; cuda: the current GPU (default cpu)",
+                      default="cpu")
+    flags.add_dtype(p, "compute dtype (default: fp32 on cpu, bf16 on cuda, as `run`)", choices=("fp32", "bf16"),
+                    default=None)
     p.add_argument("--repeat", type=int, default=10, help="measured runs per time, the median kept (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured runs first (default 2)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores, and for the optimizer step of each layer kind "
                         "those one rank of `run` gets: all cores on cpu, one less on cuda; `run` gives each of its N "
                         "ranks cores/N, one less on cuda)")
-    p.add_argument("--hardware", default=None, metavar="NAME|FILE",
-                   help="base preset for hardware.json (the measured rates put into it) and, on CUDA, the GPU model "
-                        "name the traces carry (default on CUDA: the shipped preset of this GPU model)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the decoder block, as `run --compile` runs it; the traces say so and a run "
-                        "takes only traces that match it (default: on for cuda, off for cpu, as `run`)")
+    flags.add_hardware(p, "base preset for hardware.json (the measured rates put into it) and, on CUDA, the GPU "
+                       "model name the traces carry (default on CUDA: the shipped preset of this GPU model)",
+                       metavar="NAME|FILE")
+    flags.add_compile(p, "torch.compile the decoder block, as `run --compile` runs it; the traces say so and a run "
+                         "takes only traces that match it (default: on for cuda, off for cpu, as `run`)")
     p.add_argument("--no-rates", action="store_true", help="measure the layers only (no rates.json, hardware.json)")
     p.add_argument("--no-optimizer", action="store_true",
                    help="skip the host optimizer step of each layer kind (alone and beside the device's work, at the "
@@ -50,9 +77,9 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip timing the block's FWD and BWD inside the executor's loop (alone and beside a stepping "
                         "host optimizer, what the simulator charges a recomputed block); without it the simulator "
                         "takes the isolated times")
-    add_lora_arguments(p, what="measure the block on a frozen base with these LoRA adapters (its FWD and BWD as a LoRA "
-                              "run's; the traces say so and a LoRA run with the same adapters takes them; no host "
-                              "optimizer or loop timing: a frozen base has no host step)")
-    p.add_argument("--seed", type=int, default=0, help="random weights and inputs (default 0)")
+    flags.add_lora(p, what="measure the block on a frozen base with these LoRA adapters (its FWD and BWD as a LoRA "
+                           "run's; the traces say so and a LoRA run with the same adapters takes them; no host "
+                           "optimizer or loop timing: a frozen base has no host step)")
+    flags.add_seed(p, "random weights and inputs (default 0)", default=0)
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the JSON files (made if missing)")
-    p.add_argument("--json", action="store_true", help="print what was written and measured as JSON")
+    flags.add_json(p, "print what was written and measured as JSON")

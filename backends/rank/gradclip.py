@@ -15,7 +15,9 @@ class GradClip:
 
     Run by the optimizer thread at a step's first OPT_STEP, which the schedule (`grad_clip`) makes wait
     for every GRAD_OUT of the step: this rank's landed gradients give its share (`HostState.landed_grad_sq`,
-    a tied matrix's two shares summed first), `norms.all_sum` the total.
+    a tied matrix's two shares summed first), `norms.all_sum` the total. Under LoRA, by the issuing thread at
+    the step's first ADAPT_STEP, which waits for every BWD of the step: the adapters' gradients on the device
+    (`FrozenHostState.landed_grad_sq`).
     """
 
     def __init__(self, max_norm: float, norms: Group | None, host: HostState) -> None:

@@ -31,6 +31,7 @@ from ..model.compiled import LayerCaller
 from ..model.lora_adapters import frozen_bwd, with_adapters
 from .comm import Comm, Handle
 from .gradclip import GradClip
+from .moe_aux import AuxLoss
 from .parking import ParkingLot
 
 Key = tuple[int, int, int]  # (step, layer, microbatch)
@@ -111,6 +112,7 @@ class Interpreter:
         self.streams: dict[str, Any] = {}  # CUDA: one stream per resource, kept across windows
         # LoRA (`Schedule.lora`): the adapters on this device, beside a frozen base (backends/model/lora_adapters.py)
         self.adapters: Adapters | None = getattr(host, "adapters", None) if schedule.lora is not None else None
+        self.aux = AuxLoss.of(layers, device)  # a MoE model's load-balancing loss (moe_aux.py); None when dense
 
     # ---- dispatch ----------------------------------------------------------------------------------
     def dispatch(self, a: Action, step: int) -> Done:
@@ -214,6 +216,8 @@ class Interpreter:
             self.losses[(step, m)] = out.detach()
         else:
             self.x[(step, L + 1, m)] = out.detach()
+        if self.aux is not None:  # a MoE block's routing statistics; at the head, the aux loss it reports
+            self.aux.after_fwd(self, a, step)
         return None
 
     def output_grad(self, a: Action, step: int) -> torch.Tensor | None:
@@ -247,10 +251,11 @@ class Interpreter:
             out, xin, leaves = self.graphs.pop((step, L, m))
         self.x.pop((step, L, m), None)
         inputs = ([xin] if xin is not None else []) + list(leaves.values())
+        outs, grads = ([out], [dy]) if self.aux is None else self.aux.backward_outputs(self, a, step, out, dy)
         acc = self.grads.get((step, L))
         if acc is None:  # the layer's first BWD of the step: its gradients become the accumulator
             with torch.enable_grad():
-                got = torch.autograd.grad(out, inputs, grad_outputs=dy)
+                got = torch.autograd.grad(outs, inputs, grad_outputs=grads)
             self.grads[(step, L)] = dict(zip(leaves, got[1:] if xin is not None else got))
             if xin is not None:
                 self.dx[(step, L, m)] = got[0]
@@ -261,7 +266,7 @@ class Interpreter:
         for n, leaf in leaves.items():
             leaf.grad = acc[n]
         with torch.enable_grad():
-            torch.autograd.backward(out, grad_tensors=dy, inputs=inputs)
+            torch.autograd.backward(outs, grad_tensors=grads, inputs=inputs)
         for n, leaf in leaves.items():  # autograd keeps the same tensor; were it to replace it, take the new one
             assert leaf.grad is not None
             acc[n] = leaf.grad
@@ -300,13 +305,17 @@ class Interpreter:
         return None
 
     def _adapt_step(self, a: Action, step: int) -> Done:
-        """The layer's adapters' AdamW on this device, with the gradients its BWDs of `step` accumulated."""
+        """The layer's adapters' AdamW on this device, with the gradients its BWDs of `step` accumulated; clipped
+        by the global norm, whose all-reduce the rank's first adapter step of `step` meets (a rank whose layers
+        have no adapters has one empty step for it: `compiler.optimizer.adapter_pass`)."""
         if self.adapters is None:
             raise self.fail(a, "an adapter step, but the schedule trains no LoRA adapters")
         if self.evaluating:  # the evaluation's backward made them; they go nowhere
             self.adapters.drop_grads(a.layer)
             return None
-        self.adapters.step(a.layer, at_step=step)
+        scale = 1.0 if self.clip is None else self.clip.coefficient(step)
+        if self.clip is None or self.adapters.of(a.layer):
+            self.adapters.step(a.layer, at_step=step, grad_scale=scale)
         return None
 
     def _key(self, a: Action, step: int) -> tuple[int, int, int]:
@@ -347,8 +356,8 @@ class Interpreter:
         if t is None:
             raise self.fail(a, "nothing to send (the FWD / BWD producing it has not run)")
         self.use(t)
-        t = t.contiguous()
-        return self.comm.isend(t, a.peer), lambda: None
+        sent = self.comm.isend(t.contiguous(), a.peer)  # a MoE model's routing sums follow (moe_aux.py)
+        return (sent if self.aux is None else self.aux.send(self.comm, a.peer, self._key(a, step), sent)), lambda: None
 
     def _recv(self, a: Action, step: int) -> Done:
         if self.comm is None or a.peer is None:
@@ -361,7 +370,8 @@ class Interpreter:
         def arrived() -> None:
             store[key] = buf
 
-        return self.comm.irecv(buf, a.peer), arrived
+        got = self.comm.irecv(buf, a.peer)
+        return (got, arrived) if self.aux is None else self.aux.recv(self.comm, a.peer, key, got, arrived)
 
     # ---- accounting -----------------------------------------------------------------------------------------
     def device_bytes(self) -> int:

@@ -8,7 +8,10 @@ run on into the next window), so `metrics.jsonl` trails the progress line by up 
 One JSON object per line: `step` (1-based), `loss` (the step's mean token loss), `lr`, `grad_norm`
 (the global L2 norm of the step's gradients over all ranks, before any update), `tokens`,
 `tokens_per_s` (of the window the step ran in) and `elapsed_s`; `eval_loss` where measured.
-With `tensorboard` installed (torch.utils.tensorboard), the same scalars go to OUT/tensorboard (`train/<key>`).
+With `tensorboard` installed (torch.utils.tensorboard), the same scalars go to OUT/tensorboard (`train/<key>`);
+with `report_to="wandb"` (`--report-to wandb`), every number of the line goes to a Weights & Biases run
+(`train/<key>` at `step`; `wandb.init(dir=OUT)`, so WANDB_MODE=offline keeps it under OUT/wandb). `on_row`
+hears each line as written (`stepfeed`: the Python API's callback).
 
 Held-out evaluation is not training: a window's tokens/s is its training steps' alone, and the ETA is
 the remaining steps at the training time per step so far, plus the evaluations still due at the mean
@@ -65,7 +68,8 @@ class StepLog:
 
     def __init__(self, out: str | None, *, steps: int, start: int, tokens_per_step: int, ranks: int,
                  lr_at: Callable[[int], float], progress: bool = True, stream: TextIO | None = None,
-                 norms: bool = True, eval_every: int | None = None) -> None:
+                 norms: bool = True, eval_every: int | None = None, report_to: str | None = None,
+                 config: dict[str, Any] | None = None, on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.steps, self.start, self.tokens_per_step, self.ranks = steps, start, tokens_per_step, ranks
         self.lr_at, self.progress, self.stream, self.norms = lr_at, progress, stream or sys.stderr, norms
         self.eval_every = eval_every  # evaluations every N steps and at the end (0: at the end; None: none)
@@ -78,6 +82,8 @@ class StepLog:
         self.written = start
         self._file: TextIO | None = None
         self._board: Any = None
+        self._wandb: Any = None
+        self.on_row = on_row  # each line as written (the Python API's callback, `stepfeed`)
         if out is not None:
             path = Path(out) / METRICS_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +91,8 @@ class StepLog:
             self._file = open(path, "w")  # noqa: SIM115 - closed in close()
             self._file.writelines(kept)
             self._board = _tensorboard(Path(out) / TENSORBOARD_DIR, resumed_at=start)
+            if report_to == "wandb":
+                self._wandb = _wandb_run(out, config or {})
 
     def window(self, first: int, last: int, seconds: float, parts: Iterable[tuple[dict[int, float],
                                                                                     dict[int, float]]],
@@ -141,6 +149,11 @@ class StepLog:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"):
                 if row.get(key) is not None:
                     self._board.add_scalar(f"train/{key}", row[key], row["step"])
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": v for k, v in row.items() if k != "step" and v is not None},
+                            step=row["step"])
+        if self.on_row is not None:
+            self.on_row(row)
 
     def close(self, parts: Iterable[tuple[dict[int, float], dict[int, float]]] = ()) -> None:
         """The last shares (after every optimizer step finished), then every remaining line."""
@@ -155,6 +168,9 @@ class StepLog:
         if self._board is not None:
             self._board.close()
             self._board = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def _rows_upto(path: Path, step: int) -> list[str]:
@@ -182,3 +198,11 @@ def _tensorboard(directory: Path, *, resumed_at: int = 0) -> Any:
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(str(directory), purge_step=resumed_at + 1 if resumed_at else None)
+
+
+def _wandb_run(out: str, config: dict[str, Any]) -> Any:
+    """A Weights & Biases run for the metrics, named after --out and kept in it (OUT/wandb), its config the run's
+    options; `wandb.init` takes its project, entity and mode from the WANDB_* environment variables."""
+    import wandb
+
+    return wandb.init(name=Path(out).name, dir=out, config=config)

@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from tinypipe.policy.modes import HostMemory
-
 from ..host.compact import CompactHostState
 from ..host.frozen import FrozenHostState
 from ..host.layouts import make_host_state
@@ -31,7 +29,7 @@ def build_rank_state(job: Any, layers: list[int], device: torch.device,
 
     sched = job.schedule
     rss = {"start": rss_now()}
-    lazy = sched.host_memory == HostMemory.COMPACT or sched.lora is not None
+    lazy = sched.host_memory.planes or sched.lora is not None
     stack = build_model(job.model, seed=job.seed, only=set(layers), lazy=lazy)
     rss["model built" + (" (shapes only)" if lazy else "")] = rss_now()
     shared = 0 if stack.tied is not None and {0, sched.num_layers - 1} <= set(layers) else None

@@ -21,6 +21,7 @@ from ..host.optim_rules import LRSchedule, decays
 from ..host.torch_adamw import layer_adamw
 from ..model.hf import build_model
 from ..model.layers import IGNORE_INDEX, LayerStack
+from ..model.moe import call_aux, routing_of, take_logits
 
 Step = Sequence[tuple[torch.Tensor, torch.Tensor]]  # one optimizer step: (input_ids, labels) per microbatch
 
@@ -48,7 +49,8 @@ def reference_train(model: LayerStack | str, batches: Iterable[Step], *, steps: 
 
     Step t takes the next item of `batches` (a list of (input_ids, labels) microbatches), runs each
     microbatch's forward and backward through every layer, and divides every microbatch's summed
-    token loss by the step's number of labels != -100; its loss is the sum over microbatches.
+    token loss by the step's number of labels != -100; its loss is the sum over microbatches. A MoE model's
+    microbatch adds its load-balancing loss, coef / M x aux (`moe.call_aux`), as a plain loop does.
     The stack's parameters are the fp32 masters; with `dtype` other than fp32, forward and backward
     run on a copy of the layers cast to `dtype`, refreshed from the masters after each update, and
     each microbatch's gradients are cast to fp32 and summed. The stack is trained in place.
@@ -138,13 +140,16 @@ def _forward_backward(workers: list[nn.Module], own: list[list[str]], step: Step
     shared = workers[0].get_parameter(tied[1]) if tied is not None else None
     head_share = None if shared is None else torch.zeros(shared.shape, dtype=torch.float32)
     total = 0.0
+    routed = routing_of(workers)  # a MoE model: each microbatch adds its load-balancing loss (model/moe.py)
     for m, (input_ids, labels) in enumerate(step):
         doc = () if documents is None else (documents[m],)
         for w in workers:
             w.zero_grad(set_to_none=True)
         hidden = workers[0](input_ids)
+        logits: list[torch.Tensor] = []
         for w in workers[1:-1]:
             hidden = w(hidden, *doc)
+            logits += take_logits(w)
         if shared is None or tied is None:
             loss = workers[-1](hidden, labels, denom)
             alias = None
@@ -152,6 +157,8 @@ def _forward_backward(workers: list[nn.Module], own: list[list[str]], step: Step
             alias = shared.detach().requires_grad_()
             loss = torch.func.functional_call(workers[-1], {tied[0]: alias}, (hidden, labels, denom),
                                               strict=False)
+        if routed is not None and logits:
+            loss = loss + call_aux(logits, routed, len(step))
         loss.backward()
         total += float(loss.detach())
         for acc, ps in zip(grads, params):

@@ -49,33 +49,32 @@ def is_adapter_dir(path: str) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def lora_files(args: Any) -> tuple[LoraFiles, str, LoraSpec | None]:
-    """`run`'s LoRA files from its options, the model to build, and the adapter's LoraSpec. `--model DIR` naming
-    a peft adapter directory continues that adapter: the model is the base its config names, and its
-    LoraSpec is the run's unless `--lora` gives one. Options that mean nothing to a LoRA run are refused:
-    --optimizer-state bf16 / 8bit (the adapters' AdamW is fp32 on the device), --merge with --no-save and no
-    --save-every (no adapters saved to merge)."""
-    adapter, model, spec = None, args.model, None
-    if args.model and is_adapter_dir(args.model):
-        adapter = args.model
+def lora_files(model: str, *, lora: int | None = None, optimizer_state: str | None = None, merge: bool = False,
+               save: bool = True, save_every: int = 0) -> tuple[LoraFiles, str, LoraSpec | None]:
+    """`run`'s LoRA files from its options (`model`, the `--lora` rank, ...), the model to build, and the adapter's
+    LoraSpec. `--model DIR` naming a peft adapter directory continues that adapter: the model is the base its
+    config names, and its LoraSpec is the run's unless `--lora` gives one. Options that mean nothing to a LoRA
+    run are refused: --optimizer-state bf16 / 8bit (the adapters' AdamW is fp32 on the device), --merge with
+    --no-save and no --save-every (no adapters saved to merge)."""
+    adapter, base_model, spec = None, model, None
+    if model and is_adapter_dir(model):
+        adapter = model
         spec, base = read_adapter_config(adapter)
         if not base:
             raise InputError(f"{adapter}/{ADAPTER_CONFIG}: names no base_model_name_or_path to train it on")
         if not Path(base).exists() and "/" in base:
             raise InputError(f"{adapter}/{ADAPTER_CONFIG}: base model {base!r} is not a local path (nothing is "
                              "downloaded); give the base's directory there")
-        model = base
-    state = getattr(args, "optimizer_state", None)
-    if state is not None and not OptimizerState(state).exact and (getattr(args, "lora", None) or adapter):
-        raise InputError(f"--optimizer-state {state}: a LoRA run's AdamW state is its adapters', held in fp32 on the "
-                         "GPU (the frozen base has none on the host); leave --optimizer-state out")
-    merge = bool(getattr(args, "merge", False))
-    if merge and getattr(args, "lora", None) is None and adapter is None:
+        base_model = base
+    if optimizer_state is not None and not OptimizerState(optimizer_state).exact and (lora or adapter):
+        raise InputError(f"--optimizer-state {optimizer_state}: a LoRA run's AdamW state is its adapters', held in "
+                         "fp32 on the GPU (the frozen base has none on the host); leave --optimizer-state out")
+    if merge and lora is None and adapter is None:
         raise InputError("--merge: only for a LoRA run (--lora R, or --model an adapter directory)")
-    if merge and not getattr(args, "save", True) and not getattr(args, "save_every", 0):
+    if merge and not save and not save_every:
         raise InputError("--merge with --no-save: the run saves no adapters to merge; leave out one of them (or add "
                          "--save-every N: each OUT/step-N then holds a merged model)")
-    return LoraFiles(adapter=adapter, merge=merge), model, spec
+    return LoraFiles(adapter=adapter, merge=merge), base_model, spec
 
 
 def read_adapter_config(path: str) -> tuple[LoraSpec, str | None]:
@@ -214,7 +213,7 @@ def save_adapter(host: FrozenHostState, stack: LayerStack, lora: LoraSpec, out: 
     tmp = path / f".{ADAPTER_WEIGHTS}.tmp{os.getpid()}"
     save_file(dict(sorted(state.items())), str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / ADAPTER_WEIGHTS)
-    cfg = peft_config(lora)
+    cfg = peft_config(lora, stack.spec.family)
     cfg.base_model_name_or_path = base
     cfg.save_pretrained(str(path))
     for p in parts:

@@ -69,11 +69,12 @@ def run_once(argv: list[str], trace: Path | None = None) -> dict[str, Any]:
     from tinypipe.backends.launch.runtrace import save_trace, timeline
     from tinypipe.backends.launch.spawn import launch
     from tinypipe.backends.options.run_flags import add_run_arguments
+    from tinypipe.cli.edge import run_options
     from tinypipe.ir.timeline import Timeline
 
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
-    plan = make_run_plan(ap.parse_args(argv))
+    plan = make_run_plan(run_options(ap.parse_args(argv)))
     results = launch(dataclasses.replace(plan.job, save_model=False, progress=False), plan.world)
     assert results is not None
     tl = timeline(plan, results)
@@ -129,12 +130,14 @@ def part_checkpoint(out: Path, dry: bool) -> None:
         from tinypipe.backends.launch.prepare import make_run_plan
         from tinypipe.backends.options import frugal
         from tinypipe.backends.options.run_flags import add_run_arguments
+        from tinypipe.cli.edge import run_options
         from tinypipe.common.errors import InputError
 
         ap = argparse.ArgumentParser()
         add_run_arguments(ap)
         with tempfile.TemporaryDirectory() as tmp:
-            plan = make_run_plan(ap.parse_args(["--model", "tiny-llama", "--steps", "2", "--out", f"{tmp}/run"]))
+            plan = make_run_plan(run_options(ap.parse_args(["--model", "tiny-llama", "--steps", "2", "--out",
+                                                            f"{tmp}/run"])))
             try:
                 frugal.check_disk(f"{tmp}/run", plan.spec, plan.schedule, keep=1, checkpoints=True, free=1 << 20)
                 line = "not refused"

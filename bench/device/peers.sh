@@ -22,7 +22,7 @@ install() {  # name, target, then pip options
   name=$1; target=$2; shift 2
   rm -rf "$target"; mkdir -p "$target"
   python3 -m pip install --no-index --no-deps --no-compile --no-cache-dir --target "$target" \
-    --find-links "$W/$name" -r "bench/peers/requirements-$name.txt" "$@" >"$target/.install.log" 2>&1
+    --find-links "$W/$name" --find-links .whl -r "bench/peers/requirements-$name.txt" "$@" >"$target/.install.log" 2>&1
   echo $? >"$target/.install.rc"
   echo "install $name: exit $(cat "$target/.install.rc") at $(( $(date +%s) - START )) s"
   tail -3 "$target/.install.log"

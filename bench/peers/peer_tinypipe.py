@@ -55,10 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     from tinypipe.backends.launch.runtrace import timeline
     from tinypipe.backends.launch.spawn import launch
     from tinypipe.backends.options.run_flags import add_run_arguments
+    from tinypipe.cli.edge import run_options
 
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
-    plan = make_run_plan(parser.parse_args(run_args))
+    plan = make_run_plan(run_options(parser.parse_args(run_args)))
     job = dataclasses.replace(plan.job, save_model=False)
     sim = plan.prediction
     if plan.policy.lora is not None:

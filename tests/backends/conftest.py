@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,6 +59,15 @@ def one_thread() -> object:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def plan_run(args: argparse.Namespace, **kw: Any) -> Any:
+    """`make_run_plan` of a parsed `tinypipe run` command line, its options settled at the CLI's edge
+    (`cli.edge.run_options`) as the command settles them."""
+    from tinypipe.backends.launch.prepare import make_run_plan
+    from tinypipe.cli.edge import run_options
+
+    return make_run_plan(run_options(args), **kw)
 
 
 def parse_run(*argv: str, seq_len: int = 16) -> argparse.Namespace:

@@ -15,9 +15,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import TINY_QWEN3, parse_run  # noqa: E402
+from conftest import (  # noqa: E402
+    TINY_QWEN3,
+    parse_run,
+    plan_run,  # noqa: E402
+)
 
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
 from tinypipe.backends.model.hf import build_model, hf_name_maps, load_source  # noqa: E402
 from tinypipe.backends.model.lora_adapters import inject, peft_name  # noqa: E402
@@ -54,7 +57,7 @@ def refused(argv: list[str], match: str, *, disk: Path) -> str:
     """The InputError `make_run_plan` raises for `argv` (one line, matching `match`), `disk` untouched."""
     before = files(disk)
     with pytest.raises(InputError, match=match) as info:
-        make_run_plan(parse_run(*argv))
+        plan_run(parse_run(*argv))
     assert "\n" not in str(info.value)
     assert files(disk) == before
     return str(info.value)
@@ -78,7 +81,7 @@ def test_max_grad_norm_help_and_plan_allow_the_compact_layout(tmp_path: Path) ->
     add_run_arguments(ap)
     text = " ".join(ap.format_help().split())
     assert "needs the replicated" not in text and "Either host layout" in text
-    plan = make_run_plan(parse_run("--gpus", "1", "--max-grad-norm", "1", "--out", str(tmp_path / "out")))
+    plan = plan_run(parse_run("--gpus", "1", "--max-grad-norm", "1", "--out", str(tmp_path / "out")))
     assert plan.schedule.grad_clip and plan.schedule.host_memory == "compact"
 
 
@@ -101,7 +104,7 @@ def test_lora_options_that_mean_nothing_are_refused(argv: list[str], match: str,
 
 def test_merge_with_no_save_and_save_every_merges_each_saved_step(tmp_path: Path) -> None:
     """--no-save with --save-every N still saves OUT/step-N, so --merge has a model to merge there: accepted."""
-    plan = make_run_plan(parse_run("--gpus", "1", "--lora", "4", "--merge", "--no-save", "--save-every", "1",
+    plan = plan_run(parse_run("--gpus", "1", "--lora", "4", "--merge", "--no-save", "--save-every", "1",
                                    "--out", str(tmp_path / "out")))
     assert plan.job.lora_files.merge and not plan.job.save_model and plan.job.save_every == 1
 
@@ -206,7 +209,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     torch.set_num_threads(1)
     try:
         for name, extra in runs.items():
-            plan = make_run_plan(parse_run("--gpus", "1", "--no-save", "--out", str(root / name), *extra))
+            plan = plan_run(parse_run("--gpus", "1", "--no-save", "--out", str(root / name), *extra))
             run_threads(dataclasses.replace(plan.job, progress=False), 1)
             assert checkpoint.find(root / name) is not None
     finally:
@@ -228,7 +231,7 @@ def edited(src: Path, dst: Path, edit: Callable[[dict[str, Any]], object]) -> st
 def test_a_checkpoint_as_written_resumes(run: str, checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """The checks below pass every checkpoint as a run wrote it (full, 8-bit moments, LoRA)."""
     out = shutil.copytree(checkpoints[run], tmp_path / run)
-    plan = make_run_plan(parse_run("--resume", "--out", str(out)))
+    plan = plan_run(parse_run("--resume", "--out", str(out)))
     assert plan.job.resume and plan.schedule.optimizer_state == ("8bit" if run == "8bit" else "fp32")
 
 
@@ -300,11 +303,84 @@ def test_the_searchs_gpu_floor_is_where_its_bound_rejects_every_candidate() -> N
     """`least_gpu_bytes` is the least GPU memory under which `lower_bound` rejects every stage-1 candidate for GPU
     memory; at that much at least one passes it."""
     from tinypipe.describe.hardware import load_hardware
+    from tinypipe.describe.target import Target
+    from tinypipe.describe.workload import Workload
     from tinypipe.search.policy_search import SearchSpace, SearchTarget, least_gpu_bytes, lower_bound, stage1
 
     model, hw, space = load_model("tiny-llama"), load_hardware("rtx4090x1"), SearchSpace()
-    least = least_gpu_bytes(SearchTarget(model, hw, 512, 8), space)
+    work = Workload(model=model, seq_len=512, batch_tokens=8 * 512)
+    least = least_gpu_bytes(SearchTarget(work, Target(hardware=hw)), space)
     assert least is not None
-    below, at = (SearchTarget(model, hw, 512, 8, gpu_mem_bytes=b) for b in (least[0] - 1, least[0]))
+    below, at = (SearchTarget(work, Target(hardware=hw, gpu_mem_bytes=b)) for b in (least[0] - 1, least[0]))
     assert all(lower_bound(below, p)[1].startswith("GPU memory") for p in stage1(below, space))
     assert any(not lower_bound(at, p)[1].startswith("GPU memory") for p in stage1(at, space))
+
+
+# ---- 8. what a LoRA run does not use, in a policy file; an earlier run's metrics.jsonl --------------------
+
+def named_policy(tmp: Path, **fields: object) -> str:
+    path = tmp / "policy.json"
+    path.write_text(json.dumps({"name": "mine", **fields}))
+    return str(path)
+
+
+@pytest.mark.parametrize(("fields", "argv", "match"), [
+    pytest.param({"lora": {"rank": 4}, "optimizer_state": "8bit"}, [],
+                 r"policy\.json: policy 'mine': optimizer_state: 8bit moments are the host optimizer's; with lora the "
+                 r"adapters' AdamW state is fp32 on their GPU", id="file-lora-and-8bit"),
+    pytest.param({"lora": {"rank": 4}}, ["--optimizer-state", "bf16"],
+                 r"^policy 'mine': optimizer_state: bf16 moments are the host optimizer's", id="file-lora-flag-bf16"),
+    pytest.param({"optimizer_state": "8bit"}, ["--lora", "4"],
+                 r"^policy 'mine': optimizer_state: 8bit moments are the host optimizer's", id="file-8bit-flag-lora"),
+    pytest.param({"lora": {"rank": 4}, "host_memory": "replicated"}, [],
+                 r"--policy .*policy\.json: host_memory replicated with LoRA: the host holds one frozen copy of the "
+                 "base", id="file-lora-replicated"),
+    pytest.param({"host_memory": "replicated"}, ["--lora", "4"], r"host_memory replicated with LoRA",
+                 id="file-replicated-flag-lora"),
+])
+def test_a_policy_file_asking_a_lora_run_for_what_it_does_not_use_is_refused(
+        fields: dict[str, object], argv: list[str], match: str, tmp_path: Path) -> None:
+    """A LoRA run keeps its adapters' AdamW state in fp32 on their GPU and one frozen copy of the base on the host:
+    a policy file (with `lora`, or under --lora) asking for bf16 / 8-bit moments or the replicated host layout is
+    refused in one line, where it used to run with neither."""
+    refused(["--gpus", "1", "--policy", named_policy(tmp_path, **fields), "--out", str(tmp_path / "out"), *argv],
+            match, disk=tmp_path)
+
+
+def test_what_a_lora_run_honours_in_a_policy_is_accepted(tmp_path: Path) -> None:
+    """`lora` in a policy file trains LoRA; its `optimizer` async trains as sync does (test_lora_run), and a
+    preset's own host layout (mobius: replicated) is its definition, unused under --lora: both plan."""
+    plan = plan_run(parse_run("--gpus", "1", "--out", str(tmp_path / "a"),
+                                   "--policy", named_policy(tmp_path, lora={"rank": 4}, optimizer="async")))
+    assert plan.schedule.lora == LORA and plan.schedule.optimizer_state == "fp32"
+    plan = plan_run(parse_run("--gpus", "1", "--out", str(tmp_path / "b"), "--policy", "mobius", "--lora", "4"))
+    assert plan.schedule.lora == LORA
+
+
+@pytest.mark.parametrize("beside", [{}, {"config.json": "{}"}], ids=["alone", "with-a-model"])
+def test_an_earlier_runs_metrics_are_not_overwritten(beside: dict[str, str], tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A non-empty metrics.jsonl in --out is an earlier run's, even when nothing else of it is left (a run with
+    --no-save and no checkpoint): a new run is refused in one line, exit code 2, the file as it was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    for name, text in beside.items():
+        (out / name).write_text(text)
+    before = files(tmp_path)
+    line = one_error_line(capsys, ["run", "--gpus", "1", "--out", str(out)])
+    if beside:
+        assert line == (f"error: --out {out}: already holds an earlier run (config.json, metrics.jsonl); continue it "
+                        "with --resume or choose another directory")
+    else:
+        assert line == (f"error: --out {out}: already holds an earlier run's metrics.jsonl (and no checkpoint to "
+                        "continue with --resume); move it away or choose another directory")
+    assert files(tmp_path) == before
+
+
+def test_an_empty_metrics_file_holds_nothing_to_keep(tmp_path: Path) -> None:
+    """An empty metrics.jsonl (a run that failed before its first step) does not stop a new run in that --out."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    assert plan_run(parse_run("--gpus", "1", "--out", str(out))).job.out == str(out)

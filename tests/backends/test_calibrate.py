@@ -8,12 +8,15 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import fixed_cpu_hardware, parse_run  # noqa: E402
+from conftest import (  # noqa: E402
+    fixed_cpu_hardware,
+    parse_run,
+    plan_run,  # noqa: E402
+)
 
 from tinypipe.backends.launch import calibrate as cal  # noqa: E402
 from tinypipe.backends.launch import prepare as plan_mod  # noqa: E402
 from tinypipe.backends.launch.calibrate import calibrate_run, calibration_lines  # noqa: E402
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.describe.hardware import load_hardware  # noqa: E402
 from tinypipe.estimate import hostcal  # noqa: E402
 from tinypipe.estimate.hostcal import FORMAT, cache_file, read_cached, write_cache  # noqa: E402
@@ -34,14 +37,14 @@ def test_a_cpu_run_measures_now_and_says_so(tmp_path: Path, monkeypatch: pytest.
     summary says so; by default the CPU backend's start-up measurement stands and is named; --calibrate off
     plans with the hardware description's rates."""
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: fixed_cpu_hardware(workers))
-    auto = make_run_plan(parse_run("--out", str(tmp_path / "c")))
+    auto = plan_run(parse_run("--out", str(tmp_path / "c")))
     assert auto.hardware == fixed_cpu_hardware(2) and auto.calibration is not None
     assert auto.calibration.startswith("at start-up (the CPU backend's own measurement): fixed numbers")
-    plan = make_run_plan(parse_run("--out", str(tmp_path / "a"), "--calibrate", "now"))
+    plan = plan_run(parse_run("--out", str(tmp_path / "a"), "--calibrate", "now"))
     assert plan.calibration is not None and plan.calibration.startswith("measured now: host optimizer")
     assert plan.hardware.host.compact_params_per_s is not None
     assert calibration_lines(plan)[0].startswith("calibrated measured now: host optimizer")
-    off = make_run_plan(parse_run("--out", str(tmp_path / "b"), "--calibrate", "off"))
+    off = plan_run(parse_run("--out", str(tmp_path / "b"), "--calibrate", "off"))
     assert off.calibration is None and off.hardware == fixed_cpu_hardware(2)
     assert "--calibrate off" in calibration_lines(off)[0]
 

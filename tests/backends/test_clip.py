@@ -171,11 +171,9 @@ def test_run_plans_clipping_on_the_default_compact_layout_and_a_tied_model(tmp_p
     """`tinypipe run --max-grad-norm 1` with the default policy (compact host layout) and a tied model is
     planned, not refused: the schedule clips, and the predicted host peak is the rank's state with a
     gradient region per layer (no ring slots left for GRAD_OUTs to wait on)."""
-    from conftest import parse_run
+    from conftest import parse_run, plan_run
 
-    from tinypipe.backends.launch.prepare import make_run_plan
-
-    plan = make_run_plan(parse_run("--model", tied_config, "--gpus", "2", "--max-grad-norm", "1", "--out",
+    plan = plan_run(parse_run("--model", tied_config, "--gpus", "2", "--max-grad-norm", "1", "--out",
                                    str(tmp_path / "out")))
     sched = plan.schedule
     assert sched.grad_clip and sched.host_memory.value == "compact" and plan.job.max_grad_norm == 1.0

@@ -13,7 +13,6 @@ from tinypipe.backends.data.addition import AdditionSequences, AdditionTask, tas
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.examples import Example, pack, read_examples  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
-
 from tinypipe.common.errors import InputError  # noqa: E402
 
 X = -100  # no loss
@@ -55,7 +54,7 @@ def test_jsonl_and_plain_text_are_read(tmp_path: Path) -> None:
     ('{"text": "ok"}\n{"prompt": "a"}\n', r"d\.jsonl:2: needs a \"text\" field, \"prompt\" and \"completion\" "
                                           r"fields, or \"messages\" \(found: prompt\)"),
     ('{"text": 3}\n', r"d\.jsonl:1: \"text\" must be a string, got int"),
-    ('[1, 2]\n', r"d\.jsonl: a JSON array; write one record per line"),
+    ('[1, 2]\n', r"d\.jsonl: record 1: expected a JSON object, got int"),
     ('{"text": "a"}\n[1]\n', r"d\.jsonl:2: expected a JSON object, got list"),
     ('{"text": "a", "prompt": "b", "completion": "c"}\n', r"d\.jsonl:1: give one of"),
     ("", r"d\.jsonl: empty file"),

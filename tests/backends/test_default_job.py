@@ -23,7 +23,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from conftest import plan_run  # noqa: E402
+
 from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
 from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
 
@@ -35,7 +36,7 @@ def test_the_default_jobs_first_steps_leave_the_random_init_plateau(tmp_path: Pa
     cosine schedule over 80 steps): the loss starts near ln(256) and ends below 1.8 (measured 1.55-1.63)."""
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
-    plan = make_run_plan(ap.parse_args(["--steps", "80", "--out", str(tmp_path / "out")]))
+    plan = plan_run(ap.parse_args(["--steps", "80", "--out", str(tmp_path / "out")]))
     assert plan.job.model == "tiny-llama" and plan.addition_task and plan.job.optim.lr == 3e-3
     results = run_threads(dataclasses.replace(plan.job, progress=False, save_model=False, write_metrics=False), 2)
     losses = {k: v for r in results for k, v in r.losses.items()}

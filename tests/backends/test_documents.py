@@ -4,12 +4,14 @@ its positions count from its own start, so a packed window computes what each do
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import TINY_QWEN3  # noqa: E402
 from test_interpreter import LLAMA, MBS, MBS_PER_STEP, OPTIM, SEQ, assert_same_training, compiled, job  # noqa: E402
 
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
@@ -17,7 +19,7 @@ from tinypipe.backends.data.examples import Example, pack_documents  # noqa: E40
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
 from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
 from tinypipe.backends.model.hf import build_model  # noqa: E402
-from tinypipe.backends.model.layers import LayerStack, document_positions  # noqa: E402
+from tinypipe.backends.model.layers import IGNORE_INDEX, Block, LayerStack, document_positions  # noqa: E402
 from tinypipe.backends.rank.reference import reference_train  # noqa: E402
 from tinypipe.policy import PRESETS  # noqa: E402
 
@@ -29,6 +31,62 @@ def logits(stack: LayerStack, ids: torch.Tensor, documents: torch.Tensor | None)
     for block in stack.layers[1:-1]:
         hidden = block(hidden) if documents is None else block(hidden, documents)
     return stack.layers[-1].logits(hidden)
+
+
+def loss(stack: LayerStack, ids: torch.Tensor, labels: torch.Tensor, denom: float,
+         documents: torch.Tensor | None) -> torch.Tensor:
+    hidden = stack.layers[0](ids)
+    for block in stack.layers[1:-1]:
+        hidden = block(hidden) if documents is None else block(hidden, documents)
+    out: torch.Tensor = stack.layers[-1](hidden, labels, denom)
+    return out
+
+
+# Qwen3 with a 5-position window on its first and last layers: documents longer than it attend in chunks
+QWEN3_WINDOWED = {**TINY_QWEN3, "use_sliding_window": True, "sliding_window": 5,
+                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+
+
+def model_name(family: str, tmp_path: Path) -> str:
+    if family == "llama":
+        return LLAMA
+    path = tmp_path / f"{family}.json"
+    path.write_text(json.dumps(TINY_QWEN3 if family == "qwen3" else QWEN3_WINDOWED))
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-windowed"])
+def test_packed_loss_and_gradients_are_the_documents_alone(family: str, tmp_path: Path) -> None:
+    """Through the per-document path (`segments` on the CPU, no [s, s] mask), a packed window's loss and every
+    parameter's gradient equal the sums of its documents' losses and gradients, each document run alone from
+    position 0 with the labels it has in the window (the last one, cut by the window's end, too)."""
+    stack = build_model(model_name(family, tmp_path), seed=0)
+    blocks = [b for b in stack.layers[1:-1] if isinstance(b, Block)]
+    assert [b.attention_path(torch.device("cpu")) for b in blocks] == ["segments"] * len(blocks)
+    if family == "qwen3-windowed":
+        assert [b.sliding_window for b in blocks] == [5, None, 5]
+    texts = ["the first one", "hi", "a longer document of text", "and a last one cut off by the end"]
+    inputs, labels, docs = pack_documents([Example("", t) for t in texts], ByteTokenizer(256), seq_len=48)
+    inputs, labels, docs = inputs[:1], labels[:1], docs[:1]
+    assert docs[0].unique().tolist() == [0, 1, 2, 3]
+    denom = float((labels != IGNORE_INDEX).sum())
+    params = [p for layer in stack.layers if layer is not None for p in layer.parameters()]
+
+    packed = loss(stack, inputs, labels, denom, docs)
+    packed_grads = torch.autograd.grad(packed, params)
+    alone = torch.zeros(())
+    alone_grads = [torch.zeros_like(p) for p in params]
+    for d in docs[0].unique().tolist():
+        where = (docs[0] == d).nonzero().flatten()
+        one = loss(stack, inputs[:, where], labels[:, where], denom, None)
+        alone = alone + one.detach()
+        for acc, g in zip(alone_grads, torch.autograd.grad(one, params), strict=True):
+            acc += g
+    torch.testing.assert_close(packed.detach(), alone, rtol=1e-5, atol=1e-6)
+    for p, a in zip(packed_grads, alone_grads, strict=True):
+        torch.testing.assert_close(p, a, rtol=1e-4, atol=1e-6)
+    mixed = loss(stack, inputs, labels, denom, None)  # one causal sequence: the documents would see each other
+    assert abs(float(mixed.detach()) - float(packed.detach())) > 1e-4
 
 
 def test_positions_restart_at_each_document() -> None:

@@ -17,9 +17,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import plan_run  # noqa: E402
 from test_run import CONSTANT, LR, MBS, SEQ, parse, policy_file, reference  # noqa: E402
 
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.launch.spawn import launch  # noqa: E402
 from tinypipe.cli import main as cli_main  # noqa: E402
 
@@ -119,7 +119,7 @@ def test_worker_teardown_frees_its_process_group(tmp_path: Path) -> None:
     `import_before_groups`)."""
     import pickle
 
-    plan = make_run_plan(parse("--gpus", "1", "--policy", policy_file(tmp_path, packing=[3, 3]), "--steps", "1",
+    plan = plan_run(parse("--gpus", "1", "--policy", policy_file(tmp_path, packing=[3, 3]), "--steps", "1",
                            "--out", str(tmp_path / "out")))
     job = tmp_path / "job.pkl"
     job.write_bytes(pickle.dumps(dataclasses.replace(plan.job, progress=False, save_model=False)))
@@ -131,7 +131,7 @@ def test_worker_teardown_frees_its_process_group(tmp_path: Path) -> None:
 
 def _short_runs(tmp_path: Path, n: int, capfd: pytest.CaptureFixture[str]) -> None:
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
-    plan = make_run_plan(parse("--gpus", "2", "--policy", pol, "--steps", "2", "--out", str(tmp_path / "plan")))
+    plan = plan_run(parse("--gpus", "2", "--policy", pol, "--steps", "2", "--out", str(tmp_path / "plan")))
     for i in range(n):
         job = dataclasses.replace(plan.job, out=str(tmp_path / f"run{i}"), progress=False)
         results = launch(job, plan.world)  # a rank that dies raises WorkerError; at exit, it warns

@@ -41,7 +41,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
+from conftest import plan_run  # noqa: E402
+
 from tinypipe.backends.launch.runtrace import timeline  # noqa: E402
 from tinypipe.backends.launch.spawn import launch  # noqa: E402
 from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
@@ -67,7 +68,7 @@ def _profile_and_run(root: Path) -> tuple[float, float, float, list[str]]:
                      "--repeat", "10", "--no-rates", "--out", str(prof)]) == 0
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
-    plan = make_run_plan(ap.parse_args(["--gpus", "2", "--steps", str(STEPS), "--profile", str(prof),
+    plan = plan_run(ap.parse_args(["--gpus", "2", "--steps", str(STEPS), "--profile", str(prof),
                                     "--out", str(root / "run")]))
     assert not plan.trace.analytic and plan.trace.dtype == "fp32"
     results = launch(dataclasses.replace(plan.job, progress=False, save_model=False), plan.world)

@@ -1,4 +1,4 @@
-"""Data formats told from the content: JSON Lines under any name, tables and JSON documents refused in one
+"""Data formats told from the content: JSON Lines under any name, what is not a training format refused in one
 line, and chat data through a local tokenizer's chat template with loss on the assistant turns only."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tinypipe.backends.data.examples import Example, pack, read_examples, tokenize  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer, load_tokenizer  # noqa: E402
-
 from tinypipe.common.errors import InputError  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -51,10 +50,11 @@ def test_json_lines_are_read_as_records_whatever_the_name(tmp_path: Path, name: 
 
 
 @pytest.mark.parametrize(("name", "content", "match"), [
-    ("d.csv", "text,label\nhello,1\n", r"d\.csv: looks like CSV"),
+    ("d.csv", "name,label\nhello,1\n", r"d\.csv: looks like CSV \(a table\) with columns name, label, none of "
+                                        r"them a record field"),
     ("d.txt", "a,b,c\n1,2,3\n4,5,6\n7,8,9\n", r"d\.txt: looks like CSV"),
     ("d.tsv", "a\tb\n", r"d\.tsv: looks like TSV"),
-    ("d.json", '[{"text": "a"}, {"text": "b"}]', r"d\.json: a JSON array; write one record per line"),
+    ("d.json", '[{"text": "a"}, 3]', r"d\.json: record 2: expected a JSON object, got int"),
     ("d.json", "text: hello\n", r"d\.json:1: not a JSON object; a \.json data file is JSON Lines"),
     ("d.bin", "\0\1\2", r"d\.bin: a binary file"),
     ("d.jsonl", '{"messages": []}\n', r"d\.jsonl:1: \"messages\" must be a non-empty list"),

@@ -11,12 +11,15 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import fixed_cpu_hardware, parse_run  # noqa: E402
+from conftest import (  # noqa: E402
+    fixed_cpu_hardware,
+    parse_run,
+    plan_run,  # noqa: E402
+)
 
 from tinypipe.backends.launch import prepare as plan_mod  # noqa: E402
 from tinypipe.backends.launch import spawn as launch_mod  # noqa: E402
 from tinypipe.backends.launch.hostfit import check_host_fits  # noqa: E402
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.cli import main  # noqa: E402
 from tinypipe.common.errors import InputError  # noqa: E402
 from tinypipe.describe import thismachine  # noqa: E402
@@ -56,21 +59,21 @@ def test_a_run_over_this_machines_memory_is_refused_with_what_fits(tmp_path: Pat
     """Replicated over MemAvailable less the margin but compact under it: the one-line refusal names the peak,
     the limit, where it comes from and the margin, and the compact variant's predicted need."""
     out = str(tmp_path / "run")
-    compact_plan = make_run_plan(parse_run("--policy", _policy(tmp_path, "compact"), "--out", out))
+    compact_plan = plan_run(parse_run("--policy", _policy(tmp_path, "compact"), "--out", out))
     compact = compact_plan.prediction.peak_host_bytes
-    replicated = make_run_plan(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out))
+    replicated = plan_run(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out))
     assert replicated.prediction.peak_host_bytes > compact
     limit_kib = _limit_kib((compact + replicated.prediction.peak_host_bytes) // 2)
     here.write_text(f"MemTotal: 1 kB\nMemAvailable:   {limit_kib} kB\n")
     with pytest.raises(InputError) as info:
-        make_run_plan(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out))
+        plan_run(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out))
     msg = str(info.value)
     assert "\n" not in msg
     assert "policy 'replicated' needs" in msg and "(MemAvailable) this run may take less" in msg
     assert f"({HOST_MARGIN_FRACTION:.0%}) for what the prediction may miss" in msg
     assert "with host_memory compact in the policy it needs" in msg and msg.endswith("and fits")
     # --host-mem overrides what the machine says
-    make_run_plan(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out, "--host-mem", "1GiB"))
+    plan_run(parse_run("--policy", _policy(tmp_path, "replicated"), "--out", out, "--host-mem", "1GiB"))
 
 
 def test_the_command_exits_2_before_training(tmp_path: Path, here: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,12 +121,12 @@ def test_a_run_that_fits_memavailable_only_without_the_margin_is_refused(tmp_pat
     limit less the margin), planned at the peak plus the margin."""
     out = str(tmp_path / "run")
     argv = ("--policy", _policy(tmp_path, "compact"), "--out", out)
-    peak = make_run_plan(parse_run(*argv)).prediction.peak_host_bytes
+    peak = plan_run(parse_run(*argv)).prediction.peak_host_bytes
     here.write_text(f"MemAvailable:   {math.ceil(peak / 1024)} kB\n")
     with pytest.raises(InputError, match="for what the prediction may miss"):
-        make_run_plan(parse_run(*argv))
+        plan_run(parse_run(*argv))
     here.write_text(f"MemAvailable:   {_limit_kib(peak)} kB\n")
-    assert make_run_plan(parse_run(*argv)).prediction.peak_host_bytes == peak
+    assert plan_run(parse_run(*argv)).prediction.peak_host_bytes == peak
 
 
 def test_search_plans_with_the_same_margin(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,11 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from conftest import TINY_QWEN3  # noqa: E402
+from conftest import TINY_QWEN3, plan_run  # noqa: E402
 
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
 from tinypipe.backends.model.hf import build_model  # noqa: E402
 from tinypipe.backends.model.layers import IGNORE_INDEX  # noqa: E402
@@ -64,7 +63,7 @@ def config(tmp: Path, **changes: Any) -> str:
 
 
 def pipeline(tmp: Path, model: str, gpus: int, *extra: str, **replace: Any) -> tuple[Any, list[Any]]:
-    plan = make_run_plan(parse("--gpus", str(gpus), "--model", model, "--out", str(tmp / "out"), "--lora", str(RANK),
+    plan = plan_run(parse("--gpus", str(gpus), "--model", model, "--out", str(tmp / "out"), "--lora", str(RANK),
                                "--lora-alpha", str(ALPHA), "--lora-targets", "all", *extra))
     job = dataclasses.replace(plan.job, progress=False, keep_masters=True, checkpoint_s=0.0, **replace)
     return plan, run_threads(job, gpus)
@@ -174,7 +173,7 @@ def test_resume_is_bit_exact_and_async_trains_the_same(tmp_path: Path) -> None:
     _, whole = pipeline(whole_dir, model, 2, "--steps", "5")
     _, first = pipeline(part_dir, model, 2, "--steps", "5", "--checkpoint-every", "2", stop_after=2)
     assert all(r.interrupted for r in first) and checkpoint.find(part_dir / "out") is not None
-    plan = make_run_plan(parse("--gpus", "2", "--out", str(part_dir / "out"), "--resume"))
+    plan = plan_run(parse("--gpus", "2", "--out", str(part_dir / "out"), "--resume"))
     # the checkpoint holds the adapters and their moments, not the base: the formula `check_disk` sizes it by
     formula = frugal.checkpoint_plan_bytes(plan.spec, plan.schedule)
     assert formula - 2 * CHECKPOINT_SLACK_BYTES <= checkpoint.held_bytes(part_dir / "out") <= formula
@@ -203,7 +202,7 @@ def test_continue_from_an_adapter_directory_and_merge(tmp_path: Path) -> None:
     first = tmp_path / "first"
     first.mkdir()
     pipeline(first, model, 1, "--steps", "2")
-    cont = make_run_plan(parse("--gpus", "1", "--model", str(first / "out"), "--steps", "2", "--merge",
+    cont = plan_run(parse("--gpus", "1", "--model", str(first / "out"), "--steps", "2", "--merge",
                                "--out", str(tmp_path / "second")))
     assert cont.job.lora_files.adapter == str(first / "out") and cont.job.model == model
     run_threads(dataclasses.replace(cont.job, progress=False, checkpoint_s=0.0), 1)
@@ -224,7 +223,7 @@ def test_bad_lora_options_are_one_line_errors(tmp_path: Path) -> None:
                         (["--merge"], "only for a LoRA run"),
                         (["--lora", "4", "--lora-targets", "q,zz"], "--lora-targets")):
         with pytest.raises(InputError, match=match):
-            make_run_plan(parse("--gpus", "1", "--out", str(tmp_path / "o"), *argv))
+            plan_run(parse("--gpus", "1", "--out", str(tmp_path / "o"), *argv))
 
 
 def test_compiled_lora_blocks_train_like_eager(tmp_path: Path) -> None:

@@ -129,16 +129,16 @@ def test_the_command_line_takes_the_names_and_json_parameters(tmp_path: Path) ->
     from tinypipe.backends.options.settings import record, settle
 
     out = str(tmp_path / "out")
-    opts = settle(parse_run("--lr-schedule", "cosine_with_min_lr", "--lr-schedule-kwargs", '{"min_lr_rate": 0.1}',
-                            "--out", out))
+    opts = settle(vars(parse_run("--lr-schedule", "cosine_with_min_lr", "--lr-schedule-kwargs",
+                                 '{"min_lr_rate": 0.1}', "--out", out)))
     assert (opts.lr_schedule, opts.lr_schedule_kwargs) == ("cosine_with_min_lr", {"min_lr_rate": 0.1})
     assert record(opts)["lr_schedule_kwargs"] == {"min_lr_rate": 0.1}
     with pytest.raises(InputError, match="--lr-schedule warmup: unknown; one of constant, "):
-        settle(parse_run("--lr-schedule", "warmup", "--out", out))
+        settle(vars(parse_run("--lr-schedule", "warmup", "--out", out)))
     with pytest.raises(InputError, match="--lr-schedule-kwargs 0.1: a JSON object"):
-        settle(parse_run("--lr-schedule", "cosine_with_min_lr", "--lr-schedule-kwargs", "0.1", "--out", out))
+        settle(vars(parse_run("--lr-schedule", "cosine_with_min_lr", "--lr-schedule-kwargs", "0.1", "--out", out)))
     with pytest.raises(InputError, match="--lr-schedule-kwargs {min_lr_rate: 0.1}: not JSON"):
-        settle(parse_run("--lr-schedule-kwargs", "{min_lr_rate: 0.1}", "--out", out))
+        settle(vars(parse_run("--lr-schedule-kwargs", "{min_lr_rate: 0.1}", "--out", out)))
 
 
 def test_schedule_parameters_that_need_the_run_are_checked_with_it() -> None:

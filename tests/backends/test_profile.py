@@ -17,9 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import fixed_cpu_hardware  # noqa: E402
+from conftest import fixed_cpu_hardware, plan_run  # noqa: E402
 
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
 from tinypipe.backends.options.settings import rank_threads  # noqa: E402
 from tinypipe.backends.profile import rates as rates_module  # noqa: E402
@@ -276,10 +275,10 @@ def test_simulate_search_and_run_take_the_profile(profiled: tuple[Path, Path, st
     args = ap.parse_args(["--seq-len", str(SEQ), "--batch-tokens", str(4 * SEQ), "--microbatch-size", "2",
                           "--steps", "2", "--out", str(out.parent / "run"), "--profile", str(out),
                           "--calibrate", "off"])
-    plan = make_run_plan(args)
+    plan = plan_run(args)
     assert plan.trace == trace and plan.note is None
     args.calibrate = "now"  # the same profile, its host optimizer steps scaled to this host as measured now
-    plan = make_run_plan(args)
+    plan = plan_run(args)
     assert plan.trace.source.startswith(trace.source) and "calibrated to this host" in plan.trace.source
     assert plan.trace.kinds["block"].fwd_s == trace.kinds["block"].fwd_s and plan.note is None
 
@@ -320,7 +319,7 @@ def test_host_rates_rewrite_a_preset(profiled: tuple[Path, Path, str]) -> None:
     (["--warmup", "-1"], "--warmup: must be >= 0"),
     (["--seq-len", "100000"], "--seq-len 100000: tiny-llama handles at most 2048"),
     (["--model", "llama-9"], "llama-9"),
-    (["--model", "gpt2-xl"], "`run` trains llama, mistral, qwen2, qwen3 models"),
+    (["--model", "gpt2-xl"], "`run` trains llama, mistral, qwen2, qwen3, qwen3_moe, mixtral"),
     (["--hardware", "dgx-a100"], "unknown hardware 'dgx-a100'"),
     (["--out", "FILE"], "exists and is not a directory"),
     (["--frobnicate"], "unrecognized arguments"),
@@ -396,7 +395,7 @@ def test_profile_lora_measures_the_frozen_block_and_a_lora_run_takes_it(tmp_path
     add_run_arguments(ap)
     base = ["--seq-len", str(SEQ), "--batch-tokens", str(2 * SEQ), "--microbatch-size", "1", "--steps", "2",
             "--profile", str(tmp_path), "--calibrate", "off"]
-    plan = make_run_plan(ap.parse_args([*base, *lora, "--out", str(tmp_path.parent / "run-lora")]))
+    plan = plan_run(ap.parse_args([*base, *lora, "--out", str(tmp_path.parent / "run-lora")]))
     assert plan.trace == t
-    plan = make_run_plan(ap.parse_args([*base, "--out", str(tmp_path.parent / "run-full")]))
+    plan = plan_run(ap.parse_args([*base, "--out", str(tmp_path.parent / "run-full")]))
     assert not plan.trace.lora

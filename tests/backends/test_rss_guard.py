@@ -13,10 +13,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import fixed_cpu_hardware, parse_run  # noqa: E402
+from conftest import (  # noqa: E402
+    fixed_cpu_hardware,
+    parse_run,
+    plan_run,  # noqa: E402
+)
 
 from tinypipe.backends.launch import prepare as plan_mod  # noqa: E402
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
 from tinypipe.backends.rank.rss_guard import (  # noqa: E402
     FLOOR_ENV,
@@ -159,7 +162,7 @@ def test_ranks_stop_together_when_any_guard_trips(tmp_path: Path, fixed_cpu: Non
     """Two ranks (threads): under the floor both stop after the first window with one checkpoint and no model at
     the stop; under normal conditions (the default floor) neither guard trips and the run ends."""
     out = tmp_path / "out"
-    plan = make_run_plan(parse_run("--gpus", "2", "--out", str(out), "--checkpoint-every", "2",
+    plan = plan_run(parse_run("--gpus", "2", "--out", str(out), "--checkpoint-every", "2",
                                    "--steps", "4", seq_len=SEQ))
     job = dataclasses.replace(plan.job, progress=False)
     low = run_threads(dataclasses.replace(job, rss_guard=GuardSettings(1 << 50)), 2)

@@ -16,11 +16,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import TINY_QWEN3, TINY_QWEN3_TIED, fixed_cpu_hardware  # noqa: E402
+from conftest import (  # noqa: E402
+    TINY_QWEN3,
+    TINY_QWEN3_TIED,
+    fixed_cpu_hardware,
+    plan_run,  # noqa: E402
+)
 
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.launch.run_report import profile_hint, sparkline  # noqa: E402
 from tinypipe.backends.launch.spawn import WorkerError, launch  # noqa: E402
 from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
@@ -145,12 +149,12 @@ def test_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path: Path, qwen
                       host_memory="replicated")
     args = parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out", str(out),
                  "--checkpoint-every", "4", "--keep-checkpoints", "2")
-    plan = make_run_plan(args)
+    plan = plan_run(args)
     first = launch(dataclasses.replace(plan.job, stop_after=2, progress=False, save_model=False), plan.world)
     assert first is not None and all(r.interrupted for r in first)
     assert checkpoint.find(out) == out / checkpoint.DIR
     assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 2
-    resumed = make_run_plan(parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out",
+    resumed = plan_run(parse("--gpus", "3", "--model", qwen3_config, "--policy", pol, "--steps", "5", "--out",
                               str(out), "--checkpoint-every", "4", "--resume", "--keep-checkpoints", "2"))
     second = launch(dataclasses.replace(resumed.job, progress=False, save_model=False, keep_masters=True), 3)
     assert second is not None and [r.start_step for r in second] == [2, 2, 2]
@@ -172,7 +176,7 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
     error in one line (its words, not the exception's class; no `Terminating process` warnings
     from torch on stderr), and no checkpoint or model is left half-written."""
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
-    plan = make_run_plan(parse("--gpus", "2", "--policy", pol, "--steps", "2", "--out", str(tmp_path / "out")))
+    plan = plan_run(parse("--gpus", "2", "--policy", pol, "--steps", "2", "--out", str(tmp_path / "out")))
     sched = plan.schedule
     first = next(a for a in sched.actions if a.resource == "g1.h2d")
     acts = tuple(dataclasses.replace(a, kind=Kind.EVICT, resource="g1.compute") if a is first else a
@@ -223,7 +227,7 @@ def test_a_failing_worker_brings_the_others_down_with_one_line(tmp_path: Path,
     (["--model", "BAD_TOKENIZER", "--data", "GOOD_DATA"], "cannot load the tokenizer"),
     (["--gpus", "2", "--resume", "--out", "CORRUPT_RANK"], r"rank1\.safetensors: truncated or corrupt"),
     (["--epochs", "1"], "--epochs: give --data"),
-    (["--max-grad-norm", "1", "--lora", "4"], "--max-grad-norm: with --lora the adapters step on the device"),
+    (["--load-in-4bit"], "--load-in-4bit needs --lora R"),
     (["--eval-fraction", "0.2"], "--eval-fraction: give --data"),
     (["--eval-every", "5"], "--eval-every: give --eval-data FILE or --eval-fraction F"),
     (["--eval-fraction", "1.5", "--data", "GOOD_DATA", "--byte-tokens"], r"--eval-fraction: must be in \(0, 1\)"),
@@ -270,7 +274,7 @@ def test_bad_input_is_one_line_error_before_any_worker(argv: list[str], match: s
         subst["CORRUPT_RANK"] = _corrupt_checkpoint(tmp_path / "corrupt")
     args = parse(*[subst.get(a, a) for a in argv])
     with pytest.raises(InputError, match=match) as info:
-        make_run_plan(args)
+        plan_run(args)
     assert "\n" not in str(info.value)
 
 
@@ -315,7 +319,7 @@ def _corrupt_checkpoint(out: Path) -> str:
     rank1.safetensors: written by a real 1-step run, then cut."""
     from tinypipe.backends.launch.spawn import run_threads
 
-    plan = make_run_plan(parse("--gpus", "2", "--steps", "2", "--out", str(out)))
+    plan = plan_run(parse("--gpus", "2", "--steps", "2", "--out", str(out)))
     run_threads(dataclasses.replace(plan.job, stop_after=1, progress=False, save_model=False,
                                     write_metrics=False), 2)
     f = out / checkpoint.DIR / "rank1.safetensors"
@@ -328,13 +332,13 @@ def test_resume_continues_the_recorded_run(tmp_path: Path) -> None:
     included; a new run's defaults checkpoint every 10 minutes of training."""
     from tinypipe.backends.options.settings import RECORDED, record, settle
 
-    first = settle(parse("--steps", "3000", "--model", "tiny-qwen3", "--gpus", "3", "--seed", "7",
-                         "--checkpoint-every", "50", "--out", str(tmp_path / "new")))
+    first = settle(vars(parse("--steps", "3000", "--model", "tiny-qwen3", "--gpus", "3", "--seed", "7",
+                              "--checkpoint-every", "50", "--out", str(tmp_path / "new"))))
     assert first.checkpoint_minutes == 10.0
     out = fake_checkpoint(tmp_path / "run", step=30, **record(first))
     ap = argparse.ArgumentParser()
     add_run_arguments(ap)
-    again = settle(ap.parse_args(["--resume", "--out", out]))
+    again = settle(vars(ap.parse_args(["--resume", "--out", out])))
     assert {k: getattr(again, k) for k in RECORDED} == {k: getattr(first, k) for k in RECORDED}
     assert again.steps == 3000 and again.model == "tiny-qwen3" and again.lr == LR
 
@@ -346,7 +350,7 @@ def test_a_tied_model_runs_on_every_gpu_under_the_defaults(tmp_path: Path, tied_
     import tinypipe.backends.launch.prepare as plan_mod
 
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: fixed_cpu_hardware(workers))
-    plan = make_run_plan(parse("--gpus", "2", "--model", tied_config, "--out", str(tmp_path / "out")))
+    plan = plan_run(parse("--gpus", "2", "--model", tied_config, "--out", str(tmp_path / "out")))
     assert sorted(set(plan.schedule.pack_gpu)) == [0, 1]
     assert plan.schedule.pack_gpu[0] == plan.schedule.pack_gpu[-1]  # the head with the embedding
     assert plan.note is not None and "balanced packs dealt round-robin" in plan.note
@@ -360,7 +364,7 @@ def test_checkpoints_by_time_keep_the_last_two(tmp_path: Path) -> None:
     from tinypipe.backends.launch.spawn import run_threads
 
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
-    plan = make_run_plan(parse("--gpus", "2", "--policy", pol, "--steps", "6", "--out", str(tmp_path / "plan")))
+    plan = plan_run(parse("--gpus", "2", "--policy", pol, "--steps", "6", "--out", str(tmp_path / "plan")))
     for name, every_s, steps in (("often", 1e-9, [6, 4]), ("rarely", 3600.0, [6])):
         out = tmp_path / name
         run_threads(dataclasses.replace(plan.job, out=str(out), checkpoint_s=every_s, progress=False,
@@ -458,7 +462,7 @@ def test_cuda_two_gpus_train_like_the_reference(tmp_path: Path, layout: str, opt
     rounding difference can move an element by up to lr per step)."""
     pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1], host_memory=layout, optimizer=optimizer,
                       swap=swap)
-    plan = make_run_plan(parse("--backend", "cuda", "--gpus", "2", "--dtype", "fp32", "--policy", pol, "--steps", "6",
+    plan = plan_run(parse("--backend", "cuda", "--gpus", "2", "--dtype", "fp32", "--policy", pol, "--steps", "6",
                            "--out", str(tmp_path / "out")))
     results = launch(dataclasses.replace(plan.job, progress=False, keep_masters=True), 2)
     assert results is not None
@@ -488,4 +492,4 @@ def test_a_policy_that_does_not_fit_host_memory_is_refused(tmp_path: Path, monke
     small = dataclasses.replace(small, host=dataclasses.replace(small.host, memory_bytes=1 << 20))
     monkeypatch.setattr(plan_mod, "cpu_hardware", lambda workers, threads: small)
     with pytest.raises(InputError, match="needs .* of host memory at its predicted peak, more than the 1.0 MiB"):
-        make_run_plan(parse("--gpus", "2", "--out", str(tmp_path)))
+        plan_run(parse("--gpus", "2", "--out", str(tmp_path)))

@@ -13,11 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import plan_run  # noqa: E402
 from test_run import LR, MB, MBS, SEQ, policy_file  # noqa: E402
 
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer  # noqa: E402
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
 from tinypipe.backends.options.run_flags import add_run_arguments  # noqa: E402
 from tinypipe.backends.rank.reference import reference_train  # noqa: E402
@@ -42,7 +42,7 @@ def test_metrics_hold_every_step_with_the_references_loss_lr_and_gradient_norm(t
     whose loss, lr and grad_norm (global over both ranks) equal the single-process reference's."""
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1])
-    plan = make_run_plan(parse("--policy", pol, "--steps", "6", "--lr-schedule", "cosine", "--warmup-steps", "2",
+    plan = plan_run(parse("--policy", pol, "--steps", "6", "--lr-schedule", "cosine", "--warmup-steps", "2",
                                "--weight-decay", "0.1", "--out", str(out)))
     run_threads(dataclasses.replace(plan.job, progress=False, save_model=False), 2)
     got = rows(out)
@@ -67,7 +67,7 @@ def test_models_every_n_steps_at_a_stop_and_on_resume_at_the_reached_step(tmp_pa
 
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
-    plan = make_run_plan(parse("--policy", pol, "--steps", "6", "--save-every", "2", "--save-dtype", "bf16",
+    plan = plan_run(parse("--policy", pol, "--steps", "6", "--save-every", "2", "--save-dtype", "bf16",
                                "--out", str(out)))
     first = run_threads(dataclasses.replace(plan.job, progress=False, stop_after=4), 2)
     assert all(r.interrupted for r in first)
@@ -78,13 +78,13 @@ def test_models_every_n_steps_at_a_stop_and_on_resume_at_the_reached_step(tmp_pa
         assert config.get("torch_dtype", config.get("dtype")) == "bfloat16"
         shards = sorted((out / f"step-{step}").glob("*.safetensors"))
         assert len(shards) == 6 and {t.dtype for s in shards for t in load_file(s).values()} == {torch.bfloat16}
-    export = make_run_plan(parse("--resume", "--steps", "4", "--out", str(out)))
+    export = plan_run(parse("--resume", "--steps", "4", "--out", str(out)))
     again = run_threads(dataclasses.replace(export.job, progress=False), 2)
     assert [r.steps_run for r in again] == [0, 0]
     for shard in sorted((out / "step-4").glob("*.safetensors")):
         saved, final = load_file(shard), load_file(out / shard.name)
         assert saved.keys() == final.keys() and all(torch.equal(saved[k], final[k]) for k in saved)
-    finish = make_run_plan(parse("--resume", "--out", str(out)))
+    finish = plan_run(parse("--resume", "--out", str(out)))
     run_threads(dataclasses.replace(finish.job, progress=False), 2)
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
     assert (out / "step-4").is_dir() and not (out / "step-6").exists()  # the end's model is OUT itself
@@ -93,7 +93,7 @@ def test_models_every_n_steps_at_a_stop_and_on_resume_at_the_reached_step(tmp_pa
 def test_no_grad_norm_writes_every_step_without_it(tmp_path: Path) -> None:
     out = tmp_path / "out"
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
-    plan = make_run_plan(parse("--policy", pol, "--steps", "3", "--no-grad-norm", "--out", str(out)))
+    plan = plan_run(parse("--policy", pol, "--steps", "3", "--no-grad-norm", "--out", str(out)))
     run_threads(dataclasses.replace(plan.job, progress=False, save_model=False), 2)
     assert [(r["step"], r["grad_norm"]) for r in rows(out)] == [(1, None), (2, None), (3, None)]
 
@@ -109,7 +109,7 @@ def test_tensorboard_holds_the_metrics_of_every_step(tmp_path: Path) -> None:
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(f'{{"text": "line {i}: {"xy" * (i % 7)} and {i * 7}"}}\n' for i in range(80)))
     pol = policy_file(tmp_path, packing=[3, 3], mapping=[0, 1])
-    plan = make_run_plan(parse("--policy", pol, "--steps", "4", "--data", str(data), "--byte-tokens",
+    plan = plan_run(parse("--policy", pol, "--steps", "4", "--data", str(data), "--byte-tokens",
                                "--eval-fraction", "0.3", "--eval-every", "2", "--out", str(out)))
     run_threads(dataclasses.replace(plan.job, progress=False, save_model=False), 2)
     got = rows(out)

@@ -15,12 +15,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import plan_run  # noqa: E402
 from test_run import MB, MBS, SEQ, parse, policy_file  # noqa: E402
 
 from tinypipe.backends.data.batches import make_batches  # noqa: E402
 from tinypipe.backends.data.formats import read_data  # noqa: E402
 from tinypipe.backends.data.tokenizers import ByteTokenizer, describe, load_tokenizer  # noqa: E402
-from tinypipe.backends.launch.prepare import make_run_plan  # noqa: E402
 from tinypipe.backends.launch.run_report import summary  # noqa: E402
 from tinypipe.backends.launch.runtrace import timeline  # noqa: E402
 from tinypipe.backends.launch.spawn import run_threads  # noqa: E402
@@ -126,7 +126,7 @@ def test_the_plan_carries_the_data_lines_printed_under_the_header(tmp_path: Path
     f = tmp_path / "caps.jsonl"
     f.write_text("".join(json.dumps({"prompt": "The capital of Peru is", "completion": " Lima."}) + "\n"
                          for _ in range(40)))
-    plan = make_run_plan(parse("--data", str(f), "--steps", "2", "--out", str(tmp_path / "out")))
+    plan = plan_run(parse("--data", str(f), "--steps", "2", "--out", str(tmp_path / "out")))
     assert len(plan.data_lines) == 2 and plan.data_lines[0].startswith(f"data      {f}: JSON Lines (prompt/completion)")
     assert plan.data_lines[1].startswith("          tokenised as UTF-8 byte ids (no tokenizer files")
 
@@ -187,7 +187,7 @@ def test_a_run_with_evaluation_reports_its_time_apart(tmp_path: Path) -> None:
     f = tmp_path / "docs.jsonl"
     f.write_text("".join(json.dumps({"text": f"line {i}: {'xy' * (i % 7)} and {i * 7}"}) + "\n" for i in range(80)))
     pol = policy_file(tmp_path, packing=[1, 2, 1, 2], mapping=[0, 1, 0, 1])
-    plan = make_run_plan(parse("--gpus", "2", "--policy", pol, "--steps", "4", "--data", str(f), "--eval-fraction",
+    plan = plan_run(parse("--gpus", "2", "--policy", pol, "--steps", "4", "--data", str(f), "--eval-fraction",
                                "0.3", "--eval-every", "2", "--out", str(tmp_path / "out")))
     assert plan.job.tokens_per_step == SEQ * MBS * MB
     results = run_threads(dataclasses.replace(plan.job, progress=False, save_model=False), 2)

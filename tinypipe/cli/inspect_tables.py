@@ -7,6 +7,7 @@ from typing import Any
 from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import LayerSpec, ModelSpec
+from tinypipe.describe.target import Target
 from tinypipe.describe.trace import ProfileTrace, analytic_trace
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.hostmem import host_bytes
@@ -36,6 +37,8 @@ def _layer_row(layer: LayerSpec, seq_len: int) -> dict[str, Any]:
     return {
         "name": layer.name, "last": layer.name, "count": 1, "kind": layer.kind.value,
         "params": layer.params, "gpu_params": layer.gpu_params, "bf16_bytes": layer.param_bytes("bf16"),
+        "active_params": layer.active_params, "experts": layer.experts, "experts_per_token": layer.experts_per_token,
+        "expert_bf16_bytes": layer.expert_bytes("bf16"),
         "fwd_flops_per_token": layer.fwd_flops_per_token(seq_len),
         "saved_act_bytes_per_token": layer.saved_act_bytes_per_token,
         "boundary_bytes_per_token": layer.boundary_bytes_per_token,
@@ -43,7 +46,8 @@ def _layer_row(layer: LayerSpec, seq_len: int) -> dict[str, Any]:
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    keys = ("params", "gpu_params", "fwd_flops_per_token", "saved_act_bytes_per_token", "boundary_bytes_per_token")
+    keys = ("params", "gpu_params", "fwd_flops_per_token", "saved_act_bytes_per_token", "boundary_bytes_per_token",
+            "experts")
     return all(a[k] == b[k] for k in keys)
 
 
@@ -84,13 +88,13 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
     packs = [{"layers": k, "gpu_bytes": pack_footprint(model, hardware[0], trace, k)} for k in (1, 2, 4, 8, 16)
              if k <= model.num_blocks]
     min_gpu = gpumem.least_peak_bytes(_plan(model, hardware[0], trace))
-    lora_host = frozen_host_bytes(model).total_bytes
+    lora_host = frozen_host_bytes(model, nf4=lora.nf4).total_bytes
     lora_gpu = gpumem.least_peak_bytes(_plan(model, hardware[0], trace, lora=lora))
     lora_state = model_adapter_params(model, lora) * ADAPTER_STATE_BYTES_PER_PARAM
     fit = []
     for hw in hardware:
         gpu_mem = min(g.memory_bytes for g in hw.gpus)
-        room = min(g.usable_bytes() for g in hw.gpus)  # less what the allocator keeps, as the simulator checks
+        room = Target(hardware=hw).gpu_usable_bytes  # less what the allocator keeps, as the simulator checks
         fit.append({
             "hardware": hw.name, "gpus": len(hw.gpus), "gpu_bytes": gpu_mem, "host_bytes": hw.host.memory_bytes,
             "gpu_fits": min_gpu <= room,
@@ -101,6 +105,7 @@ def model_report(model: ModelSpec, *, seq_len: int, microbatch_size: int,
         })
     return {
         "model": model.name, "family": model.family, "source": model.source, "params": model.params,
+        "active_params": model.active_params,
         "blocks": model.num_blocks, "hidden_size": model.hidden_size, "vocab_size": model.vocab_size,
         "tied_embeddings": model.tied_embeddings, "seq_len": seq_len, "microbatch_size": microbatch_size,
         "bf16_bytes": model.params * 2,

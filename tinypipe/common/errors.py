@@ -17,3 +17,7 @@ class CapacityError(TinypipeError):
 
 class ScheduleError(TinypipeError):
     """A schedule that fails validation; the message carries the grid with the failing action marked."""
+
+
+class StopTraining(Exception):
+    """Raised by a `tinypipe.train` callback: the run stops as Ctrl-C stops it (checkpoint, model at the stop)."""

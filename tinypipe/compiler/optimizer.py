@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from tinypipe.compiler.ops import ADAPT_STEP, BWD, GRAD_OUT, LOAD, ON_HOST, OPT_STEP, Op, _splice
 from tinypipe.estimate.plan import Plan
-from tinypipe.policy.modes import HostMemory
 
 
 def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
@@ -41,15 +40,7 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     if plan.lora is not None:
         return adapter_pass(plan, ops)
     pos = {op: i for i, op in enumerate(ops)}
-    grad_out: dict[tuple[int, int], Op] = {}
-    first_load: dict[tuple[int, int], Op] = {}
-    last_load: dict[tuple[int, int], Op] = {}
-    for op in ops:
-        if op.kind is GRAD_OUT:
-            grad_out[op.layer, op.it] = op
-        elif op.kind is LOAD:
-            first_load.setdefault((op.layer, op.it), op)
-            last_load[op.layer, op.it] = op
+    grad_out, first_load, last_load = _by_layer(ops)
     head = plan.num_layers - 1
     tied = plan.tied and head > 0
     lag = 1 if not plan.optimizer.is_async else 2
@@ -84,22 +75,44 @@ def optimizer_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     if plan.grad_clip:  # behind the barrier, the steps go in the order the next forward reads the layers
         for steps in after.values():
             steps.sort(key=lambda o: (o.it, o.layer))
-    for (lay, it), go in grad_out.items():  # the gradient slot/buffer of L is free again
+    _wait_for_steps(grad_out, first_load, opt, lag, head if tied else None)
+    for anchor, o in deferred:
+        after.setdefault(anchor, []).append(o)
+    out = _splice(ops, {}, after)
+    if plan.host_memory.grad_ring and not plan.grad_clip:  # clipping: a region per layer, no ring
+        _ring_deps(out, plan.ring_slots, {o: grad_out[o.layer, o.it].gpu for o in opt.values()})
+    return out
+
+
+def _by_layer(ops: list[Op]) -> tuple[dict[tuple[int, int], Op], dict[tuple[int, int], Op], dict[tuple[int, int], Op]]:
+    """By (layer, iteration): its GRAD_OUT, its first LOAD and its last LOAD."""
+    grad_out: dict[tuple[int, int], Op] = {}
+    first_load: dict[tuple[int, int], Op] = {}
+    last_load: dict[tuple[int, int], Op] = {}
+    for op in ops:
+        if op.kind is GRAD_OUT:
+            grad_out[op.layer, op.it] = op
+        elif op.kind is LOAD:
+            first_load.setdefault((op.layer, op.it), op)
+            last_load[op.layer, op.it] = op
+    return grad_out, first_load, last_load
+
+
+def _wait_for_steps(grad_out: dict[tuple[int, int], Op], first_load: dict[tuple[int, int], Op],
+                    opt: dict[tuple[int, int], Op], lag: int, tied_head: int | None) -> None:
+    """GRAD_OUT L of iteration i waits for OPT_STEP L of i-1 (the gradient slot/buffer of L is free again); the
+    first LOAD of L in i for OPT_STEP L of i - `lag`. `tied_head`: the head, whose GRAD_OUT and LOAD also wait
+    for the embedding's step (the shared matrix)."""
+    for (lay, it), go in grad_out.items():
         if it >= 1:
             go.deps.append(opt[lay, it - 1])
-            if tied and lay == head:
+            if lay == tied_head:
                 go.deps.append(opt[0, it - 1])
     for (lay, it), ld in first_load.items():
         if it >= lag:
             ld.deps.append(opt[lay, it - lag])
-            if tied and lay == head:
+            if lay == tied_head:
                 ld.deps.append(opt[0, it - lag])
-    for anchor, o in deferred:
-        after.setdefault(anchor, []).append(o)
-    out = _splice(ops, {}, after)
-    if plan.host_memory == HostMemory.COMPACT and not plan.grad_clip:  # clipping: a region per layer, no ring
-        _ring_deps(out, plan.ring_slots, {o: grad_out[o.layer, o.it].gpu for o in opt.values()})
-    return out
 
 
 def adapter_pass(plan: Plan, ops: list[Op]) -> list[Op]:
@@ -110,7 +123,15 @@ def adapter_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     gradient and precedes the next iteration's FWD of the layer, so every optimizer mode reads the
     adapters of the previous step (nothing is left for an asynchronous step to hide; no host step
     exists). No LOAD waits for it: the base does not change.
+
+    Clipping by the global gradient norm (`plan.grad_clip`): the norm needs every adapter gradient of the
+    iteration, on every GPU, so each GPU's steps go after the iteration's last BWD (in list order, after every
+    other GPU's BWDs and SEND_Bs), in layer order, each waiting for every GPU's last BWD (the backend meets the
+    other GPUs' with an all-reduce of the norm at a rank's first step). A GPU whose layers have no adapters gets
+    an empty step (0 bytes) of its first layer, so that every rank joins that all-reduce.
     """
+    if plan.grad_clip:
+        return _clipped_adapter_steps(plan, ops)
     last: dict[tuple[int, int], Op] = {}
     for op in ops:
         if op.kind is BWD:
@@ -120,6 +141,25 @@ def adapter_pass(plan: Plan, ops: list[Op]) -> list[Op]:
         if plan.master_bytes[lay] > 0:
             after.setdefault(b, []).append(Op(ADAPT_STEP, b.gpu, lay, b.pack, None, it, plan.master_bytes[lay],
                                               deps=[b]))
+    return _splice(ops, {}, after)
+
+
+def _clipped_adapter_steps(plan: Plan, ops: list[Op]) -> list[Op]:
+    """`adapter_pass` under clipping (its docstring): the steps of an iteration behind its last BWD."""
+    last: dict[tuple[int, int], Op] = {}  # (GPU, iteration) -> its last BWD
+    anchor: dict[int, Op] = {}  # iteration -> its last BWD in list order
+    for op in ops:
+        if op.kind is BWD:
+            last[op.gpu, op.it] = anchor[op.it] = op
+    after: dict[Op, list[Op]] = {}
+    for it, end in anchor.items():
+        barrier = [b for (_, i), b in sorted(last.items()) if i == it]
+        for g in sorted({g for g, i in last if i == it}):
+            owned = [lay for lay in range(plan.num_layers) if plan.owner[lay] == g]
+            layers = [lay for lay in owned if plan.master_bytes[lay] > 0] or owned[:1]
+            after.setdefault(end, []).extend(
+                Op(ADAPT_STEP, g, lay, plan.pack_of[lay], None, it, plan.master_bytes[lay], deps=list(barrier))
+                for lay in layers)
     return _splice(ops, {}, after)
 
 

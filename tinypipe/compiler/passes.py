@@ -29,7 +29,6 @@ from tinypipe.estimate.gpumem import window_span
 from tinypipe.estimate.plan import Plan
 from tinypipe.ir.kinds import Carries, Kind
 from tinypipe.ir.schedule import Mem
-from tinypipe.policy.modes import HostMemory
 
 # ---- 1. compute plan ----------------------------------------------------------------------------
 
@@ -93,6 +92,37 @@ def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     segment (one buffer per layer).
     """
     n_gpus = max(plan.pack_gpu) + 1
+    segs, use_first, use_last = _segments(plan, ops, n_gpus)
+    before: dict[Op, list[Op]] = {}
+    after: dict[Op, list[Op]] = {}
+    layer_mode = not plan.swap.whole_packs
+    for g in range(n_gpus):
+        prev: dict[int, Op] = {}
+        window: list[_Seg] = []
+        for seg in segs[g]:
+            lay = seg.layer
+            nb = plan.load_bytes[lay]  # what the copy carries (its allocation is w.L, `MemoryPass`)
+            ld = seg.load = Op(LOAD, g, lay, plan.pack_of[lay], None, seg.first.it, nbytes=nb)
+            ev = seg.evict = Op(EVICT, g, lay, plan.pack_of[lay], None, seg.last.it)
+            if layer_mode:
+                first, last = seg.first, seg.last
+            else:
+                first, last = use_first[g][seg.first_use], use_last[g][seg.last_use]
+            before.setdefault(first, []).append(ld)
+            first.deps.append(ld)
+            after.setdefault(last, []).append(ev)
+            if lay in prev:
+                ld.deps.append(prev[lay])
+            prev[lay] = ev
+            if lay not in plan.pinned and seg.last_use - seg.first_use <= 1:
+                window.append(seg)
+        if window:
+            _window_deps(plan, window)
+    return _splice(ops, before, after)
+
+
+def _segments(plan: Plan, ops: list[Op], n_gpus: int) -> tuple[list[list[_Seg]], list[list[Op]], list[list[Op]]]:
+    """Per GPU: its residency segments in order, and the first and the last compute op of each of its uses."""
     cur: list[tuple[int, Kind, int | None] | None] = [None] * n_gpus
     use_first: list[list[Op]] = [[] for _ in range(n_gpus)]
     use_last: list[list[Op]] = [[] for _ in range(n_gpus)]
@@ -119,52 +149,31 @@ def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
         else:
             seg = open_[lay] = _Seg(lay, op, u)
             segs[g].append(seg)
-    before: dict[Op, list[Op]] = {}
-    after: dict[Op, list[Op]] = {}
-    layer_mode = not plan.swap.whole_packs
-    depth = plan.prefetch_depth
-    for g in range(n_gpus):
-        prev: dict[int, Op] = {}
-        window: list[_Seg] = []
-        for seg in segs[g]:
-            lay = seg.layer
-            nb = plan.weight_bytes[lay]
-            ld = seg.load = Op(LOAD, g, lay, plan.pack_of[lay], None, seg.first.it, nbytes=nb)
-            ev = seg.evict = Op(EVICT, g, lay, plan.pack_of[lay], None, seg.last.it)
-            if layer_mode:
-                first, last = seg.first, seg.last
-            else:
-                first, last = use_first[g][seg.first_use], use_last[g][seg.last_use]
-            before.setdefault(first, []).append(ld)
-            first.deps.append(ld)
-            after.setdefault(last, []).append(ev)
-            if lay in prev:
-                ld.deps.append(prev[lay])
-            prev[lay] = ev
-            if lay not in pinned and seg.last_use - seg.first_use <= 1:
-                window.append(seg)
-        if not window:
-            continue
-        groups: list[list[_Seg]] = []
-        for seg in window:
-            if groups and groups[-1][0].first_use == seg.first_use:
-                groups[-1].append(seg)
-            else:
-                groups.append([seg])
-        span = window_span(max(len(grp) for grp in groups), depth, plan.swap)  # layers, or uses when by pack
-        if layer_mode:
-            for k in range(span, len(window)):
-                load, gone = window[k].load, window[k - span].evict
-                assert load is not None and gone is not None  # every segment of the window has both
-                load.deps.append(gone)
+    return segs, use_first, use_last
+
+
+def _window_deps(plan: Plan, window: list[_Seg]) -> None:
+    """The window over one GPU's segments (`gpumem.window_span`): layer mode, LOAD k waits for EVICT k - W; pack
+    mode, a use's LOADs wait for the EVICTs of the use W uses back."""
+    groups: list[list[_Seg]] = []
+    for seg in window:
+        if groups and groups[-1][0].first_use == seg.first_use:
+            groups[-1].append(seg)
         else:
-            for j in range(span, len(groups)):
-                evict = max(groups[j - span], key=lambda sg: sg.last_use).evict
-                assert evict is not None
-                for seg in groups[j]:
-                    assert seg.load is not None
-                    seg.load.deps.append(evict)
-    return _splice(ops, before, after)
+            groups.append([seg])
+    span = window_span(max(len(grp) for grp in groups), plan.prefetch_depth, plan.swap)  # layers, or uses by pack
+    if not plan.swap.whole_packs:
+        for k in range(span, len(window)):
+            load, gone = window[k].load, window[k - span].evict
+            assert load is not None and gone is not None  # every segment of the window has both
+            load.deps.append(gone)
+    else:
+        for j in range(span, len(groups)):
+            evict = max(groups[j - span], key=lambda sg: sg.last_use).evict
+            assert evict is not None
+            for seg in groups[j]:
+                assert seg.load is not None
+                seg.load.deps.append(evict)
 
 
 # ---- 3. transfers -------------------------------------------------------------------------------
@@ -255,68 +264,92 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
     Buffers of 0 bytes are left out (the first layer's input is token ids). Equal effects share
     one Mem object (they are immutable), which keeps this pass cheap.
     """
-    cache: dict[tuple[int, str, int, int | None], tuple[Mem, ...]] = {}
-    devs = {g: (HOST if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
-    sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
-             "gr": plan.grad_acc_bytes, "ws": plan.layer_workspace_bytes,
-             "ws.acc": plan.accumulate_workspace_bytes, "wr": plan.weight_bytes, "act": plan.input_bytes,
-             "gring": plan.host_grad_bytes}
-    n = plan.num_layers
+    effects = _Effects(plan)
+    for op in ops:
+        k = op.kind
+        if k is FWD:
+            effects.forward(op)
+        elif k is BWD:
+            effects.backward(op)
+        else:
+            effects.other(op)
+    return ops
 
-    def mem(g: int, kind: str, lay: int, m: int | None = None) -> tuple[Mem, ...]:
+
+class _Effects:
+    """`memory_pass`'s buffers (made once per device, name and size) and what it tracks op by op.
+
+    A layer that keeps its forward's graph (no recompute) keeps its weights with it: its saved tensors
+    reference them. An EVICT between its FWDs and its BWDs frees nothing, and the LOAD before the BWDs
+    makes a second copy (wr.L), freed with the graphs at the layer's last BWD of the step; the first
+    copy (w.L) goes at the EVICT after the BWDs. Measured on an H200 (Qwen3-1.7B, resident none,
+    `run --trace-memory`): the tied head's 0.58 GiB twice from its re-LOAD to its BWDs.
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.cache: dict[tuple[int, str, int, int | None], tuple[Mem, ...]] = {}
+        self.devs = {g: (HOST if g == ON_HOST else f"g{g}") for g in {*plan.pack_gpu, ON_HOST}}
+        self.sizes = {"x": plan.input_bytes, "dx": plan.input_bytes, "a": plan.saved_bytes, "w": plan.weight_bytes,
+                      "gr": plan.grad_acc_bytes, "ws": plan.layer_workspace_bytes,
+                      "ws.acc": plan.accumulate_workspace_bytes, "wr": plan.weight_bytes, "act": plan.input_bytes,
+                      "gring": plan.host_grad_bytes}
+        self.n = plan.num_layers
+        self.grad_ring = plan.host_memory.grad_ring
+        self.seen: set[tuple[int, int]] = set()  # (layer, step): its first BWD ran
+        self.graphs: set[tuple[int, int]] = set()  # (layer, step): FWDs kept a graph, no BWD yet
+        self.held: dict[tuple[int, int], int] = {}  # (layer, step) -> 1 when its EVICT kept the weights, 2 re-LOADed
+        self.bwds: dict[tuple[int, int], int] = defaultdict(int)
+        self.redo = [plan.recomputes(lay) for lay in range(self.n)]
+
+    def mem(self, g: int, kind: str, lay: int, m: int | None = None) -> tuple[Mem, ...]:
         key = (g, kind, lay, m)
-        hit = cache.get(key)
+        hit = self.cache.get(key)
         if hit is None:
-            nbytes = sizes[kind][lay] if 0 <= lay < n else 0
+            nbytes = self.sizes[kind][lay] if 0 <= lay < self.n else 0
             name = kind if kind.startswith("ws") else f"{kind}.L{lay}" if m is None else f"{kind}.L{lay}.m{m}"
-            hit = cache[key] = (Mem(devs[g], name, nbytes),) if nbytes > 0 else ()
+            hit = self.cache[key] = (Mem(self.devs[g], name, nbytes),) if nbytes > 0 else ()
         return hit
 
-    compact = plan.host_memory == HostMemory.COMPACT
-    seen: set[tuple[int, int]] = set()
-    # A layer that keeps its forward's graph (no recompute) keeps its weights with it: its saved tensors
-    # reference them. An EVICT between its FWDs and its BWDs frees nothing, and the LOAD before the BWDs
-    # makes a second copy (wr.L), freed with the graphs at the layer's last BWD of the step; the first
-    # copy (w.L) goes at the EVICT after the BWDs. Measured on an H200 (Qwen3-1.7B, resident none,
-    # `run --trace-memory`): the tied head's 0.58 GiB twice from its re-LOAD to its BWDs.
-    graphs: set[tuple[int, int]] = set()  # (layer, step): FWDs kept a graph, no BWD yet
-    held: dict[tuple[int, int], int] = {}  # (layer, step) -> 1 when its EVICT kept the weights, 2 once re-LOADed
-    bwds: dict[tuple[int, int], int] = defaultdict(int)
-    redo = [plan.recomputes(lay) for lay in range(n)]
-    for op in ops:
-        k, g, lay, m = op.kind, op.gpu, op.layer, op.mb
-        if k is FWD:
-            if not redo[lay]:
-                graphs.add((lay, op.it))
-            ws = mem(g, "ws", lay)
-            op.allocs = mem(g, "x", lay + 1, m) + (() if redo[lay] else mem(g, "a", lay, m)) + ws
-            op.frees = ws
-        elif k is BWD:
-            graphs.discard((lay, op.it))
-            bwds[lay, op.it] += 1
-            # the layer's first BWD of the step allocates its gradient accumulator; a later one holds
-            # the weights' fresh gradients until it has added them in (ws.acc)
-            gr: tuple[Mem, ...] = ()
-            ws = mem(g, "ws.acc", lay)
-            if (lay, op.it) not in seen:
-                seen.add((lay, op.it))
-                ws, gr = mem(g, "ws", lay), mem(g, "gr", lay)
-            # Recomputing, the backward re-creates the forward's saved activations and holds them
-            # while it runs (trace.KindProfile); kept from the forward, it frees them at its end.
-            a = mem(g, "a", lay, m)
-            rec = a if redo[lay] else ()
-            op.allocs = mem(g, "dx", lay, m) + gr + ws + rec
-            op.frees = mem(g, "x", lay, m) + a + mem(g, "dx", lay + 1, m) + ws
-            if bwds[lay, op.it] == plan.microbatches and held.pop((lay, op.it), 0) == 2:
-                op.frees += mem(g, "wr", lay)
-        elif k is LOAD:
-            reload = held.get((lay, op.it)) == 1
+    def forward(self, op: Op) -> None:
+        mem, g, lay, m, redo = self.mem, op.gpu, op.layer, op.mb, self.redo[op.layer]
+        if not redo:
+            self.graphs.add((lay, op.it))
+        ws = mem(g, "ws", lay)
+        op.allocs = mem(g, "x", lay + 1, m) + (() if redo else mem(g, "a", lay, m)) + ws
+        op.frees = ws
+
+    def backward(self, op: Op) -> None:
+        mem, g, lay, m = self.mem, op.gpu, op.layer, op.mb
+        self.graphs.discard((lay, op.it))
+        self.bwds[lay, op.it] += 1
+        # the layer's first BWD of the step allocates its gradient accumulator; a later one holds
+        # the weights' fresh gradients until it has added them in (ws.acc)
+        gr: tuple[Mem, ...] = ()
+        ws = mem(g, "ws.acc", lay)
+        if (lay, op.it) not in self.seen:
+            self.seen.add((lay, op.it))
+            ws, gr = mem(g, "ws", lay), mem(g, "gr", lay)
+        # Recomputing, the backward re-creates the forward's saved activations and holds them
+        # while it runs (trace.KindProfile); kept from the forward, it frees them at its end.
+        a = mem(g, "a", lay, m)
+        rec = a if self.redo[lay] else ()
+        op.allocs = mem(g, "dx", lay, m) + gr + ws + rec
+        op.frees = mem(g, "x", lay, m) + a + mem(g, "dx", lay + 1, m) + ws
+        if self.bwds[lay, op.it] == self.plan.microbatches and self.held.pop((lay, op.it), 0) == 2:
+            op.frees += mem(g, "wr", lay)
+
+    def other(self, op: Op) -> None:
+        """Every kind but FWD and BWD."""
+        mem, k, g, lay, m = self.mem, op.kind, op.gpu, op.layer, op.mb
+        if k is LOAD:
+            reload = self.held.get((lay, op.it)) == 1
             if reload:
-                held[lay, op.it] = 2
+                self.held[lay, op.it] = 2
             op.allocs = mem(g, "wr" if reload else "w", lay)
         elif k is EVICT:
-            if (lay, op.it) in graphs:
-                held[lay, op.it] = 1
+            if (lay, op.it) in self.graphs:
+                self.held[lay, op.it] = 1
             else:
                 op.frees = mem(g, "w", lay)
         elif k.info.is_half:  # the sender frees the buffer it moves (x, or dx for a gradient); the receiver takes it
@@ -331,10 +364,7 @@ def memory_pass(plan: Plan, ops: list[Op]) -> list[Op]:
             op.allocs, op.frees = mem(g, "x", lay, m), mem(ON_HOST, "act", lay, m)
         elif k is GRAD_OUT:
             op.frees = mem(g, "gr", lay)
-            if compact:
+            if self.grad_ring:
                 op.allocs = mem(ON_HOST, "gring", lay)
-        elif k is OPT_STEP and compact:
+        elif k is OPT_STEP and self.grad_ring:
             op.frees = mem(ON_HOST, "gring", lay)
-    return ops
-
-

@@ -49,7 +49,7 @@ class GPU:
 
     def usable_bytes(self, cap: int | None = None) -> int:
         """What a schedule's ledger may hold here: the memory (or `--gpu-mem` cap) less the allocator's slack."""
-        return (self.memory_bytes if cap is None else cap) - self.allocator_slack_bytes
+        return usable_gpu_bytes(self.memory_bytes if cap is None else cap, kept_bytes=self.allocator_slack_bytes)
 
 
 @dataclass(frozen=True)
@@ -320,8 +320,7 @@ def _parse_gpus(f: Fields) -> list[GPU]:
 
     if f.has("gpus"):
         if f.has("gpu") or f.has("gpu_count"):
-            raise InputError(f"{f._at('gpus')}: give either a `gpus` list or `gpu` with `gpu_count`, "
-                             "not both")
+            raise InputError(f"{f._at('gpus')}: give either a `gpus` list or `gpu` with `gpu_count`, not both")
         return [gpu(g, g.str("name")) for g in f.items("gpus", nonempty=True)]
     if not f.has("gpu"):
         raise InputError(f"{f._at('gpus')}: missing required field (or give `gpu` with `gpu_count`)")
@@ -351,8 +350,7 @@ def _check_topology(hw: Hardware) -> None:
     seen = {HOST, *(g.name for g in hw.gpus)}
     for i, s in enumerate(hw.switches):
         if s[:2] not in SWITCH_PREFIXES:
-            raise InputError(f"switches[{i}]: {s!r} must start with 'rc' (root complex) or 'sw' "
-                             "(PCIe switch)")
+            raise InputError(f"switches[{i}]: {s!r} must start with 'rc' (root complex) or 'sw' (PCIe switch)")
         if s in seen:
             raise InputError(f"switches[{i}]: duplicate node name {s!r}")
         seen.add(s)
@@ -382,8 +380,7 @@ def _check_topology(hw: Hardware) -> None:
 
 def shipped_hardware() -> list[str]:
     """Names of the presets in `traces/hardware/`, sorted."""
-    found: list[str] = shipped.names("hardware")  # tinypipe.traces: data files, untyped here
-    return found
+    return list(shipped.names("hardware"))  # tinypipe.traces: data files, untyped here
 
 
 def load_hardware(name_or_path: str) -> Hardware:
@@ -396,3 +393,8 @@ def load_hardware(name_or_path: str) -> Hardware:
             raise InputError(f"unknown hardware {name_or_path!r}: not a file, nor a shipped preset "
                              f"({', '.join(shipped_hardware())})")
     return Hardware.from_json(load_json(path), where=where)
+
+
+def usable_gpu_bytes(room_bytes: int, *, kept_bytes: int) -> int:
+    """The one rule for the bytes of a GPU a plan may use: its memory or `--gpu-mem` cap less those kept free."""
+    return room_bytes - kept_bytes

@@ -3,13 +3,16 @@ into a `model.Shape`, and `load_model` -> `ModelSpec`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import tinypipe.traces as traces
 from tinypipe.common.errors import InputError
 from tinypipe.common.jsonio import Fields, load_json
-from tinypipe.describe.model import ModelSpec, Shape, layer_specs
+from tinypipe.describe.families import FAMILIES
+from tinypipe.describe.hubcache import CONFIG, is_hub_id, model_dir
+from tinypipe.describe.model import Experts, ModelSpec, Shape, layer_specs
 
 EXTRA_KEYS = ("_source", "_published_params")  # tinypipe's keys in a shipped config; not Hugging Face's
 
@@ -17,26 +20,16 @@ EXTRA_KEYS = ("_source", "_published_params")  # tinypipe's keys in a shipped co
 MAX_LAYERS = 10_000
 MAX_DIM = 2**31 - 1
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gpt_neox")
-
-# Defaults for optional config fields, copied from the transformers 5.x config classes, so that a
-# config which omits one describes the same model that transformers would build from it.
-_KV_HEADS_DEFAULT: dict[str, int | None] = {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32}
-_HEAD_DIM_DEFAULT: dict[str, int | None] = {"llama": None, "mistral": None, "qwen2": None, "qwen3": 128}
-_MAX_POSITIONS_DEFAULT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "gpt2": 1024,
-                          "gpt_neox": 2048}
+# The families and their defaults for optional config fields: one table, `families.FAMILIES`.
+# Qwen3-MoE's expert width defaults to 768 (transformers 5.x).
+_QWEN3_MOE_WIDTH_DEFAULT = 768
 
 
 def from_hf_config(config: Any, *, name: str, where: str = "config.json") -> ModelSpec:
     """Build a ModelSpec from a Hugging Face config dict; errors name `where` and the field."""
     f = Fields(config, where)
-    family = f.str("model_type", choices=FAMILIES)
-    if family == "gpt2":
-        shape = _parse_gpt2(f)
-    elif family == "gpt_neox":
-        shape = _parse_neox(f)
-    else:
-        shape = _parse_decoder(f, family)
+    family = f.str("model_type", choices=tuple(FAMILIES))
+    shape = _READERS[FAMILIES[family].reader](f, family)
     source = f.str("_source", None)
     published = f.int("_published_params", None, minimum=1)
     return ModelSpec(
@@ -73,41 +66,73 @@ def _split_heads(f: Fields, hidden: int, heads: int, heads_key: str) -> int:
 
 
 def _parse_decoder(f: Fields, family: str) -> Shape:
-    """Llama, Mistral, Qwen2, Qwen3: RMSNorm, rotary positions, SwiGLU MLP, optional GQA."""
+    """Llama, Mistral, Qwen2, Qwen3 (and their MoE kin): RMSNorm, rotary positions, SwiGLU MLP, optional GQA;
+    biases, q/k norms and experts as the family's row says."""
+    row = FAMILIES[family]
     hidden = _dim(f, "hidden_size")
     heads = _dim(f, "num_attention_heads")
-    kv_default = _KV_HEADS_DEFAULT[family]
+    kv_default = row.kv_heads
     if kv_default is None or "num_key_value_heads" in f.obj:  # transformers reads null as "= heads"
         kv_default = heads
     kv_heads = _dim(f, "num_key_value_heads", kv_default)
     _check_heads(f, heads, kv_heads, "num_key_value_heads")
-    head_dim_default = _HEAD_DIM_DEFAULT[family]
+    head_dim_default = row.head_dim
     if f.has("head_dim") or head_dim_default is not None:
         head_dim = _dim(f, "head_dim", head_dim_default)
     else:
         head_dim = _split_heads(f, hidden, heads, "num_attention_heads")
-    attention_bias = family in ("llama", "qwen3") and f.bool("attention_bias", False)
+    attention_bias = row.attention_bias and f.bool("attention_bias", False)
+    layers = _dim(f, "num_hidden_layers", limit=MAX_LAYERS)
     return Shape(
         hidden=hidden,
-        layers=_dim(f, "num_hidden_layers", limit=MAX_LAYERS),
+        layers=layers,
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
         intermediate=_dim(f, "intermediate_size"),
         vocab=_dim(f, "vocab_size"),
         positions=0,
-        max_seq_len=_dim(f, "max_position_embeddings", _MAX_POSITIONS_DEFAULT[family]),
+        max_seq_len=_dim(f, "max_position_embeddings", row.max_positions),
         tied=f.bool("tie_word_embeddings", False),
         gated_mlp=True,
-        layer_norm=False,
-        qkv_bias=attention_bias or family == "qwen2",  # Qwen2 always has q/k/v biases, never o
+        layer_norm=row.layer_norm,
+        qkv_bias=attention_bias or row.qkv_bias,
         o_bias=attention_bias,
-        mlp_bias=family == "llama" and f.bool("mlp_bias", False),
-        qk_norm=family == "qwen3",
+        mlp_bias=row.mlp_bias and f.bool("mlp_bias", False),
+        qk_norm=row.qk_norm,
         parallel_residual=False,
         block_dropout=False,
         embed_dropout=False,
+        moe=_parse_experts(f, family, layers) if row.experts is not None else None,
     )
+
+
+def _parse_experts(f: Fields, family: str, layers: int) -> Experts:
+    """Qwen3-MoE's and Mixtral's experts: `num_experts` (Qwen3-MoE's name; transformers' `num_local_experts`
+    too), `num_experts_per_tok`, the expert width (Qwen3-MoE: `moe_intermediate_size`; Mixtral's experts are
+    `intermediate_size` wide) and, for Qwen3-MoE, which layers are sparse: layer k is unless it is in
+    `mlp_only_layers` or (k + 1) is not a multiple of `decoder_sparse_step`, as transformers builds them."""
+    experts = FAMILIES[family].experts
+    assert experts is not None  # called for a family with experts
+    count_default, top_default = experts
+    key = "num_experts" if f.has("num_experts") or not f.has("num_local_experts") else "num_local_experts"
+    count = _dim(f, key, count_default)
+    top = _dim(f, "num_experts_per_tok", top_default)
+    if top > count:
+        raise InputError(f"{f._at('num_experts_per_tok')}: {top} experts per token, but the layer has {count}")
+    if family == "mixtral":
+        if f.float("router_jitter_noise", 0.0, minimum=0.0) > 0:
+            raise InputError(f"{f._at('router_jitter_noise')}: router jitter (random noise on the router's input "
+                             "in training) is not supported; set it to 0")
+        return Experts(count=count, per_token=top, intermediate=_dim(f, "intermediate_size"),
+                       sparse=(True,) * layers)
+    step = _dim(f, "decoder_sparse_step", 1, limit=MAX_LAYERS)
+    dense = f.list("mlp_only_layers") if f.raw("mlp_only_layers", None) is not None else []
+    bad = [k for k in dense if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < layers]
+    if bad:
+        raise InputError(f"{f._at('mlp_only_layers')}: {bad[0]!r} is not a layer index in 0..{layers - 1}")
+    return Experts(count=count, per_token=top, intermediate=_dim(f, "moe_intermediate_size", _QWEN3_MOE_WIDTH_DEFAULT),
+                   sparse=tuple(k not in dense and (k + 1) % step == 0 for k in range(layers)))
 
 
 def _alias(f: Fields, key: str, alias: str, default: Any = ..., *, limit: int = MAX_DIM) -> int:
@@ -122,14 +147,14 @@ def _dropout(f: Fields, key: str, default: float) -> bool:
     return p > 0
 
 
-def _parse_gpt2(f: Fields) -> Shape:
+def _parse_gpt2(f: Fields, family: str) -> Shape:
     """GPT-2: LayerNorm with bias, learned positions, fused qkv with biases, plain 4h GELU MLP, tied."""
     if f.has("add_cross_attention") and f.bool("add_cross_attention"):
         raise InputError(f"{f._at('add_cross_attention')}: cross-attention models are not supported")
     hidden = _alias(f, "n_embd", "hidden_size")
     heads = _alias(f, "n_head", "num_attention_heads")
     head_dim = _split_heads(f, hidden, heads, "n_head")
-    positions = _alias(f, "n_positions", "max_position_embeddings", 1024)
+    positions = _alias(f, "n_positions", "max_position_embeddings", FAMILIES[family].max_positions)
     return Shape(
         hidden=hidden,
         layers=_alias(f, "n_layer", "num_hidden_layers", limit=MAX_LAYERS),
@@ -153,7 +178,7 @@ def _parse_gpt2(f: Fields) -> Shape:
     )
 
 
-def _parse_neox(f: Fields) -> Shape:
+def _parse_neox(f: Fields, family: str) -> Shape:
     """GPT-NeoX (Pythia): LayerNorm with bias, partial rotary (no params), fused qkv, plain MLP, untied."""
     hidden = _dim(f, "hidden_size")
     heads = _dim(f, "num_attention_heads")
@@ -167,7 +192,7 @@ def _parse_neox(f: Fields) -> Shape:
         intermediate=_dim(f, "intermediate_size"),
         vocab=_dim(f, "vocab_size"),
         positions=0,
-        max_seq_len=_dim(f, "max_position_embeddings", _MAX_POSITIONS_DEFAULT["gpt_neox"]),
+        max_seq_len=_dim(f, "max_position_embeddings", FAMILIES[family].max_positions),
         tied=f.bool("tie_word_embeddings", False),
         gated_mlp=False,
         layer_norm=True,
@@ -181,6 +206,12 @@ def _parse_neox(f: Fields) -> Shape:
     )
 
 
+# The parser of each `Family.reader`: (the config's fields, its family) -> its Shape.
+_READERS: dict[str, Callable[[Fields, str], Shape]] = {
+    "decoder": _parse_decoder, "gpt2": _parse_gpt2, "gpt_neox": _parse_neox,
+}
+
+
 def shipped_models() -> list[str]:
     """Names of the model configs shipped in `traces/models/`, sorted."""
     found: list[str] = traces.names("models")  # tinypipe.traces: data files, untyped here
@@ -188,9 +219,11 @@ def shipped_models() -> list[str]:
 
 
 def config_path(name_or_path: str) -> tuple[Path, str]:
-    """The config file for a shipped name, a config.json path or a directory holding one, and a name.
+    """The config file for a shipped name, a config.json path, a directory holding one or a Hugging Face Hub id
+    (`org/name`, through the Hugging Face cache: `hubcache.model_dir`), and a name (a Hub id's: its `name`).
 
-    A shipped name wins over a directory of the same name; write `./name` for the directory.
+    A shipped name wins over a directory of the same name; write `./name` for the directory. A local path wins
+    over a Hub id.
     """
     shipped = traces.path("models", name_or_path) if "/" not in name_or_path else None
     if shipped is not None:
@@ -202,8 +235,10 @@ def config_path(name_or_path: str) -> tuple[Path, str]:
         return p / "config.json", p.resolve().name
     if p.is_file():
         return p, (p.resolve().parent.name if p.name == "config.json" else p.stem)
-    raise InputError(f"unknown model {name_or_path!r}: not a file or directory, nor a shipped model "
-                     f"({', '.join(shipped_models())})")
+    if is_hub_id(name_or_path):
+        return model_dir(name_or_path) / CONFIG, name_or_path.split("/")[1]
+    raise InputError(f"unknown model {name_or_path!r}: not a file or directory, a Hugging Face Hub id (org/name), "
+                     f"nor a shipped model ({', '.join(shipped_models())})")
 
 
 def load_config(name_or_path: str) -> dict[str, Any]:

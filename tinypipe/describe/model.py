@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tinypipe.common.units import MIB
+from tinypipe.describe.families import FAMILIES
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-LAYER_NORM_FAMILIES = ("gpt2", "gpt_neox")  # LayerNorm with bias; the others use RMSNorm
 
 ACT_BYTES = DTYPE_BYTES["bf16"]  # activations are kept in the compute dtype (bf16)
 LSE_BYTES = DTYPE_BYTES["fp32"]  # flash/sdpa attention keeps one fp32 log-sum-exp per head per token
@@ -79,6 +79,24 @@ class LayerSpec:
     # a block's linears a LoRA may wrap: (roles it plays, in features, out features); a fused q/k/v
     # projection (GPT-2, GPT-NeoX) plays `q+k+v` (`tinypipe.policy.lora_spec.ROLES`)
     linears: tuple[tuple[str, int, int], ...] = ()
+    # a mixture-of-experts MLP (0 experts: a dense layer): `experts` routed experts, `experts_per_token` of
+    # them computing each token, `expert_params` parameters each, `expert_linears` one expert's linears as
+    # `linears` spells them (a fused gate/up projection plays `gate+up`). `params` and `gpu_params` count
+    # every expert (the host holds them all and a whole-layer LOAD uploads them all); the FLOPs count the
+    # active ones (`active_params`)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
+    expert_linears: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def active_params(self) -> int:
+        """Parameters that compute one token: all of them but the experts the router does not pick for it."""
+        return self.params - (self.experts - self.experts_per_token) * self.expert_params
+
+    def expert_bytes(self, dtype: str = "bf16") -> int:
+        """Bytes of one expert's weights in `dtype` (0 for a dense layer)."""
+        return self.expert_params * DTYPE_BYTES[dtype]
 
     def fwd_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token at sequence length `seq_len` (causal attention)."""
@@ -94,7 +112,7 @@ class ModelSpec:
     """An ordered layer sequence (embed, block x L, head) with the model's shape and provenance."""
 
     name: str
-    family: str  # llama | mistral | qwen2 | qwen3 | gpt2 | gpt_neox | trace
+    family: str  # the config's model_type: a key of `families.FAMILIES`
     layers: tuple[LayerSpec, ...]
     hidden_size: int
     vocab_size: int
@@ -108,6 +126,17 @@ class ModelSpec:
     def params(self) -> int:
         """The model's exact parameter count (a tied embedding counted once)."""
         return sum(layer.params for layer in self.layers)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters that compute one token (`params` for a dense model; a mixture of experts counts
+        only the experts each MoE layer routes a token to)."""
+        return sum(layer.active_params for layer in self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some block's MLP is a mixture of experts."""
+        return any(layer.experts for layer in self.layers)
 
 
 @dataclass(frozen=True)
@@ -133,9 +162,23 @@ class Shape:
     parallel_residual: bool  # GPT-NeoX: both norms read the block input
     block_dropout: bool  # two residual dropouts per block keep bool masks
     embed_dropout: bool
+    moe: Experts | None = None  # a mixture-of-experts MLP in the layers it says (Qwen3-MoE, Mixtral)
 
 
-def _block_saved_act_bytes_per_token(s: Shape) -> int:
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral as transformers defines them): a linear router (hidden ->
+    `count`, no bias) and `count` SwiGLU experts of width `intermediate` (a fused gate/up projection and a down
+    projection each), `per_token` of them computing each token; `sparse[k]`: whether decoder layer k has it (a
+    Qwen3-MoE layer in `mlp_only_layers`, or off its `decoder_sparse_step`, has the dense MLP instead)."""
+
+    count: int
+    per_token: int
+    intermediate: int
+    sparse: tuple[bool, ...]
+
+
+def _block_saved_act_bytes_per_token(s: Shape, *, sparse: bool = False) -> int:
     """Bytes autograd keeps per token for one block's backward (no recompute, bf16, flash/sdpa).
 
     The standard accounting (Korthikanti et al., "Reducing Activation Recomputation in Large
@@ -154,14 +197,22 @@ def _block_saved_act_bytes_per_token(s: Shape) -> int:
         + 4 bytes x heads        fp32 log-sum-exp of the attention kernel
         + 1 byte x 2 h           bool masks of the two residual dropouts, when dropout is on
 
+    A mixture-of-experts MLP (`sparse`; k = experts per token, m = an expert's width, E = experts) keeps,
+    instead of the dense 4 i, per token and routed expert the gathered input (h), the fused gate/up output
+    (2 m), silu(gate) and its product with up (2 m) and the down projection's output, which the routing
+    weight multiplies (h): 2 bytes x k (2 h + 4 m); and the router's fp32 softmax, 4 bytes x E (the router's
+    input is the MLP's input, counted above). Counted from transformers' expert loop, not measured.
+
     Not counted (each well under 1%): norm statistics (fp32, one or two per token per norm),
     RoPE cos/sin (shared by all layers), the tensors of an unfused activation function.
     """
     h, i = s.hidden, s.intermediate
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    moe = s.moe if sparse else None
+    mlp = (4 * i if s.gated_mlp else 2 * i) if moe is None else moe.per_token * (2 * h + 4 * moe.intermediate)
     elements = (2 * h + (q + kv if s.qk_norm else 0) + (q + 2 * kv) + q
-                + (h if not s.parallel_residual else 0) + h + (4 * i if s.gated_mlp else 2 * i))
-    return (ACT_BYTES * elements + LSE_BYTES * s.heads
+                + (h if not s.parallel_residual else 0) + h + mlp)
+    return (ACT_BYTES * elements + LSE_BYTES * s.heads + (0 if moe is None else LOGIT_BYTES * moe.count)
             + (MASK_BYTES * 2 * h if s.block_dropout else 0))
 
 
@@ -182,6 +233,22 @@ def _head_saved_act_bytes_per_token(hidden: int, *, layer_norm: bool) -> int:
     norm = (LAYERNORM_SAVED_BYTES * hidden + 2 * NORM_STAT_BYTES if layer_norm
             else RMSNORM_SAVED_BYTES * hidden + NORM_STAT_BYTES)
     return norm + ACT_BYTES * hidden + LABEL_BYTES + LOGIT_BYTES
+
+
+def experts_hit(layer: LayerSpec, tokens: int) -> float:
+    """Experts of `layer` expected to get at least one of `tokens` tokens when the router spreads them evenly
+    (each token picks k of E): E (1 - (1 - k / E)^tokens); 0 for a dense layer. At a few thousand tokens every
+    expert of the shipped MoE models gets some (Qwen3-30B-A3B: 8 of 128 a token, all 128 by 300 tokens)."""
+    if not layer.experts:
+        return 0.0
+    return layer.experts * (1.0 - (1.0 - layer.experts_per_token / layer.experts) ** max(0, tokens))
+
+
+def read_weight_bytes(layer: LayerSpec, tokens: int, dtype: str = "bf16") -> int:
+    """Weight bytes a forward of `layer` over `tokens` tokens reads: all of them, less, in a MoE layer, the
+    experts no token is expected to route to (`experts_hit`)."""
+    unused = layer.experts - experts_hit(layer, tokens)
+    return layer.param_bytes(dtype) - round(unused * layer.expert_bytes(dtype))
 
 
 def head_chunk_tokens(vocab_size: int) -> int:
@@ -208,7 +275,8 @@ def head_workspace_bytes(model: ModelSpec, tokens: int) -> int:
     h, v = model.hidden_size, model.vocab_size
     chunk = min(tokens, head_chunk_tokens(v))
     logits_phase = ACT_BYTES * h * tokens + HEAD_CHUNK_BYTES_PER_LOGIT * chunk * v
-    norm_bwd = LAYERNORM_BWD_BYTES if model.family in LAYER_NORM_FAMILIES else RMSNORM_BWD_BYTES
+    family = FAMILIES.get(model.family)  # LayerNorm with bias, else RMSNorm
+    norm_bwd = LAYERNORM_BWD_BYTES if family is not None and family.layer_norm else RMSNORM_BWD_BYTES
     return max(logits_phase, norm_bwd * h * tokens)
 
 
@@ -217,18 +285,47 @@ def head_workspace_fixed_bytes(model: ModelSpec, tokens: int) -> int:
     return HEAD_CHUNK_BYTES_PER_LOGIT * min(tokens, head_chunk_tokens(model.vocab_size)) * model.vocab_size
 
 
-def layer_specs(s: Shape) -> tuple[LayerSpec, ...]:
-    h, i, v = s.hidden, s.intermediate, s.vocab
+def _block(s: Shape, k: int) -> LayerSpec:
+    """Decoder layer k: attention, then the dense MLP or, where `s.moe` says, the router and experts."""
+    h, i = s.hidden, s.intermediate
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     norm = 2 * h if s.layer_norm else h
-    boundary = ACT_BYTES * h
-
+    moe = s.moe if s.moe is not None and s.moe.sparse[k] else None
     attn_weights = h * q + 2 * h * kv + q * h
-    mlp_weights = (3 if s.gated_mlp else 2) * h * i
-    block_params = (attn_weights + mlp_weights + 2 * norm
-                    + (q + 2 * kv if s.qkv_bias else 0) + (h if s.o_bias else 0)
-                    + (((2 * i) if s.gated_mlp else i) + h if s.mlp_bias else 0)
-                    + (2 * s.head_dim if s.qk_norm else 0))
+    extras = (2 * norm + (q + 2 * kv if s.qkv_bias else 0) + (h if s.o_bias else 0)
+              + (2 * s.head_dim if s.qk_norm else 0))
+    attn: tuple[tuple[str, int, int], ...] = (
+        (("q+k+v", h, q + 2 * kv),) if s.layer_norm else (("q", h, q), ("k", h, kv), ("v", h, kv)))
+    if moe is None:
+        mlp_weights = (3 if s.gated_mlp else 2) * h * i
+        params = attn_weights + mlp_weights + extras + ((((2 * i) if s.gated_mlp else i) + h) if s.mlp_bias else 0)
+        # peft gives a MoE model's MLP roles to its experts: the MLP of its dense layers gets no LoRA
+        mlp: tuple[tuple[str, int, int], ...] = (
+            () if s.moe is not None
+            else (("gate", h, i), ("up", h, i), ("down", i, h)) if s.gated_mlp else (("up", h, i), ("down", i, h)))
+        return LayerSpec(
+            index=1 + k, kind=LayerKind.BLOCK, name=f"block.{k}", params=params, gpu_params=params,
+            linear_flops_per_token=float(2 * (attn_weights + mlp_weights)),
+            attn_flops_per_token_per_ctx=float(4 * q),  # QK^T and AV: 2 * q FLOPs each per position
+            saved_act_bytes_per_token=_block_saved_act_bytes_per_token(s), boundary_bytes_per_token=ACT_BYTES * h,
+            linears=(*attn, ("o", q, h), *mlp))
+    m = moe.intermediate
+    router, expert = h * moe.count, 3 * h * m
+    params = attn_weights + router + moe.count * expert + extras
+    return LayerSpec(
+        index=1 + k, kind=LayerKind.BLOCK, name=f"block.{k}", params=params, gpu_params=params,
+        linear_flops_per_token=float(2 * (attn_weights + router + moe.per_token * expert)),
+        attn_flops_per_token_per_ctx=float(4 * q),
+        saved_act_bytes_per_token=_block_saved_act_bytes_per_token(s, sparse=True),
+        boundary_bytes_per_token=ACT_BYTES * h, linears=(*attn, ("o", q, h)),
+        experts=moe.count, experts_per_token=moe.per_token, expert_params=expert,
+        expert_linears=(("gate+up", h, 2 * m), ("down", m, h)))
+
+
+def layer_specs(s: Shape) -> tuple[LayerSpec, ...]:
+    h, v = s.hidden, s.vocab
+    norm = 2 * h if s.layer_norm else h
+    boundary = ACT_BYTES * h
     embed_params = v * h + s.positions * h
     head_params = norm + (0 if s.tied else v * h)
 
@@ -238,20 +335,7 @@ def layer_specs(s: Shape) -> tuple[LayerSpec, ...]:
         saved_act_bytes_per_token=MASK_BYTES * h if s.embed_dropout else 0,  # token ids are input data
         boundary_bytes_per_token=boundary,
     )
-    block_saved = _block_saved_act_bytes_per_token(s)
-    attn: tuple[tuple[str, int, int], ...] = (
-        (("q+k+v", h, q + 2 * kv),) if s.layer_norm else (("q", h, q), ("k", h, kv), ("v", h, kv)))
-    mlp = (("gate", h, i), ("up", h, i), ("down", i, h)) if s.gated_mlp else (("up", h, i), ("down", i, h))
-    linears = (*attn, ("o", q, h), *mlp)
-    blocks = [
-        LayerSpec(
-            index=1 + k, kind=LayerKind.BLOCK, name=f"block.{k}", params=block_params,
-            gpu_params=block_params, linear_flops_per_token=float(2 * (attn_weights + mlp_weights)),
-            attn_flops_per_token_per_ctx=float(4 * q),  # QK^T and AV: 2 * q FLOPs each per position
-            saved_act_bytes_per_token=block_saved, boundary_bytes_per_token=boundary, linears=linears,
-        )
-        for k in range(s.layers)
-    ]
+    blocks = [_block(s, k) for k in range(s.layers)]
     head = LayerSpec(
         index=1 + s.layers, kind=LayerKind.HEAD, name="head", params=head_params,
         gpu_params=norm + v * h, linear_flops_per_token=float(2 * v * h), attn_flops_per_token_per_ctx=0.0,

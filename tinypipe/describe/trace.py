@@ -52,8 +52,12 @@ from tinypipe.describe.model import (
     ModelSpec,
     head_workspace_bytes,
     head_workspace_fixed_bytes,
+    read_weight_bytes,
 )
 from tinypipe.describe.optimprofile import OptimizerProfile
+
+MOE_NOTE = (" (MoE blocks, none measured: FLOPs of the active parameters, the experts a token routes to; reads of "
+            "the experts expected to get tokens; whole-layer uploads)")
 
 # Fraction of the GPU's achieved large-GEMM rate (`GPU.matmul_flops`) that a layer's mix of
 # smaller GEMMs and causal flash attention reaches. Calibrated once against the measured H200
@@ -246,7 +250,7 @@ def _kind_profile(layer: LayerSpec, model: ModelSpec, gpu: GPU, tokens: int, seq
                   dtype: str) -> KindProfile:
     flops = tokens * layer.fwd_flops_per_token(seq_len)
     weight_bytes = (tokens * layer.boundary_bytes_per_token if layer.kind is LayerKind.EMBED
-                    else layer.param_bytes(dtype))
+                    else read_weight_bytes(layer, tokens, dtype))
     act_bytes = tokens * 2 * (layer.saved_act_bytes_per_token + layer.boundary_bytes_per_token)
     fwd_s = (flops / (MATMUL_FRACTION * gpu.matmul_flops)
              + (weight_bytes + act_bytes) / (MEM_FRACTION * gpu.mem_gbps * 1e9))
@@ -279,7 +283,8 @@ def analytic_trace(model: ModelSpec, gpu: GPU, *, microbatch_size: int, seq_len:
     return ProfileTrace(
         gpu_model=gpu.model, dtype=dtype, microbatch_size=microbatch_size, seq_len=seq_len, kinds=kinds,
         analytic=True,
-        source=(f"analytic: {model.name} on {gpu.model}, FLOPs / ({MATMUL_FRACTION} x {gpu.matmul_flops:.3g} "
+        source=(f"analytic: {model.name} on {gpu.model}{MOE_NOTE if model.is_moe else ''}, FLOPs / "
+                f"({MATMUL_FRACTION} x {gpu.matmul_flops:.3g} "
                 f"FLOP/s) + bytes / ({MEM_FRACTION} x {gpu.mem_gbps:g} GB/s); backward 2 x forward; "
                 f"workspace {WORKSPACE_FRACTION} x saved activations (head: chunked-loss formula)"))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+from tinypipe.describe.hardware import usable_gpu_bytes
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.plan import Plan
 from tinypipe.policy.modes import ResidentMode
@@ -26,7 +27,7 @@ class Estimate:
     optimizer_s: float  # CPU optimizer time of one iteration
     gpu_peak_bytes: tuple[int, ...]
     host_peak_bytes: int
-    gpu_capacity_bytes: tuple[int, ...]  # memory minus the reserve
+    gpu_capacity_bytes: tuple[int, ...]  # memory less the cost model's reserve (`usable_gpu_bytes`)
     host_capacity_bytes: int
 
     @property
@@ -70,14 +71,49 @@ def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
     c = w.cost
     m = w.microbatches
     starts = [0, *accumulate(sizes)]
-    pf, pb, pw = w.pre_fwd, w.pre_bwd, w.pre_weight
+    pf, pb = w.pre_fwd, w.pre_bwd
     n_packs = len(sizes)
     cf = [m * (pf[starts[s + 1]] - pf[starts[s]]) for s in range(n_packs)]
     cb = [m * (pb[starts[s + 1]] - pb[starts[s]]) for s in range(n_packs)]
+    busy, up_bytes = _busy(w, sizes, mapping, kept, cf, cb)
+    used = sum(1 for g in range(w.num_gpus) if g in mapping)
+    fill, handed = _fill(w, sizes, mapping, used, cf, cb)
+    # One optimizer lane for all ranks, though the simulator (and the backend) has one per rank
+    # (`tinypipe.ir.order.run_lanes`): per rank, the holistic packer would also balance the ranks' steps, and
+    # on 2 x H200 it then picks one-layer packs for Llama-3.1-8B, where `gpumem`'s formula is 14% under
+    # the simulated peak of g0 (the embedding's upload starts while the last block's gradient is
+    # still leaving; tests/test_gpumem.py). Left as it was until that formula covers it.
+    opt_total = sum(w.opt_s)
+    tail = sum(w.opt_s[: starts[1]]) if not w.optimizer.is_async and n_packs else 0.0
+    # uploads, gradients out, and activations out and back when they live on the host
+    offloaded = sum(b for i, b in enumerate(w.input_bytes) if w.recomputes(i))  # a kept graph keeps its input
+    moved = (up_bytes + sum(w.grad_out_bytes) + 2 * m * offloaded * (w.activation_home.on_host)
+             + 2 * handed * w.p2p_through_host)
+    dma_s = moved / (w.host_dma_gbps * 1e9)
+    it = max(max(busy, default=0.0) + fill + tail, opt_total, dma_s)
+    peaks = gpu_peak_bytes(w, sizes, mapping, kept=kept)
+    caps = tuple(usable_gpu_bytes(mem, kept_bytes=c.gpu_reserve_bytes) for mem in w.gpu_memory_bytes)
+    return Estimate(
+        iteration_s=it, busy_s=tuple(busy), fill_s=fill, optimizer_s=opt_total, gpu_peak_bytes=peaks,
+        host_peak_bytes=w.host_static_bytes + w.host_dynamic_bytes, gpu_capacity_bytes=caps,
+        host_capacity_bytes=w.host_memory_bytes - c.host_reserve_bytes)
+
+
+def _busy(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...], kept: frozenset[int],
+          cf: list[float], cb: list[float]) -> tuple[list[float], float]:
+    """Per GPU, its compute and exposed uploads over one iteration (pack overheads included), and the bytes
+    uploaded in all."""
+    c = w.cost
+    m = w.microbatches
+    starts = [0, *accumulate(sizes)]
+    pw = w.pre_load  # what the LOADs carry (`Plan.load_bytes`)
+    n_packs = len(sizes)
     wb = [pw[starts[s + 1]] - pw[starts[s]] for s in range(n_packs)]
+    # the upload stream's time beside its copies, per pack's full upload (a 4-bit base's dequantisation)
+    extra = [sum(w.load_s[starts[s]:starts[s + 1]]) for s in range(n_packs)]
     pinned = _pinned(w, kept)
     # bytes each pack uploads per use (layers held all iteration upload once, at their first use)
-    swapped = [wb[s] - sum(w.weight_bytes[x] for x in range(starts[s], starts[s + 1]) if x in pinned)
+    swapped = [wb[s] - sum(w.load_bytes[x] for x in range(starts[s], starts[s + 1]) if x in pinned)
                for s in range(n_packs)] if pinned else wb
     by_gpu: list[list[int]] = [[] for _ in range(w.num_gpus)]
     for s, g in enumerate(mapping):
@@ -99,6 +135,7 @@ def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
             nbytes = swapped[s] + ((wb[s] - swapped[s]) if "F" in phase else 0.0)
             up_bytes += nbytes
             up = (nbytes + (recv_f[s] if "F" in phase else 0) + (recv_b[s] if "B" in phase else 0)) / rate
+            up += extra[s] * nbytes / wb[s] if wb[s] else 0.0
             if w.swap.whole_packs and w.prefetch_depth == 0:
                 t += comp + up
             elif not w.swap.whole_packs and w.prefetch_depth == 0:
@@ -108,35 +145,26 @@ def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
         if uses and not w.optimizer.is_async:
             t += wb[uses[0][0]] / rate  # the first upload waits for the previous optimizer step
         busy.append(t + c.pack_overhead_s * len(uses))
-    used = sum(1 for p in by_gpu if p)
+    return busy, up_bytes
+
+
+def _fill(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...], used: int, cf: list[float],
+          cb: list[float]) -> tuple[float, float]:
+    """The pipeline's fill and drain over `used` GPUs (with the hand-offs between GPUs), and the bytes of
+    activations and their gradients handed between GPUs per iteration."""
+    c = w.cost
+    m = w.microbatches
+    starts = [0, *accumulate(sizes)]
+    n_packs = len(sizes)
     step = sum(cf[s] + cb[s] for s in range(n_packs)) / max(1, n_packs) / m
     wraps = max(0, (n_packs - 1) // max(1, used))
     hop = 0.0
-    handed = 0.0  # bytes of activations and their gradients between GPUs per iteration
+    handed = 0.0
     for s in range(n_packs - 1):
         if mapping[s] != mapping[s + 1]:
             hop += 2 * (c.copy_latency_s + w.input_bytes[starts[s + 1]] / (w.p2p_gbps * 1e9))
             handed += 2 * m * w.input_bytes[starts[s + 1]]
-    fill = c.fill_scale * ((min(used, n_packs) - 1) * step + wraps * max(0, used - m) * step) + hop
-    # One optimizer lane for all ranks, though the simulator (and the backend) has one per rank
-    # (`tinypipe.ir.order.run_lanes`): per rank, the holistic packer would also balance the ranks' steps, and
-    # on 2 x H200 it then picks one-layer packs for Llama-3.1-8B, where `gpumem`'s formula is 14% under
-    # the simulated peak of g0 (the embedding's upload starts while the last block's gradient is
-    # still leaving; tests/test_gpumem.py). Left as it was until that formula covers it.
-    opt_total = sum(w.opt_s)
-    tail = sum(w.opt_s[: starts[1]]) if not w.optimizer.is_async and n_packs else 0.0
-    # uploads, gradients out, and activations out and back when they live on the host
-    offloaded = sum(b for i, b in enumerate(w.input_bytes) if w.recomputes(i))  # a kept graph keeps its input
-    moved = (up_bytes + sum(w.grad_out_bytes) + 2 * m * offloaded * (w.activation_home.on_host)
-             + 2 * handed * w.p2p_through_host)
-    dma_s = moved / (w.host_dma_gbps * 1e9)
-    it = max(max(busy, default=0.0) + fill + tail, opt_total, dma_s)
-    peaks = gpu_peak_bytes(w, sizes, mapping, kept=kept)
-    caps = tuple(mem - c.gpu_reserve_bytes for mem in w.gpu_memory_bytes)
-    return Estimate(
-        iteration_s=it, busy_s=tuple(busy), fill_s=fill, optimizer_s=opt_total, gpu_peak_bytes=peaks,
-        host_peak_bytes=w.host_static_bytes + w.host_dynamic_bytes, gpu_capacity_bytes=caps,
-        host_capacity_bytes=w.host_memory_bytes - c.host_reserve_bytes)
+    return c.fill_scale * ((min(used, n_packs) - 1) * step + wraps * max(0, used - m) * step) + hop, handed
 
 
 def _pinned(w: Plan, kept: frozenset[int]) -> frozenset[int]:

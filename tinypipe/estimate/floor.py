@@ -16,8 +16,8 @@ from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
 from tinypipe.describe.trace import KindProfile, ProfileTrace
 from tinypipe.estimate.hostmem import optimizer_steps_s
-from tinypipe.estimate.lora_costs import adapter_step_s, trace_for_policy
-from tinypipe.ir.kinds import Cost, Direction
+from tinypipe.estimate.lora_costs import adapter_step_s, dequant_s, trace_for_policy
+from tinypipe.ir.kinds import Cost, Direction, Kind
 from tinypipe.ir.order import layer_owner
 from tinypipe.ir.schedule import Schedule, resource_gpu
 
@@ -28,7 +28,7 @@ class Floor:
 
     compute_s: float  # the busiest GPU's FWD + BWD at the trace's device times (a loop's: the lesser, alone or
     # beside; not the main thread's issue, which is dispatch: module docstring)
-    h2d_s: float  # the busiest GPU's uploads over its link's rate
+    h2d_s: float  # the busiest GPU's uploads over its link's rate (and a 4-bit base's dequantisation after each)
     d2h_s: float  # the busiest GPU's downloads over its link's rate
     host_dma_s: float  # all host <-> GPU bytes over the host's DMA cap
     optimizer_s: float  # the busiest rank's OPT_STEPs (hostmem.optimizer_steps_s; by phase: the least)
@@ -55,6 +55,7 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
     gpus = schedule.num_gpus
     compute = [0.0] * gpus
     up = [0.0] * gpus
+    up_s = [0.0] * gpus  # time the upload stream spends beside its copies (a 4-bit base's dequantisation)
     down = [0.0] * gpus
     optimizer = [0.0] * gpus  # per rank: its optimizer thread's steps
     owner = layer_owner(schedule)
@@ -79,11 +80,13 @@ def schedule_floor(schedule: Schedule, model: ModelSpec, hardware: Hardware, tra
             compute[g] += p.least_compute_s(forward, schedule.recomputes(a.layer), issue=False)
         elif info.cost is Cost.UPLOAD and g is not None:
             up[g] += a.nbytes
+            if a.kind is Kind.LOAD and schedule.lora is not None:
+                up_s[g] += dequant_s(model.layers[a.layer], schedule.lora, hardware.gpus[g], schedule.compute_dtype)
         elif info.cost is Cost.DOWNLOAD and g is not None:
             down[g] += a.nbytes
     rate = [hardware.route(HOST, hardware.gpus[g].name).bottleneck_gbps * 1e9 for g in range(gpus)]
     return Floor(compute_s=max(compute) / n,
-                 h2d_s=max(b / r for b, r in zip(up, rate)) / n,
+                 h2d_s=max(b / r + t for b, r, t in zip(up, rate, up_s)) / n,
                  d2h_s=max(b / r for b, r in zip(down, rate)) / n,
                  host_dma_s=(sum(up) + sum(down)) / (hardware.host.dma_gbps * 1e9) / n,
                  optimizer_s=max(optimizer) / n)

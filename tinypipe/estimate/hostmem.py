@@ -136,7 +136,7 @@ def host_bytes(model: ModelSpec, host_memory: HostMemory, *, compute_dtype: str 
     (compact): a gradient buffer of every layer instead of the ring (`compact_grad_elems`)."""
     host_memory, optimizer = HostMemory(host_memory), OptimizerMode(optimizer)  # a member or its value
     optimizer_state = OptimizerState(optimizer_state)
-    if not optimizer_state.exact and host_memory != HostMemory.COMPACT:
+    if not optimizer_state.exact and not host_memory.planes:
         raise ValueError(f"{optimizer_state} optimizer state needs the compact host layout")
     chosen = [model.layers[i] for i in layers] if layers is not None else list(model.layers)
     n = sum(x.params for x in chosen)

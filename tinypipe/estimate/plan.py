@@ -43,7 +43,7 @@ class Plan:
     # per layer
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]  # with recompute when the policy recomputes
-    weight_bytes: tuple[int, ...]  # w.L{l} on the GPU (compute dtype), what a LOAD moves; also gr.L{l}, GRAD_OUT
+    weight_bytes: tuple[int, ...]  # w.L{l} on the GPU (compute dtype), what a LOAD allocates; also gr.L{l}, GRAD_OUT
     input_bytes: tuple[int, ...]  # x.L{l}.m and dx.L{l}.m (0 for the first layer: token ids)
     saved_bytes: tuple[int, ...]  # a.L{l}.m, kept from FWD to BWD without recompute
     layer_workspace_bytes: tuple[int, ...]  # ws of each FWD and of a layer's first BWD in a step
@@ -92,6 +92,10 @@ class Plan:
     lora: LoraSpec | None = None
     grad_acc_bytes: tuple[int, ...] = ()  # gr.L{l}; () = weight_bytes
     gpu_state_bytes: tuple[int, ...] = ()  # held on the owner GPU all run; () = none
+    # what a LOAD uploads, and the time it then takes on the GPU's upload stream; () = weight_bytes and none. A 4-bit
+    # base (`LoraSpec.nf4`) uploads NF4 codes and dequantises them there (`lora_costs.base_load_bytes`, `dequant_s`)
+    load_bytes: tuple[int, ...] = ()
+    load_s: tuple[float, ...] = ()
 
     num_layers: int = field(init=False)
     owner: tuple[int, ...] = field(init=False, repr=False, compare=False)  # GPU of each layer
@@ -99,6 +103,7 @@ class Plan:
     pre_fwd: tuple[float, ...] = field(init=False, repr=False, compare=False)
     pre_bwd: tuple[float, ...] = field(init=False, repr=False, compare=False)
     pre_weight: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    pre_load: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.weight_bytes)
@@ -110,12 +115,16 @@ class Plan:
             object.__setattr__(self, "grad_acc_bytes", self.weight_bytes)
         if not self.gpu_state_bytes:
             object.__setattr__(self, "gpu_state_bytes", (0,) * n)
+        if not self.load_bytes:
+            object.__setattr__(self, "load_bytes", self.weight_bytes)
+        if not self.load_s:
+            object.__setattr__(self, "load_s", (0.0,) * n)
         coerce_modes(self, "plan")
         if isinstance(self.resident, str):
             object.__setattr__(self, "resident", ResidentMode.parse(self.resident, "plan: resident"))
         for name in ("fwd_s", "bwd_s", "input_bytes", "saved_bytes", "layer_workspace_bytes", "host_grad_bytes",
                      "master_bytes", "opt_s", "accumulate_workspace_bytes", "grad_out_bytes", "grad_acc_bytes",
-                     "gpu_state_bytes"):
+                     "gpu_state_bytes", "load_bytes", "load_s"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"plan: {name} has {len(getattr(self, name))} layers, weight_bytes {n}")
         owner: list[int] = []
@@ -131,7 +140,8 @@ class Plan:
         set_(self, "num_layers", n)
         set_(self, "owner", tuple(owner))
         set_(self, "pack_of", tuple(pack_of))
-        for name, src in (("pre_fwd", self.fwd_s), ("pre_bwd", self.bwd_s), ("pre_weight", self.weight_bytes)):
+        for name, src in (("pre_fwd", self.fwd_s), ("pre_bwd", self.bwd_s), ("pre_weight", self.weight_bytes),
+                          ("pre_load", self.load_bytes)):
             set_(self, name, (0.0, *accumulate(float(x) for x in src)))
 
     @property
@@ -196,9 +206,9 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
     pairs = [hardware.route(f"gpu{a}", f"gpu{b}") for a in range(g) for b in range(g) if a != b]
     hb = host_bytes(model, policy.host_memory, compute_dtype=dt, optimizer=policy.optimizer,
                     optimizer_state=policy.optimizer_state, grad_clip=grad_clip)
-    ring = hb.grad_bytes if policy.host_memory == HostMemory.COMPACT else 0
+    ring = hb.grad_bytes if policy.host_memory.grad_ring else 0
     grad_fp32 = [layer.gpu_params * 4 for layer in model.layers]
-    if policy.host_memory == HostMemory.COMPACT:
+    if policy.host_memory.grad_ring:
         # Sync: a ring of slots per GPU; async, or clipping: up to one iteration of gradients waits on the host.
         dyn = sum(grad_fp32) if policy.optimizer.is_async or grad_clip else (
             g * DEFAULT_GRAD_RING_SLOTS * max(grad_fp32, default=0))
@@ -206,8 +216,10 @@ def base_plan(policy: Policy, model: ModelSpec, hardware: Hardware, trace: Profi
         dyn = 0
     lora_fields: dict[str, Any] = {}
     if policy.lora is not None:
-        hb, ring, dyn = lora_.frozen_host_bytes(model, compute_dtype=dt), 0, 0
+        hb, ring, dyn = lora_.frozen_host_bytes(model, compute_dtype=dt, nf4=policy.lora.nf4), 0, 0
         lora_fields = dict(
+            load_bytes=tuple(lora_.base_load_bytes(x, policy.lora, dt) for x in model.layers),
+            load_s=tuple(lora_.dequant_s(x, policy.lora, hardware.gpus[0], dt) for x in model.layers),
             lora=policy.lora, grad_acc_bytes=(0,) * len(model.layers), grad_out_bytes=(0,) * len(model.layers),
             gpu_state_bytes=tuple(lora_.adapter_state_bytes(x, policy.lora) for x in model.layers),
             master_bytes=tuple(lora_.adapter_weight_bytes(x, policy.lora) for x in model.layers),

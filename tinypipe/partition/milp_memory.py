@@ -30,80 +30,93 @@ def memory_matrix(w: Plan, mapping: tuple[int, ...]) -> tuple[np.ndarray, list[f
     sum it (a term that lacks a variable adds 0.0, which changes no sum), so the MILP gets the same numbers
     to the last bit; a term is made once (`moments` repeat a pack's shared terms), a GPU's UPTO sums grow
     pack by pack, and the shared terms' sum is made once per pack."""
-    n, s_n, g_n = w.num_layers, len(mapping), w.num_gpus
-    nc = n * (s_n - 1)
-    pinned = policy_pinned(w)
+    g_n = w.num_gpus
     kept_last = (True,) * g_n if w.resident == ResidentMode.AUTO else ()
-    vec = {k: [b / GIB for b in v] for k, v in gpumem.vectors(w, pinned=pinned).items()}
-    arrays = {k: np.array(v) for k, v in vec.items()}
-    packs = gpumem.gpu_packs(mapping, g_n)
-    first_var = np.arange(n) * (s_n - 1)  # c[l,0] of each layer
-    sums: dict[tuple[str, int], tuple[np.ndarray, float]] = {}
-    uptos: dict[tuple[str, int, int], tuple[np.ndarray, float]] = {}
-    terms: dict[gpumem.Term, tuple[np.ndarray, float]] = {}
-
-    def pack_sum(name: str, s: int) -> tuple[np.ndarray, float]:  # linear_pack_sum of vector `name`, dense
-        hit = sums.get((name, s))
-        if hit is None:
-            c, k = np.zeros(nc), 0.0
-            if s <= s_n - 2:
-                c[first_var + s] = arrays[name]
-            else:
-                for x in vec[name]:
-                    if x != 0.0:
-                        k += x
-            if s >= 1:
-                c[first_var + s - 1] = -arrays[name]
-            hit = sums[name, s] = (c, k)
-        return hit
-
-    def upto(name: str, g: int, i: int) -> tuple[np.ndarray, float]:  # the sum over GPU g's packs 0..i
-        hit = uptos.get((name, g, i))
-        if hit is None:
-            c, k = pack_sum(name, packs[g][i])
-            before, k0 = upto(name, g, i - 1) if i else (np.zeros(nc), 0.0)
-            hit = uptos[name, g, i] = (before + c, k0 + 1.0 * k)
-        return hit
-
-    def term(t: gpumem.Term) -> tuple[np.ndarray, float]:
-        hit = terms.get(t)
-        if hit is not None:
-            return hit
-        v = vec[t.vector]
-        if t.how == gpumem.SUM:
-            c, k = pack_sum(t.vector, t.pack)
-        elif t.how == gpumem.UPTO:
-            c, k = upto(t.vector, t.gpu, t.pack)
-        elif t.how == gpumem.FIRST and t.pack == 0:
-            c, k = np.zeros(nc), v[0]
-        elif t.how == gpumem.LAST and t.pack == s_n - 1:
-            c, k = np.zeros(nc), v[n - 1]
-        else:  # between layer and layer + 1: +x at c[layer,s], then -x at c[layer+1,s]
-            s = t.pack - 1 if t.how == gpumem.FIRST else t.pack
-            x = arrays[t.vector][1:] if t.how == gpumem.FIRST else arrays[t.vector][:-1]
-            per = np.zeros(n)
-            per[1:] -= x
-            per[:-1] += x
-            c, k = np.zeros(nc), 0.0
-            c[first_var + s] = per
-        hit = terms[t] = (t.factor * c, t.factor * k)
-        return hit
-
-    def total(ts: tuple[gpumem.Term, ...], start: tuple[np.ndarray, float]) -> tuple[np.ndarray, float]:
-        c, k = start
-        for t in ts:
-            tc, tk = term(t)
-            c, k = c + tc, k + 1.0 * tk
-        return c, k
-
-    shared: dict[tuple[gpumem.Term, ...], tuple[np.ndarray, float]] = {}
+    terms = _Terms(w, mapping)
+    shared: dict[tuple[gpumem.Term, ...], Dense] = {}
     rows, caps = [], []
     for mo in gpumem.moments(mapping, g_n, w.microbatches, w.activation_home, kept_last):
         base = shared.get(mo.shared)
         if base is None:
-            base = shared[mo.shared] = total(mo.shared, (np.zeros(nc), 0.0))
-        coef, const = total(mo.terms + gpumem.window_terms(mo, mapping, g_n, w.prefetch_depth, w.swap, kept_last),
-                            base)
+            base = shared[mo.shared] = terms.total(mo.shared, (np.zeros(terms.nc), 0.0))
+        coef, const = terms.total(mo.terms + gpumem.window_terms(mo, mapping, g_n, w.prefetch_depth, w.swap,
+                                                                 kept_last), base)
         rows.append(coef)
         caps.append((w.gpu_memory_bytes[mo.gpu] - w.cost.gpu_reserve_bytes) / GIB - const)
-    return (np.array(rows) if rows else np.zeros((0, nc))), caps
+    return (np.array(rows) if rows else np.zeros((0, terms.nc))), caps
+
+
+Dense = tuple[np.ndarray, float]  # a linear expression: a coefficient per c[l,s], constant (GiB)
+
+
+class _Terms:
+    """The GPU-memory formula's terms (`gpumem.Term`) as dense linear expressions in c[l,s], each made once."""
+
+    def __init__(self, w: Plan, mapping: tuple[int, ...]) -> None:
+        self.n, self.s_n = w.num_layers, len(mapping)
+        self.nc = self.n * (self.s_n - 1)
+        self.vec = {k: [b / GIB for b in v] for k, v in gpumem.vectors(w, pinned=policy_pinned(w)).items()}
+        self.arrays = {k: np.array(v) for k, v in self.vec.items()}
+        self.packs = gpumem.gpu_packs(mapping, w.num_gpus)
+        self.first_var = np.arange(self.n) * (self.s_n - 1)  # c[l,0] of each layer
+        self.sums: dict[tuple[str, int], Dense] = {}
+        self.uptos: dict[tuple[str, int, int], Dense] = {}
+        self.terms: dict[gpumem.Term, Dense] = {}
+
+    def pack_sum(self, name: str, s: int) -> Dense:
+        """`mobius.linear_pack_sum` of vector `name` over pack s, dense."""
+        hit = self.sums.get((name, s))
+        if hit is None:
+            c, k = np.zeros(self.nc), 0.0
+            if s <= self.s_n - 2:
+                c[self.first_var + s] = self.arrays[name]
+            else:
+                for x in self.vec[name]:
+                    if x != 0.0:
+                        k += x
+            if s >= 1:
+                c[self.first_var + s - 1] = -self.arrays[name]
+            hit = self.sums[name, s] = (c, k)
+        return hit
+
+    def upto(self, name: str, g: int, i: int) -> Dense:
+        """The sum of vector `name` over GPU g's packs 0..i."""
+        hit = self.uptos.get((name, g, i))
+        if hit is None:
+            c, k = self.pack_sum(name, self.packs[g][i])
+            before, k0 = self.upto(name, g, i - 1) if i else (np.zeros(self.nc), 0.0)
+            hit = self.uptos[name, g, i] = (before + c, k0 + 1.0 * k)
+        return hit
+
+    def term(self, t: gpumem.Term) -> Dense:
+        hit = self.terms.get(t)
+        if hit is not None:
+            return hit
+        n, nc = self.n, self.nc
+        v = self.vec[t.vector]
+        if t.how == gpumem.SUM:
+            c, k = self.pack_sum(t.vector, t.pack)
+        elif t.how == gpumem.UPTO:
+            c, k = self.upto(t.vector, t.gpu, t.pack)
+        elif t.how == gpumem.FIRST and t.pack == 0:
+            c, k = np.zeros(nc), v[0]
+        elif t.how == gpumem.LAST and t.pack == self.s_n - 1:
+            c, k = np.zeros(nc), v[n - 1]
+        else:  # between layer and layer + 1: +x at c[layer,s], then -x at c[layer+1,s]
+            s = t.pack - 1 if t.how == gpumem.FIRST else t.pack
+            x = self.arrays[t.vector][1:] if t.how == gpumem.FIRST else self.arrays[t.vector][:-1]
+            per = np.zeros(n)
+            per[1:] -= x
+            per[:-1] += x
+            c, k = np.zeros(nc), 0.0
+            c[self.first_var + s] = per
+        hit = self.terms[t] = (t.factor * c, t.factor * k)
+        return hit
+
+    def total(self, ts: tuple[gpumem.Term, ...], start: Dense) -> Dense:
+        """`start` plus the terms `ts`, summed in order."""
+        c, k = start
+        for t in ts:
+            tc, tk = self.term(t)
+            c, k = c + tc, k + 1.0 * tk
+        return c, k

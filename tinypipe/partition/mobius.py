@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 from tinypipe.common.units import GIB
 from tinypipe.estimate.cost import gpu_peak_bytes
@@ -18,6 +19,9 @@ from tinypipe.estimate.plan import Plan
 
 from .mapping import round_robin
 from .packing import Mapper, Partitioner, balanced, uniform
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # HiGHS stops each MILP after its root node (presolve, the root LP, its heuristics and cuts): the partition is
 # the same on any machine under any load (a time limit would make it depend on both). On Llama-3.1-70B x 8
@@ -182,43 +186,10 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     if s_n == 1:
         return (0.0, (n,))
     nc = n * (s_n - 1)
-    t0, tT, tB = nc, nc + s_n, nc + s_n + 1
+    tT, tB = nc + s_n, nc + s_n + 1
     nvar = nc + s_n + 2
     comp = [m * (f + b) for f, b in zip(w.fwd_s, w.bwd_s)]
-    wts = [b / GIB for b in w.weight_bytes]
-    rows: list[tuple[dict[int, float], float, float]] = []
-
-    def pack_sum(s: int, v: Sequence[float], scale: float = 1.0) -> Linear:
-        return linear_pack_sum(n, s_n, s, v, scale)
-
-    for layer in range(n):
-        for s in range(s_n - 2):  # c[l,s] <= c[l,s+1]
-            rows.append(({layer * (s_n - 1) + s: 1.0, layer * (s_n - 1) + s + 1: -1.0}, -math.inf, 0.0))
-        if layer + 1 < n:
-            for s in range(s_n - 1):  # c[l+1,s] <= c[l,s]
-                rows.append(({(layer + 1) * (s_n - 1) + s: 1.0, layer * (s_n - 1) + s: -1.0}, -math.inf, 0.0))
-    ones = [1.0] * n
-    for s in range(s_n):
-        coef, const = pack_sum(s, ones)
-        rows.append((coef, 1.0 - const, math.inf))  # non-empty
-    by_gpu: dict[int, list[int]] = {}
-    for s, g in enumerate(mapping):
-        by_gpu.setdefault(g, []).append(s)
-    for g, packs in by_gpu.items():
-        rate = w.h2d_gbps[g] * 1e9 * w.cost.h2d_efficiency / GIB  # GiB/s
-        for i, s in enumerate(packs):
-            cc, ck = pack_sum(s, comp)
-            rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (cc, ck, -1.0))[0], w.cost.pack_overhead_s + ck, math.inf))
-            rows.append((_add(({tB: 1.0}, 0.0, 1.0), (cc, ck, -1.0 / m))[0], ck / m, math.inf))
-            if i + 1 < len(packs):
-                nx, nk = pack_sum(packs[i + 1], wts)
-                rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (nx, nk, -1.0 / rate))[0], nk / rate, math.inf))
-        fx, fk = pack_sum(packs[0], wts)
-        span: dict[int, float] = {tT: 1.0}
-        for s in packs:
-            span[t0 + s] = -1.0
-        coef, const = _add((span, 0.0, 1.0), (fx, fk, -1.0 / rate))
-        rows.append((coef, -const, math.inf))
+    rows = _order_rows(n, s_n) + _time_rows(w, s_n, mapping, comp)
     data, ri, ci, lb, ub = [], [], [], [], []
     for r, (coef, lo, hi) in enumerate(rows):
         for i, x in coef.items():
@@ -238,20 +209,10 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     ub += caps
     obj = np.zeros(nvar)
     obj[tT] = 1.0
-    obj[tB] = min(len(by_gpu), s_n) - 1  # pipeline fill: (GPUs - 1) steps of the slowest pack
+    obj[tB] = min(len(set(mapping)), s_n) - 1  # pipeline fill: (GPUs - 1) steps of the slowest pack
     integrality = np.zeros(nvar)
     integrality[:nc] = 1
-    lo_b = np.zeros(nvar)
-    hi_b = np.full(nvar, np.inf)
-    hi_b[:nc] = 1.0
-    delta = window if window is not None else max(2, math.ceil(n / s_n))
-    seed = [0, *accumulate(balanced(comp, s_n))]
-    for s in range(s_n - 1):
-        for layer in range(n):
-            if layer < seed[s + 1] - delta:
-                lo_b[layer * (s_n - 1) + s] = 1.0
-            elif layer >= seed[s + 1] + delta:
-                hi_b[layer * (s_n - 1) + s] = 0.0
+    lo_b, hi_b = _bounds(n, s_n, nvar, comp, window)
     with _quiet_stdout():  # HiGHS prints some debug lines straight to fd 1, even with disp off
         res = milp(obj, constraints=LinearConstraint(a_mat, np.array(lb), np.array(ub)),
                    integrality=integrality, bounds=Bounds(lo_b, hi_b),
@@ -266,3 +227,75 @@ def mobius_milp(w: Plan, num_packs: int, mapping: tuple[int, ...], *, time_limit
     if any(k < 1 for k in sizes):
         return None
     return (float(res.fun), sizes)
+
+
+Row = tuple[dict[int, float], float, float]  # coefficients by variable index, lower bound, upper bound
+
+
+def _order_rows(n: int, s_n: int) -> list[Row]:
+    """c[l,s] <= c[l,s+1] and c[l+1,s] <= c[l,s]: packs contiguous and ordered; and every pack non-empty."""
+    rows: list[Row] = []
+    for layer in range(n):
+        for s in range(s_n - 2):  # c[l,s] <= c[l,s+1]
+            rows.append(({layer * (s_n - 1) + s: 1.0, layer * (s_n - 1) + s + 1: -1.0}, -math.inf, 0.0))
+        if layer + 1 < n:
+            for s in range(s_n - 1):  # c[l+1,s] <= c[l,s]
+                rows.append(({(layer + 1) * (s_n - 1) + s: 1.0, layer * (s_n - 1) + s: -1.0}, -math.inf, 0.0))
+    ones = [1.0] * n
+    for s in range(s_n):
+        coef, const = linear_pack_sum(n, s_n, s, ones)
+        rows.append((coef, 1.0 - const, math.inf))  # non-empty
+    return rows
+
+
+def _time_rows(w: Plan, s_n: int, mapping: tuple[int, ...], comp: Sequence[float]) -> list[Row]:
+    """Stage times t[s] (the pack's compute plus overhead, and the upload of the next pack on its GPU), the
+    pipeline step B (every pack's compute per microbatch) and the makespan T (each GPU's stages plus its first,
+    unhidden upload), as `mobius_milp` says."""
+    n, m = w.num_layers, w.microbatches
+    nc = n * (s_n - 1)
+    t0, tT, tB = nc, nc + s_n, nc + s_n + 1
+    wts = [b / GIB for b in w.weight_bytes]
+    rows: list[Row] = []
+
+    def pack_sum(s: int, v: Sequence[float], scale: float = 1.0) -> Linear:
+        return linear_pack_sum(n, s_n, s, v, scale)
+
+    by_gpu: dict[int, list[int]] = {}
+    for s, g in enumerate(mapping):
+        by_gpu.setdefault(g, []).append(s)
+    for g, packs in by_gpu.items():
+        rate = w.h2d_gbps[g] * 1e9 * w.cost.h2d_efficiency / GIB  # GiB/s
+        for i, s in enumerate(packs):
+            cc, ck = pack_sum(s, comp)
+            rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (cc, ck, -1.0))[0], w.cost.pack_overhead_s + ck, math.inf))
+            rows.append((_add(({tB: 1.0}, 0.0, 1.0), (cc, ck, -1.0 / m))[0], ck / m, math.inf))
+            if i + 1 < len(packs):
+                nx, nk = pack_sum(packs[i + 1], wts)
+                rows.append((_add(({t0 + s: 1.0}, 0.0, 1.0), (nx, nk, -1.0 / rate))[0], nk / rate, math.inf))
+        fx, fk = pack_sum(packs[0], wts)
+        span: dict[int, float] = {tT: 1.0}
+        for s in packs:
+            span[t0 + s] = -1.0
+        coef, const = _add((span, 0.0, 1.0), (fx, fk, -1.0 / rate))
+        rows.append((coef, -const, math.inf))
+    return rows
+
+
+def _bounds(n: int, s_n: int, nvar: int, comp: Sequence[float], window: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The variables' bounds: c[l,s] in [0, 1], fixed outside `window` layers of the balanced partition's
+    boundaries (`mobius_milp`); the times unbounded above."""
+    import numpy as np
+
+    lo_b = np.zeros(nvar)
+    hi_b = np.full(nvar, np.inf)
+    hi_b[: n * (s_n - 1)] = 1.0
+    delta = window if window is not None else max(2, math.ceil(n / s_n))
+    seed = [0, *accumulate(balanced(comp, s_n))]
+    for s in range(s_n - 1):
+        for layer in range(n):
+            if layer < seed[s + 1] - delta:
+                lo_b[layer * (s_n - 1) + s] = 1.0
+            elif layer >= seed[s + 1] + delta:
+                hi_b[layer * (s_n - 1) + s] = 0.0
+    return lo_b, hi_b

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import Hardware
 from tinypipe.estimate.cost import gpu_peak_bytes
 from tinypipe.estimate.plan import Plan
 from tinypipe.partition import mobius, packing
 from tinypipe.partition.mapping import cross, round_robin
-from tinypipe.policy.modes import ResidentMode
+from tinypipe.partition.packing import Mapper
+from tinypipe.policy.modes import MapperName, PackerName, ResidentMode
 from tinypipe.policy.policy import Policy
 
 
@@ -22,35 +26,57 @@ def resolve(policy: Policy, w: Plan, hardware: Hardware, *, model_name: str = "t
     matrix's master and optimizer state on that one rank. Chosen mappings are adjusted (the last
     pack moves to pack 0's GPU); an explicit mapping that splits them is an error.
     """
-    n_layers, n_gpus = w.num_layers, w.num_gpus
+    r = _Request(policy, w, hardware, model_name)
+    counts, mapper = _mapper(r, tied)
+    spec = policy.packing
+    if isinstance(spec, tuple):
+        if sum(spec) != w.num_layers:
+            raise r.bad("packing", f"pack sizes sum to {sum(spec)}, but {model_name} has {w.num_layers} layers")
+        sizes = spec
+    else:
+        sizes = PACKER_TABLE[spec](r, mapper, counts)
+    return sizes, mapper(len(sizes))
 
-    def bad(field: str, why: str) -> InputError:
-        return InputError(f"policy {policy.name!r}: {field}: {why}")
 
+@dataclass(frozen=True)
+class _Request:
+    """What `resolve` was asked: the policy, the plan, the hardware and the model's name for messages."""
+
+    policy: Policy
+    w: Plan
+    hardware: Hardware
+    model_name: str
+
+    def bad(self, field: str, why: str) -> InputError:
+        return InputError(f"policy {self.policy.name!r}: {field}: {why}")
+
+
+def _mapper(r: _Request, tied: bool) -> tuple[list[int] | None, Mapper]:
+    """(the pack counts an explicit mapping allows, else None; the GPU of each pack for a pack count)."""
+    policy, n_layers, n_gpus, hardware = r.policy, r.w.num_layers, r.w.num_gpus, r.hardware
     counts: list[int] | None = None
     if isinstance(policy.mapping, tuple):
         explicit = policy.mapping
         for s, g in enumerate(explicit):
             if g >= n_gpus:
-                raise bad("mapping", f"pack {s} is mapped to GPU {g}, but {hardware.name} has {n_gpus} "
-                          f"GPU{'s' if n_gpus != 1 else ''} (0..{n_gpus - 1})")
+                raise r.bad("mapping", f"pack {s} is mapped to GPU {g}, but {hardware.name} has {n_gpus} "
+                            f"GPU{'s' if n_gpus != 1 else ''} (0..{n_gpus - 1})")
         if len(explicit) > n_layers:
-            raise bad("mapping", f"{len(explicit)} packs mapped, but {model_name} has only {n_layers} layers")
+            raise r.bad("mapping", f"{len(explicit)} packs mapped, but {r.model_name} has only {n_layers} layers")
         counts = [len(explicit)]
         if tied and len(explicit) > 1 and explicit[-1] != explicit[0]:
-            raise bad("mapping", f"{model_name} ties its LM head to the token embedding, so the last pack "
-                      f"must run on the first pack's GPU ({explicit[0]}), not on GPU {explicit[-1]}")
+            raise r.bad("mapping", f"{r.model_name} ties its LM head to the token embedding, so the last pack "
+                        f"must run on the first pack's GPU ({explicit[0]}), not on GPU {explicit[-1]}")
 
         def mapper(n: int) -> tuple[int, ...]:
             if n != len(explicit):
-                raise bad("mapping", f"{len(explicit)} GPUs given for {n} packs; give one GPU per pack")
+                raise r.bad("mapping", f"{len(explicit)} GPUs given for {n} packs; give one GPU per pack")
             return explicit
-    elif policy.mapping == "round-robin":
-        def mapper(n: int) -> tuple[int, ...]:
-            return round_robin(n, n_gpus)
     else:
+        by_name = MAPPER_TABLE[policy.mapping]
+
         def mapper(n: int) -> tuple[int, ...]:
-            return cross(n, hardware)
+            return by_name(n, hardware, n_gpus)
 
     if tied:
         chosen = mapper
@@ -59,38 +85,49 @@ def resolve(policy: Policy, w: Plan, hardware: Hardware, *, model_name: str = "t
             m = chosen(n)
             return m if len(m) < 2 else (*m[:-1], m[0])
 
-    times = w.layer_time_s
-    spec = policy.packing
-    if isinstance(spec, tuple):
-        if sum(spec) != n_layers:
-            raise bad("packing", f"pack sizes sum to {sum(spec)}, but {model_name} has {n_layers} layers")
-        sizes = spec
-    elif spec == "uniform":
-        if policy.pack_size > n_layers:
-            raise bad("pack_size", f"{policy.pack_size} layers per pack, but {model_name} has {n_layers} layers")
-        if policy.pack_size:
-            sizes = packing.uniform(n_layers, policy.pack_size)
-        else:
-            cands = {packing.uniform(n_layers, k) for k in range(1, n_layers + 1)}
-            cands = {c for c in cands if counts is None or len(c) in counts}
-            if not cands:
-                raise bad("mapping", f"no uniform packing of {n_layers} layers has {counts} packs")
-            sizes = packing.best_of(w, mapper, sorted(cands, key=len))
-    elif spec == "balanced":
-        if policy.num_packs > n_layers:
-            raise bad("num_packs", f"{policy.num_packs} packs, but {model_name} has only {n_layers} layers")
-        if policy.num_packs:
-            sizes = packing.balanced(times, policy.num_packs)
-        else:
-            part = packing.Partitioner(times)
-            sizes = packing.best_of(w, mapper, (part(n) for n in (counts or range(1, n_layers + 1))))
-    elif spec == "per-gpu":
-        sizes = packing.per_gpu(times, n_gpus)
-    elif spec == "mobius":
-        sizes = mobius.mobius(w, mapper, counts=counts)
-    else:
-        sizes = packing.holistic(w, mapper, counts=counts)
-    return sizes, mapper(len(sizes))
+    return counts, mapper
+
+
+# The mappers by name (`Policy.mapping`): (packs, hardware, GPUs) -> the GPU of each pack.
+MAPPER_TABLE: dict[MapperName, Callable[[int, Hardware, int], tuple[int, ...]]] = {
+    "round-robin": lambda n, hardware, gpus: round_robin(n, gpus),
+    "cross": lambda n, hardware, gpus: cross(n, hardware),
+}
+
+
+def _uniform(r: _Request, mapper: Mapper, counts: list[int] | None) -> tuple[int, ...]:
+    """`pack_size` layers per pack; 0: the uniform packing the cost model likes best."""
+    n_layers, size = r.w.num_layers, r.policy.pack_size
+    if size > n_layers:
+        raise r.bad("pack_size", f"{size} layers per pack, but {r.model_name} has {n_layers} layers")
+    if size:
+        return packing.uniform(n_layers, size)
+    cands = {packing.uniform(n_layers, k) for k in range(1, n_layers + 1)}
+    cands = {c for c in cands if counts is None or len(c) in counts}
+    if not cands:
+        raise r.bad("mapping", f"no uniform packing of {n_layers} layers has {counts} packs")
+    return packing.best_of(r.w, mapper, sorted(cands, key=len))
+
+
+def _balanced(r: _Request, mapper: Mapper, counts: list[int] | None) -> tuple[int, ...]:
+    """`num_packs` packs balanced by time; 0: the balanced packing the cost model likes best."""
+    n_layers, packs, times = r.w.num_layers, r.policy.num_packs, r.w.layer_time_s
+    if packs > n_layers:
+        raise r.bad("num_packs", f"{packs} packs, but {r.model_name} has only {n_layers} layers")
+    if packs:
+        return packing.balanced(times, packs)
+    part = packing.Partitioner(times)
+    return packing.best_of(r.w, mapper, (part(n) for n in (counts or range(1, n_layers + 1))))
+
+
+# The packers by name (`Policy.packing`): (request, mapper, pack counts allowed or None) -> pack sizes.
+PACKER_TABLE: dict[PackerName, Callable[[_Request, Mapper, list[int] | None], tuple[int, ...]]] = {
+    "uniform": _uniform,
+    "balanced": _balanced,
+    "per-gpu": lambda r, mapper, counts: packing.per_gpu(r.w.layer_time_s, r.w.num_gpus),
+    "mobius": lambda r, mapper, counts: mobius.mobius(r.w, mapper, counts=counts),
+    "holistic": lambda r, mapper, counts: packing.holistic(r.w, mapper, counts=counts),
+}
 
 
 def residency(policy: Policy, w: Plan, sizes: tuple[int, ...],

@@ -80,6 +80,12 @@ class HostMemory(Mode):
         """Gradients arrive through a ring of slots, not a full-size buffer per parameter."""
         return self is HostMemory.COMPACT
 
+    @property
+    def planes(self) -> bool:
+        """Each fp32 master is held as two 16-bit planes, stepped chunk by chunk: the layout whose moments may be
+        held below fp32 (`OptimizerState`) and whose state is filled layer by layer from the layers' shapes."""
+        return self is HostMemory.COMPACT
+
 
 class OptimizerMode(Mode):
     """When the host optimizer's step lands: before the next iteration uses the layer (sync), or one
@@ -116,6 +122,11 @@ class OptimizerState(Mode):
     def exact(self) -> bool:
         """The moments are kept as fp32 AdamW keeps them (no rounding beyond fp32's)."""
         return self is OptimizerState.FP32
+
+    @property
+    def quantised(self) -> bool:
+        """The moments are 8-bit codes with an fp32 absmax per block."""
+        return self is OptimizerState.INT8
 
 
 class ActivationHome(Mode):

@@ -44,7 +44,9 @@ class Policy:
     optimizer_state: how the host holds AdamW's moments: `fp32`, `bf16` or `8bit` (block-wise
       quantised); the low-precision ones need the compact host layout (the chunked step on the planes).
     lora: adapters on a frozen base: the host holds one compute-dtype copy of the base, no gradient
-      leaves the GPU, and the adapters with their AdamW state stay on the GPU that owns their layer.
+      leaves the GPU, and the adapters with their AdamW state (fp32) stay on the GPU that owns their layer.
+      A low-precision `optimizer_state` is refused with it; `optimizer` async trains as sync (the adapters
+      step in stream order); a policy file's `host_memory` replicated is refused by `run` (one frozen copy).
     """
 
     name: str = "custom"
@@ -105,7 +107,11 @@ class Policy:
             raise bad("lora", "must be a LoraSpec or none")
         if not isinstance(self.recompute, bool):
             raise bad("recompute", "must be true or false")
-        if not self.optimizer_state.exact and self.host_memory != HostMemory.COMPACT:
+        if self.lora is not None and not self.optimizer_state.exact:  # the run would hold fp32 moments regardless
+            raise bad("optimizer_state", f"{self.optimizer_state} moments are the host optimizer's; with lora the "
+                      "adapters' AdamW state is fp32 on their GPU and the frozen base has none: leave optimizer_state "
+                      "out (or fp32)")
+        if not self.optimizer_state.exact and not self.host_memory.planes:
             raise bad("optimizer_state", f"{self.optimizer_state} moments need host_memory compact (the chunked "
                       "step on the planes); the replicated layout keeps fp32 AdamW state")
         if not self.recompute and self.activation_home.on_host:

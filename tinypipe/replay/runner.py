@@ -8,7 +8,6 @@ needs `--policy` and `--seq-len`). The simulator is passed in (`simulate`): the 
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from tinypipe.common.errors import InputError, TinypipeError
-from tinypipe.common.units import parse_bytes
 from tinypipe.compiler import WINDOW_ITERATIONS, compile_schedule
 from tinypipe.describe.hardware import Hardware, load_hardware
 from tinypipe.describe.hfconfig import from_hf_config, load_model
@@ -40,24 +38,25 @@ from tinypipe.replay.trace_match import (
 )
 
 
-def add_replay_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", metavar="RUN_TRACE", help="Chrome trace (`tinypipe run --trace`) or timeline JSON of a run")
-    p.add_argument("--model", help="model name or config.json (default: the trace's)")
-    p.add_argument("--hardware", help="hardware preset or JSON the run compiled for (default: the trace's)")
-    p.add_argument("--policy", help="policy JSON or preset the run used (default: the trace's record of it)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the trace's)")
-    p.add_argument("--batch-tokens", type=int, help="tokens per optimizer step (sets the microbatch count)")
-    p.add_argument("--microbatches", type=int, help="microbatches per step (instead of --batch-tokens)")
-    p.add_argument("--gpu-mem", help="GPU memory the run was planned for, e.g. 24GiB (the prediction's capacity)")
-    p.add_argument("--iterations", type=int, help=f"iterations the run compiled (default: the trace's, else "
-                   f"min({WINDOW_ITERATIONS}, steps), `tinypipe run`'s longest window)")
-    p.add_argument("--schedule", help="the schedule's text form the run executed (`tinypipe inspect schedule "
-                   "--out`) (default: recompiled from the settings)")
-    p.add_argument("--warmup", type=int, default=1, help="iterations left out of the steady state (default 1)")
-    p.add_argument("--window", type=int, default=0, help="which of the run's whole windows to replay: 0 the first "
-                   "(default), 1 the next, -1 the last")
-    p.add_argument("--top", type=int, default=8, help="rows of the kind and gap tables (default 8)")
-    p.add_argument("--json", action="store_true", help="print JSON for programs instead of tables")
+@dataclass(frozen=True, kw_only=True)
+class ReplayOptions:
+    """What `tinypipe replay` was asked (`cli.edge` reads the command line into it): the run's trace, and the
+    settings that replace the trace's record of the run (None: the record's)."""
+
+    trace: str  # Chrome trace (`tinypipe run --trace`) or timeline JSON of a run
+    model: str | None = None
+    hardware: str | None = None
+    policy: str | None = None
+    seq_len: int | None = None
+    batch_tokens: int | None = None
+    microbatches: int | None = None
+    gpu_mem_bytes: int | None = None  # the GPU memory the run was planned for
+    iterations: int | None = None
+    schedule: str | None = None  # the schedule's text form the run executed (None: recompiled)
+    warmup: int = 1  # iterations left out of the steady state
+    window: int = 0  # which of the run's whole windows: 0 the first, 1 the next, -1 the last
+    top: int = 8  # rows of the kind and gap tables
+    json: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,21 +72,21 @@ class Setup:
     schedule: Schedule | None = None  # what the run executed, when given (`--schedule`); else recompiled
 
 
-def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
+def settle(trace: RunTrace, ask: ReplayOptions) -> Setup:
     """The run's settings: the command line's, else the trace's record; a missing one is an InputError."""
     run, meta, where = trace.run, trace.meta, trace.where
     for flag in ("seq_len", "batch_tokens", "microbatches", "iterations"):
-        v = getattr(args, flag)
+        v = getattr(ask, flag)
         if v is not None and v < 1:
             raise InputError(f"--{flag.replace('_', '-')}: must be >= 1, got {v}")
-    if args.warmup < 0:
-        raise InputError(f"--warmup: must be >= 0, got {args.warmup}")
+    if ask.warmup < 0:
+        raise InputError(f"--warmup: must be >= 0, got {ask.warmup}")
 
     def missing(flag: str, what: str) -> InputError:
         return InputError(f"{where}: the trace does not record {what}; give {flag}")
 
-    if args.model:
-        model = load_model(args.model)
+    if ask.model:
+        model = load_model(ask.model)
     elif isinstance(run.get("model_config"), dict):
         model = from_hf_config(run["model_config"], name=str(run.get("model_name", "model")),
                                where=f"{where}: otherData.run.model_config")
@@ -95,8 +94,8 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
         model = load_model(run.get("model") or meta["model"])
     else:
         raise missing("--model", "its model")
-    if args.hardware:
-        hardware = load_hardware(args.hardware)
+    if ask.hardware:
+        hardware = load_hardware(ask.hardware)
     elif isinstance(run.get("hardware"), dict):
         hardware = Hardware.from_json(run["hardware"], where=f"{where}: otherData.run.hardware")
     elif isinstance(meta.get("hardware"), str):  # a timeline's meta names its preset
@@ -106,25 +105,25 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
     if len(hardware.gpus) != trace.gpus:
         raise InputError(f"hardware {hardware.name!r} has {len(hardware.gpus)} GPU(s) but the run used {trace.gpus}; "
                          "give --hardware describing the run's GPUs")
-    if args.policy:
-        policy = load_policy(args.policy)
+    if ask.policy:
+        policy = load_policy(ask.policy)
     elif isinstance(run.get("policy"), dict):
         policy = Policy.from_json(run["policy"], where=f"{where}: otherData.run.policy")
     else:
         raise missing("--policy FILE", "its policy")
-    seq_len = args.seq_len or run.get("seq_len")
+    seq_len = ask.seq_len or run.get("seq_len")
     if not isinstance(seq_len, int):
         raise missing("--seq-len", "its sequence length")
-    if args.batch_tokens and args.microbatches:
+    if ask.batch_tokens and ask.microbatches:
         raise InputError("--batch-tokens and --microbatches: give one")
-    if args.batch_tokens:
+    if ask.batch_tokens:
         per_mb = policy.microbatch_size * seq_len
-        if args.batch_tokens % per_mb:
-            raise InputError(f"--batch-tokens {args.batch_tokens}: not a multiple of the microbatch "
+        if ask.batch_tokens % per_mb:
+            raise InputError(f"--batch-tokens {ask.batch_tokens}: not a multiple of the microbatch "
                              f"({policy.microbatch_size} sequences x {seq_len} tokens = {per_mb})")
-        policy = policy.replace(microbatches=args.batch_tokens // per_mb)
-    elif args.microbatches:
-        policy = policy.replace(microbatches=args.microbatches)
+        policy = policy.replace(microbatches=ask.batch_tokens // per_mb)
+    elif ask.microbatches:
+        policy = policy.replace(microbatches=ask.microbatches)
     # `tinypipe run`'s compute dtype: recorded, else its default (backends/launch/prepare.py: bf16 on cuda, fp32 on cpu)
     dtype = str(run.get("dtype") or ("fp32" if trace.source == "cpu" else "bf16"))
     if isinstance(run.get("profile"), dict):  # the trace the run was planned with (`run --profile`, or shipped)
@@ -132,9 +131,9 @@ def settle(trace: RunTrace, args: argparse.Namespace) -> Setup:
     else:
         profile = trace_for(model, hardware.gpus[0], policy.microbatch_size, seq_len, dtype,
                             lora=lora_text(policy.lora))
-    iterations = args.iterations or run.get("iterations") or min(WINDOW_ITERATIONS, trace.steps)
-    gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else run.get("gpu_mem_bytes")
-    schedule = _read_schedule(args.schedule, trace.gpus) if args.schedule else None
+    iterations = ask.iterations or run.get("iterations") or min(WINDOW_ITERATIONS, trace.steps)
+    gpu_mem = ask.gpu_mem_bytes or run.get("gpu_mem_bytes")
+    schedule = _read_schedule(ask.schedule, trace.gpus) if ask.schedule else None
     return Setup(model, hardware, policy, profile, int(iterations), gpu_mem, schedule)
 
 
@@ -199,14 +198,14 @@ def issue_busy(trace: RunTrace, window: Sequence[Record], first_id: int, warmup:
     return {d: issue_s_per_iteration(s, iteration_of, steady) for d, s in sorted(trace.issue_by_device().items())}
 
 
-def replay_main(args: argparse.Namespace, *, simulate: Simulate) -> int:
+def replay_main(ask: ReplayOptions, *, simulate: Simulate) -> int:
     """The `tinypipe replay` command: the report as tables, or JSON with --json."""
-    if args.top < 1:
-        raise InputError(f"--top: must be >= 1, got {args.top}")
-    trace = load_run_trace(args.trace)
-    report = replay(trace, settle(trace, args), simulate=simulate, warmup=args.warmup, which=args.window)
-    if args.json:
+    if ask.top < 1:
+        raise InputError(f"--top: must be >= 1, got {ask.top}")
+    trace = load_run_trace(ask.trace)
+    report = replay(trace, settle(trace, ask), simulate=simulate, warmup=ask.warmup, which=ask.window)
+    if ask.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        print(report.table(top=args.top))
+        print(report.table(top=ask.top))
     return 0

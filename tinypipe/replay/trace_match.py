@@ -124,19 +124,19 @@ def load_run_trace(path: str | Path) -> RunTrace:
     for n, e in enumerate(events):
         if not isinstance(e, dict) or e.get("ph") != "X":
             continue
-        args = e.get("args") or {}
+        fields = e.get("args") or {}  # the event's own `args`
         try:
             res = threads[(e.get("pid"), e.get("tid"))]
             t0, t1 = float(e["ts"]) / 1e6, (float(e["ts"]) + float(e["dur"])) / 1e6
             if e.get("cat") == ISSUE_CAT:  # not an action: the main thread's issue of one (`gN.issue`)
-                issue.append((res.partition(".")[0], int(args["id"]), t0, t1))
+                issue.append((res.partition(".")[0], int(fields["id"]), t0, t1))
                 continue
             if e.get("cat") == HOST_CAT:  # nor the rank's host between actions (`gN.host`)
                 continue
-            layer, mb = args.get("layer"), args.get("microbatch")
-            records.append(Record(int(args["id"]), res, str(e["cat"]), str(e.get("name", "")),
+            layer, mb = fields.get("layer"), fields.get("microbatch")
+            records.append(Record(int(fields["id"]), res, str(e["cat"]), str(e.get("name", "")),
                                   None if layer is None else int(layer), None if mb is None else int(mb),
-                                  int(args["iteration"]), t0, t1))
+                                  int(fields["iteration"]), t0, t1))
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"{where}: traceEvents[{n}] ({e.get('name')!r}): missing or bad {exc}; expected a "
                              "tinypipe run's event (a thread_name for its pid/tid, cat, ts, dur, args.id, "

@@ -32,7 +32,7 @@ from tinypipe.describe.thismachine import limit_for_peak
 from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.estimate.gpumem import least_peak_bytes
 from tinypipe.estimate.hostmem import host_bytes, optimizer_steps_s
-from tinypipe.estimate.lora_costs import frozen_host_bytes, trace_for_policy
+from tinypipe.estimate.lora_costs import base_load_bytes, frozen_host_bytes, trace_for_policy
 from tinypipe.estimate.plan import base_plan
 from tinypipe.ir.schedule import recomputes
 from tinypipe.policy import Policy
@@ -130,7 +130,9 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     compute *= p.microbatches / len(hw.gpus)
     links = sum(hw.route(HOST, g.name).bottleneck_gbps for g in hw.gpus)
     up_gbps = min(links, hw.host.dma_gbps) * 1e9
-    uploads = 0.0 if p.resident == ResidentMode.ALL else 2 * sum(x.param_bytes(w.dtype) for x in model.layers) / up_gbps
+    carried = sum(x.param_bytes(w.dtype) if p.lora is None else base_load_bytes(x, p.lora, w.dtype)
+                  for x in model.layers)
+    uploads = 0.0 if p.resident == ResidentMode.ALL else 2 * carried / up_gbps
     steps = (optimizer_steps_s(model, p.host_memory, hw.host, trace, optimizer=p.optimizer, least=True,
                                optimizer_state=p.optimizer_state)
              if p.lora is None else (0.0,))
@@ -138,7 +140,7 @@ def lower_bound(w: SearchTarget, p: Policy) -> tuple[float, str]:
     why = ""
     hb = (host_bytes(model, p.host_memory, compute_dtype=w.dtype, optimizer=p.optimizer,
                      optimizer_state=p.optimizer_state) if p.lora is None
-          else frozen_host_bytes(model, compute_dtype=w.dtype)).total_bytes
+          else frozen_host_bytes(model, compute_dtype=w.dtype, nf4=p.lora.nf4)).total_bytes
     if hb > w.host_limit:
         why = (f"host memory: needs at least {hb:,} bytes for the {p.host_memory} host_memory, limit {w.host_limit:,} "
                "(the host memory less its margin)")
@@ -291,7 +293,7 @@ def describe(p: Policy) -> str:
         pk = f"uniform {p.pack_size}"
     return (f"{pk}, {p.mapping}, swap {p.swap} d{p.prefetch_depth}, resident {p.resident}, "
             f"{p.microbatches}x{p.microbatch_size} mb, {'recompute' if p.recompute else 'keep acts'}"
-            f"{', acts on host' if p.activation_home == 'host' else ''}, {p.host_memory}, {p.optimizer}"
+            f"{', acts on host' if p.activation_home.on_host else ''}, {p.host_memory}, {p.optimizer}"
             f"{'' if p.optimizer_state.exact else f', {p.optimizer_state} state'}")
 
 
@@ -306,11 +308,14 @@ def advise(w: SearchTarget, ranked: list[Evaluation]) -> list[str]:
     lora = ranked[0].policy.lora if ranked else None
     compact = host_bytes(w.model, HostMemory.COMPACT, optimizer_state=state).total_bytes
     replicated = host_bytes(w.model, HostMemory.REPLICATED).total_bytes
-    frozen = frozen_host_bytes(w.model, compute_dtype=w.dtype).total_bytes
+    nf4 = lora is not None and lora.nf4
+    frozen = frozen_host_bytes(w.model, compute_dtype=w.dtype, nf4=nf4).total_bytes
     if lora is not None and frozen > w.host_limit:
-        lines.append(f"host memory falls short: the frozen base needs {gib(frozen)} (one {w.dtype} copy), the limit "
-                     f"is {gib(w.host_limit)} ({gib(w.host_memory)} less its margin); add at least "
-                     f"{gib(limit_for_peak(frozen) - w.host_memory)} of host DRAM")
+        in4 = frozen_host_bytes(w.model, compute_dtype=w.dtype, nf4=True).total_bytes
+        lines.append(f"host memory falls short: the frozen base needs {gib(frozen)} (one {'NF4' if nf4 else w.dtype} "
+                     f"copy), the limit is {gib(w.host_limit)} ({gib(w.host_memory)} less its margin); add at least "
+                     f"{gib(limit_for_peak(frozen) - w.host_memory)} of host DRAM"
+                     + (f", or hold the base in 4 bits ({gib(in4)}: --load-in-4bit)" if not nf4 else ""))
     elif lora is not None and host_short:
         closest = min((e for e in ranked if e.host_short_bytes > 0), key=lambda e: (e.host_short_bytes, e.key()))
         lines.append(f"host memory falls short by {gib(closest.host_short_bytes)} in the closest candidate "

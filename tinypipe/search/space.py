@@ -9,8 +9,9 @@ from typing import Any
 
 from tinypipe.describe.hardware import Hardware
 from tinypipe.describe.model import ModelSpec
-from tinypipe.describe.thismachine import usable_host_bytes
+from tinypipe.describe.target import Target
 from tinypipe.describe.trace import ProfileTrace
+from tinypipe.describe.workload import Workload
 from tinypipe.policy import Policy
 from tinypipe.policy.lora_spec import LoraSpec
 from tinypipe.policy.modes import (
@@ -29,31 +30,48 @@ from tinypipe.search.prefer import BAND, Prefer
 
 @dataclass(frozen=True)
 class SearchTarget:
-    """What is being searched for: a model on a server, with a global batch and optional tighter limits."""
+    """What is being searched for: a workload (with its global batch) on a target (hardware and its limits), the
+    records the CLI builds; the properties read through to them."""
 
-    model: ModelSpec
-    hardware: Hardware
-    seq_len: int
-    batch_sequences: int  # sequences per optimizer step (global batch)
-    gpu_mem_bytes: int | None = None
-    host_mem_bytes: int | None = None
-    profiles: tuple[ProfileTrace, ...] = ()  # measured traces (`--profile`), used before the shipped ones
-    dtype: str = "bf16"  # compute dtype (a trace must match it)
+    workload: Workload
+    target: Target
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.workload.model
+
+    @property
+    def hardware(self) -> Hardware:
+        return self.target.hardware
+
+    @property
+    def seq_len(self) -> int:
+        return self.workload.seq_len
+
+    @property
+    def batch_sequences(self) -> int:
+        """Sequences per optimizer step (the global batch)."""
+        return self.workload.batch_sequences
+
+    @property
+    def profiles(self) -> tuple[ProfileTrace, ...]:
+        return self.workload.profiles
+
+    @property
+    def dtype(self) -> str:
+        return self.workload.dtype
 
     @property
     def gpu_limit(self) -> int:
-        return self.gpu_mem_bytes or min(g.memory_bytes for g in self.hardware.gpus)
+        return self.target.gpu_limit
 
     @property
     def host_memory(self) -> int:
-        """The host memory searched for: `host_mem_bytes`, else the hardware's."""
-        return self.host_mem_bytes or self.hardware.host.memory_bytes
+        return self.target.host_memory
 
     @property
     def host_limit(self) -> int:
-        """The most a candidate's predicted host peak may take: the host memory less the margin `run` keeps from
-        it (`describe.thismachine.usable_host_bytes`)."""
-        return usable_host_bytes(self.host_memory)
+        return self.target.host_limit
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,8 @@ def test_tinypipe_search_and_run_get_its_lora_options_which_its_own_parsers_read
     from peers.peer_tinypipe import _run_args, _search_args
     from tinypipe.backends.options.run_flags import add_run_arguments
     from tinypipe.cli import build_parser
-    from tinypipe.policy.lora_spec import ROLES, LoraSpec, lora_from_args
+    from tinypipe.cli.edge import lora_of
+    from tinypipe.policy.lora_spec import ROLES, LoraSpec
 
     args = peer_parser("test").parse_args(["--config", "/m", "--result", "r", "--gpu-mem-gib", "24", *LORA])
     work = workload_of(args)
@@ -126,10 +127,10 @@ def test_tinypipe_search_and_run_get_its_lora_options_which_its_own_parsers_read
     assert search[search.index("--lora"):search.index("--lora") + 8] == TINYPIPE_LORA
     assert run[run.index("--lora"):run.index("--lora") + 8] == TINYPIPE_LORA
     want = LoraSpec(rank=16, alpha=32.0, dropout=0.0, targets=ROLES)
-    assert lora_from_args(build_parser().parse_args(["search", *search])) == want
+    assert lora_of(build_parser().parse_args(["search", *search])) == want
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
-    assert lora_from_args(parser.parse_args(run)) == want
+    assert lora_of(parser.parse_args(run)) == want
     full = peer_parser("test").parse_args(["--config", "/m", "--result", "r"])
     assert not [a for a in (*_search_args(full, workload_of(full), "h200x1", 1, Path("s")),
                             *_run_args(full, workload_of(full), "cuda", "p", Path("o"))) if a.startswith("--lora")]
