@@ -67,6 +67,16 @@ CASES: dict[str, tuple[int, str]] = {
     "1gpu-lora": (1, "h200x1-24g-lora16.json"),
     "1gpu-lora-lean": (1, "h200x1-24g-lora16-lean.json"),
     "1gpu-lora-preset": (1, "tinypipe"),  # Qwen3-32B shapes, the whole GPU (simulated: 2,382 tokens/s, 107 GiB)
+    # Llama-3.1-70B on a 4-bit base (`--extra --lora 16 --lora-alpha 32 --lora-targets all --load-in-4bit`,
+    # `--batch-tokens 16384`; bench/device/lora4_h200.sh): the winner of `tinypipe search --model llama-3.1-70b
+    # --hardware h200x1 --gpu-mem 24GiB --batch-tokens 16384 --lora 16 --lora-alpha 32 --lora-targets all
+    # --load-in-4bit` (simulated with the analytic trace: 1,195 tokens/s, 14.5 GiB GPU, 59.8 GiB host)
+    "1gpu-lora-70b-4bit": (1, "h200x1-24g-lora16-70b-4bit.json"),
+    # Qwen3-30B-A3B (mixture of experts) with `--extra --lora 16 --lora-alpha 32 --lora-targets all`,
+    # `--batch-tokens 16384`: the winner of `tinypipe search --model qwen3-30b-a3b --hardware h200x1 --gpu-mem 24GiB
+    # --batch-tokens 16384 --lora 16 --lora-alpha 32 --lora-targets all` (simulated with the analytic trace: 7,293
+    # tokens/s, 21.1 GiB GPU, 56.9 GiB host)
+    "1gpu-lora-30b-a3b": (1, "h200x1-24g-lora16-30b-a3b.json"),
 }
 
 
@@ -76,7 +86,7 @@ def _policy_arg(spec: str) -> str:
 
 
 def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extra: list[str], model: str = MODEL,
-             label: str = "") -> dict[str, Any]:
+             label: str = "", batch_tokens: int = BATCH_TOKENS) -> dict[str, Any]:
     """Run one case; the JSON record of what it measured and predicted."""
     import torch
 
@@ -85,6 +95,7 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     from tinypipe.backends.launch.runtrace import save_trace, timeline
     from tinypipe.backends.launch.spawn import launch
     from tinypipe.backends.options.run_flags import add_run_arguments
+    from tinypipe.cli.edge import run_options
     from tinypipe.estimate.floor import schedule_floor
 
     gpus, policy = CASES[name]
@@ -92,11 +103,11 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     add_run_arguments(parser)
     out = tempfile.mkdtemp(prefix=f"tp-{name}-")
     argv = ["--backend", "cuda", "--gpus", str(gpus), "--model", model, "--seq-len", str(SEQ),
-            "--batch-tokens", str(BATCH_TOKENS), "--steps", str(steps), "--policy", _policy_arg(policy),
+            "--batch-tokens", str(batch_tokens), "--steps", str(steps), "--policy", _policy_arg(policy),
             "--gpu-mem", gpu_mem, "--out", out, "--checkpoint-minutes", "0", *extra]
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    plan = make_run_plan(args)
+    plan = make_run_plan(run_options(args))
     job = dataclasses.replace(plan.job, save_model=False)
     results = launch(job, plan.world)
     assert results is not None
@@ -111,14 +122,14 @@ def run_case(name: str, *, steps: int, gpu_mem: str, trace_dir: str | None, extr
     sim = plan.prediction
     params = plan.spec.params
     held = sum(r.held["total_bytes"] for r in results)
-    tps = BATCH_TOKENS / iteration_s if iteration_s > 0 else 0.0
-    floor_tps = BATCH_TOKENS / floor.iteration_s
+    tps = batch_tokens / iteration_s if iteration_s > 0 else 0.0
+    floor_tps = batch_tokens / floor.iteration_s
     busy = _busy_by_resource(tl)
     return {
         "case": name + label, "model": model, "gpus": gpus, "gpu_mem_cap_gib": _gib_arg(gpu_mem),
         "policy": plan.policy.to_json(),
         "optimizer": plan.policy.optimizer, "host_memory": plan.policy.host_memory,
-        "run_options": extra, "tokens_per_step": BATCH_TOKENS, "steps": steps, "warmup_iterations": WARMUP,
+        "run_options": extra, "tokens_per_step": batch_tokens, "steps": steps, "warmup_iterations": WARMUP,
         "iteration_s_each": each, "iteration_s": iteration_s, "tokens_per_s": tps,
         "peak_gpu_bytes": max(r.peak_device_bytes for r in results),
         "peak_gpu_bytes_per_rank": [r.peak_device_bytes for r in sorted(results, key=lambda r: r.rank)],
@@ -184,6 +195,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_h200.jsonl"))
     ap.add_argument("--model", default=MODEL, help=f"shipped model (default {MODEL})")
     ap.add_argument("--label", default="", help="appended to each case's name in the record and the trace file")
+    ap.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help=f"tokens per step (default {BATCH_TOKENS})")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `tinypipe run` options")
     a = ap.parse_args()
     rows = []
@@ -193,7 +205,7 @@ def main() -> int:
             continue
         try:
             row = run_case(name, steps=a.steps, gpu_mem=a.gpu_mem, trace_dir=a.trace_dir, extra=a.extra,
-                           model=a.model, label=a.label)
+                           model=a.model, label=a.label, batch_tokens=a.batch_tokens)
         except Exception as exc:  # noqa: BLE001 - a failed case is a result too
             row = {"case": name + a.label, "model": a.model, "run_options": a.extra, "gpus": CASES[name][0],
                    "error": f"{type(exc).__name__}: {exc}",
