@@ -43,7 +43,9 @@ def _add_job(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     flags.add_backend(p, "cpu: worker processes stand in for GPUs (gloo); cuda: one process per GPU (NCCL) "
                          f"(default {d['backend']})")
-    p.add_argument("--gpus", type=int, default=None, help=f"devices = worker processes (default {d['gpus']})")
+    p.add_argument("--gpus", type=int, default=None,
+                   help=f"devices = worker processes (default: every visible GPU with --backend cuda, {d['gpus']} "
+                        "on the cpu)")
     flags.add_model(p, "shipped model name, config.json, a local model directory with safetensors, or a Hugging "
                        "Face Hub id (org/name: from its cache, downloaded unless HF_HUB_OFFLINE) (default "
                        f"{d['model']})")

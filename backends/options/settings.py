@@ -95,6 +95,8 @@ def settle(given: Mapping[str, Any] | RunOptions) -> RunOptions:
         for dest in RECORDED:
             if asked.get(dest) is None:
                 out[dest] = _default(dest, DEFAULTS)
+        if asked.get("gpus") is None and asked.get("backend") == "cuda":
+            out["gpus"] = _visible_cuda_devices() or DEFAULTS["gpus"]  # none visible: cuda_hardware says so
         if out["epochs"] is not None:
             if out["data"] is None:
                 raise InputError("--epochs: give --data (the embedded addition task has no end); or use --steps")
@@ -138,6 +140,12 @@ def _resumed(asked: dict[str, Any], out: dict[str, Any]) -> None:
         raise InputError(f"--steps {out['steps']}: the checkpoint in {where} is already at step {done}; give "
                          f"--steps {done} to save its model, or more to train further")
     # out["steps"] == done: nothing to train; the workers load the checkpoint and save the model
+
+
+def _visible_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _default(dest: str, defaults: dict[str, Any]) -> Any:

@@ -327,6 +327,18 @@ def _corrupt_checkpoint(out: Path) -> str:
     return str(out)
 
 
+def test_cuda_runs_default_to_every_visible_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --gpus, a CUDA run takes every GPU torch sees (a 1-GPU box is not asked for 2); the CPU keeps 2."""
+    from tinypipe.backends.options.settings import settle
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = settle(vars(parse("--backend", "cuda", "--out", str(tmp_path / "a"))))
+    cpu = settle(vars(parse("--out", str(tmp_path / "b"))))
+    given = settle(vars(parse("--backend", "cuda", "--gpus", "3", "--out", str(tmp_path / "c"))))
+    assert (cuda.gpus, cpu.gpus, given.gpus) == (1, 2, 3)
+
+
 def test_resume_continues_the_recorded_run(tmp_path: Path) -> None:
     """`--resume --out DIR` alone takes every setting from the checkpoint's record, the target steps
     included; a new run's defaults checkpoint every 10 minutes of training."""

@@ -101,7 +101,7 @@ def swap_pass(plan: Plan, ops: list[Op]) -> list[Op]:
         window: list[_Seg] = []
         for seg in segs[g]:
             lay = seg.layer
-            nb = plan.load_bytes[lay]  # what the copy carries (its allocation is w.L, `MemoryPass`)
+            nb = plan.load_bytes[lay]  # what the copy carries (its allocation is w.L, `memory_pass`)
             ld = seg.load = Op(LOAD, g, lay, plan.pack_of[lay], None, seg.first.it, nbytes=nb)
             ev = seg.evict = Op(EVICT, g, lay, plan.pack_of[lay], None, seg.last.it)
             if layer_mode:
