@@ -16,7 +16,7 @@ from tinypipe import traces as shipped
 from tinypipe.common.errors import InputError
 from tinypipe.describe.hardware import Hardware, Route, load_hardware, shipped_hardware
 
-PRESETS = ["h200x1", "h200x2", "rtx3090x4-pcie3", "rtx3090x8-pcie3", "rtx4090x1", "rtx4090x8-pcie4"]
+PRESETS = ["h100x1", "h200x1", "h200x2", "rtx3090x4-pcie3", "rtx3090x8-pcie3", "rtx4090x1", "rtx4090x8-pcie4"]
 
 
 def _preset_json(name: str) -> Any:

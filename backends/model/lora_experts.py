@@ -6,8 +6,14 @@ transformers keeps a MoE MLP's experts as two 3-D weights, `gate_up_proj` [E, 2 
 innermost), each holding `lora_A.default` [r E, in] and `lora_B.default` [out, r E]. Expert e's weight becomes
 W_e + (alpha / r) B_e A_e, with A_e the rows e r .. e r + r - 1 of A and B_e the columns e, E + e, ... of B:
 peft's `get_delta_factors` and its `baddbmm` over the experts, in the weight's dtype. peft refuses dropout here.
-The experts module then computes with that weight (through `functional_call`), so routing, the expert loop and
-its kernels stay transformers' own.
+
+peft hands the experts module that adapted weight (`functional_call`): every forward writes a new copy of all E
+experts' weights, and the backward a gradient of that size, for every expert whether or not a token routed to it.
+For transformers' gated experts (`lowrank_ok`: Qwen3-MoE, Mixtral), the outermost wrapper computes instead what
+that weight computes, row by row, without making it: the tokens sorted by expert, x W_e^T + scaling (x A_e^T) B_e^T
+per expert group (`torch.nn.functional.grouped_mm` on a GPU, a loop over the experts elsewhere), the gate, the
+down projection the same way, the routing weights, the rows back in token order and summed over the top k, as
+transformers' `grouped_mm` experts do. Other experts modules get peft's path.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .lora_linear import ADAPTER
@@ -51,9 +58,79 @@ class LoraParam(nn.Module):
         b = b_weight.to(base.dtype).reshape(-1, self.rank, self.num_experts).permute(2, 0, 1)  # (E, out, r)
         return torch.baddbmm(base, b, a, alpha=self.scaling)
 
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A as [E, r, in], B as [E, out, r]) in `dtype`: expert e's low-rank factors."""
+        a_weight, b_weight = cast(nn.Linear, self.lora_A[ADAPTER]).weight, cast(nn.Linear, self.lora_B[ADAPTER]).weight
+        a = a_weight.to(dtype).reshape(self.num_experts, self.rank, -1)
+        b = b_weight.to(dtype).reshape(-1, self.rank, self.num_experts).permute(2, 0, 1)
+        return a, b
+
+    def chain(self) -> dict[str, LoraParam]:
+        """The wrappers around one experts module, by the name of the weight each adapts (this one outermost)."""
+        out: dict[str, LoraParam] = {}
+        module: nn.Module = self
+        while isinstance(module, LoraParam):
+            out[module.parameter_name] = module
+            module = module.base_layer
+        return out
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _, path = self._target()
+        experts, path = self._target()
+        if lowrank_ok(experts, self.chain()):
+            return lowrank_experts(experts, self.chain(), *args, **kwargs)
         return torch.func.functional_call(self.base_layer, {path: self.weight()}, args, kwargs, strict=False)
+
+
+LOWRANK_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def lowrank_ok(experts: nn.Module, chain: dict[str, LoraParam]) -> bool:
+    """Whether `lowrank_experts` computes what `experts` computes: transformers' gated experts, weights [E, out,
+    in] (not transposed), gate and up concatenated, no bias, no norm after the experts, and only their two
+    weights adapted."""
+    weights = [getattr(experts, n, None) for n in LOWRANK_WEIGHTS]
+    return (all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights) and set(chain) <= set(LOWRANK_WEIGHTS)
+            and getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
+            and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
+            and not getattr(experts, "has_post_expert_norm", True) and callable(getattr(experts, "_apply_gate", None)))
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """x [S, in] sorted by expert, times weight [E, out, in] transposed per expert group -> [S, out]. `offsets`:
+    the groups' ends (int32, for the GPU's grouped GEMM); `counts`: their sizes (for the loop elsewhere)."""
+    if counts is None:
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    parts = [chunk @ weight[e].t() for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+def lowrank_experts(experts: nn.Module, chain: dict[str, LoraParam], hidden_states: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The adapted experts' output [tokens, hidden] for the routing `top_k_index`/`top_k_weights` [tokens, k]."""
+    count: int = experts.num_experts  # type: ignore[assignment]
+    top_k = top_k_index.shape[-1]
+    ids = top_k_index.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    sizes = torch.bincount(ids, minlength=count)
+    offsets = torch.cumsum(sizes, dim=0, dtype=torch.int32)
+    grouped = hidden_states.is_cuda and hasattr(F, "grouped_mm")
+    counts = None if grouped else sizes.tolist()
+
+    def project(x: torch.Tensor, name: str) -> torch.Tensor:
+        y = _grouped(x, getattr(experts, name), offsets, counts)
+        wrapper = chain.get(name)
+        if wrapper is None:
+            return y
+        a, b = wrapper.factors(x.dtype)
+        low = _grouped(_grouped(x, a, offsets, counts), b.contiguous(), offsets, counts)
+        return y + wrapper.scaling * low
+
+    rows = hidden_states[order // top_k]
+    out = project(experts._apply_gate(project(rows, "gate_up_proj")), "down_proj")  # type: ignore[operator]
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    summed = out[back].view(-1, top_k, out.shape[-1]).sum(dim=1)
+    return summed.to(hidden_states.dtype)
 
 
 def expert_modules(module: nn.Module) -> list[tuple[nn.Module, str]]:

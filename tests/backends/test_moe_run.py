@@ -172,3 +172,45 @@ def test_lora_on_experts_refuses_what_peft_refuses(tmp_path: Path, argv: tuple[s
     starts (peft raises for both)."""
     with pytest.raises(InputError, match=words):
         pipeline(tmp_path, "tiny-mixtral", "--lora", str(RANK), *argv, recompute=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_expert_lora_computes_what_the_adapted_weight_computes(family: str) -> None:
+    """The outermost expert wrapper's grouped low-rank forward (no adapted weight made) gives peft's adapted-weight
+    output and gradients, to fp32 rounding, on a MoE block of each family."""
+    from tinypipe.backends.model import lora_experts
+
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Moe
+
+        config: Any = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    else:
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Moe
+
+        config = MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    block = Moe(config)
+    lora_experts.inject_expert_lora(block, {"gate_up_proj": 2, "down_proj": 1}, rank=RANK, alpha=ALPHA)
+    wrapper = block.experts
+    for name, p in block.named_parameters():
+        torch.nn.init.normal_(p, std=0.1)
+        p.requires_grad_("lora_" in name)
+    assert lora_experts.lowrank_ok(wrapper._target()[0], wrapper.chain())
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    trained = [x, *(p for p in block.parameters() if p.requires_grad)]
+
+    def output_and_grads() -> list[Any]:
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return [out, *torch.autograd.grad(out.square().sum(), trained)]
+
+    grouped = output_and_grads()
+    experts, path = wrapper._target()
+    wrapper.forward = lambda *a, **k: torch.func.functional_call(  # type: ignore[method-assign]
+        wrapper.base_layer, {path: wrapper.weight()}, a, k, strict=False)
+    adapted = output_and_grads()
+    for a, b in zip(grouped, adapted, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
