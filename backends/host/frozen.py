@@ -218,7 +218,7 @@ def frozen_host_state(stack: LayerStack, lora: LoraSpec, layers: list[int], *, d
     block linears as NF4, quantised on `device` when it is a GPU)."""
     base = stack.state()  # before injection: the base's own names
     linears = {i: linear_weights(stack, i) for i in layers}
-    renames, initial = inject(stack, lora, layers, seed=seed)
+    renames, initial = inject(stack, lora, layers, seed=seed, device=device)
     names = {i: {n: peft_name(stack, i, n) for n in own} for i, own in initial.items()}
     adapters = Adapters(initial, device, optim, names)
     if adapter_state is not None:
