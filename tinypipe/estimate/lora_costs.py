@@ -60,8 +60,9 @@ def adapter_params(layer: LayerSpec, lora: LoraSpec) -> int:
 
 def adapter_flops_per_token(layer: LayerSpec, lora: LoraSpec) -> float:
     """Forward FLOPs a token of the layer's adapters: 2 r (in + out) per wrapped linear, of a MoE MLP's experts
-    those a token routes to. (peft instead adds B A into every expert's weight once per call, 2 E r in out
-    FLOPs: Qwen3-30B-A3B's gate/up at r 16, 13 GFLOP, a twelfth of its experts' own forward over 2,048 tokens.)"""
+    those a token routes to, as `run` computes them (backends/model/lora_experts.py). (peft instead adds B A into
+    every expert's weight once per call, 2 E r in out FLOPs and a new copy of every expert's weight: Qwen3-30B-A3B's
+    gate/up at r 16, 13 GFLOP and 0.8 GB, a twelfth of its experts' own forward over 2,048 tokens.)"""
     return float(sum(2 * n * lora.rank * (i + o) for i, o, n in _wrapped(layer, lora,
                                                                         per_expert=layer.experts_per_token)))
 
