@@ -21,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from _common import machine, write_json
-from tinypipe.sim import simulate
 
 from tinypipe.common.table import render
 from tinypipe.compiler import compile_schedule, make_plan
@@ -31,6 +30,7 @@ from tinypipe.describe.trace import trace_for
 from tinypipe.estimate.calibration import CostModel
 from tinypipe.estimate.cost import estimate
 from tinypipe.policy import PRESETS
+from tinypipe.sim import simulate
 
 MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b")
 HARDWARE = ("h200x2", "rtx3090x4-pcie3", "rtx3090x8-pcie3", "rtx4090x8-pcie4")

@@ -29,13 +29,12 @@ STEPS = 200
 
 
 def predicted() -> dict[str, dict[str, float]]:
-    from tinypipe.sim import simulate
-
     from tinypipe.compiler import compile_schedule
     from tinypipe.describe.hardware import load_hardware
     from tinypipe.describe.hfconfig import load_model
     from tinypipe.describe.trace import trace_for
     from tinypipe.policy import PRESETS
+    from tinypipe.sim import simulate
 
     model, hw = load_model("llama-3.1-8b"), load_hardware("h200x2")
     out = {}

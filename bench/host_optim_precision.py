@@ -35,10 +35,9 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after the installed tinypipe: `bench` only
 
-from tinypipe.backends.host import fused_host_adamw, moments, planes  # noqa: E402
-
 from bench._common import machine, write_json  # noqa: E402
 from bench.device.hostbw import copy_gbps, mem_gbps  # noqa: E402
+from tinypipe.backends.host import fused_host_adamw, moments, planes  # noqa: E402
 from tinypipe.estimate.hostmem import QUANT_BLOCK_ELEMS, step_bytes_per_param  # noqa: E402
 from tinypipe.policy.modes import OptimizerState  # noqa: E402
 

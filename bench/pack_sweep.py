@@ -13,7 +13,6 @@ import argparse
 import time
 
 from _common import RESULTS, write_json
-from tinypipe.sim import simulate
 
 from tinypipe.common.table import gib, render
 from tinypipe.common.units import GIB
@@ -22,6 +21,7 @@ from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.trace import trace_for
 from tinypipe.policy import PRESETS
+from tinypipe.sim import simulate
 
 
 def main() -> None:

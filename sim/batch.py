@@ -14,9 +14,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from tinypipe.sim.guard import alternatives, beats, compile_and_simulate, simulate_policy
-from tinypipe.sim.result import SimResult
-
 from tinypipe.common.errors import TinypipeError
 from tinypipe.describe.hardware import Hardware
 from tinypipe.describe.model import ModelSpec
@@ -24,6 +21,8 @@ from tinypipe.describe.trace import ProfileTrace
 from tinypipe.ir.schedule import Schedule
 from tinypipe.ir.timeline import Timeline
 from tinypipe.policy import Policy
+from tinypipe.sim.guard import alternatives, beats, compile_and_simulate, simulate_policy
+from tinypipe.sim.result import SimResult
 
 Outcome = tuple[tuple[int, ...], SimResult]  # the layers of each pack, and the simulation
 

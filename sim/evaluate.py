@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinypipe.sim.guard import simulate_policy
-
 from tinypipe.common.errors import TinypipeError
 from tinypipe.describe.hardware import HOST, Hardware
 from tinypipe.describe.model import ModelSpec
@@ -13,6 +11,7 @@ from tinypipe.describe.trace import ProfileTrace, trace_for
 from tinypipe.policy import Policy
 from tinypipe.policy.lora_spec import lora_text
 from tinypipe.search.policy_search import Evaluation
+from tinypipe.sim.guard import simulate_policy
 
 
 @dataclass(frozen=True)

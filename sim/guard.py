@@ -22,9 +22,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tinypipe.sim.engine import simulate, slow_host_memory
-from tinypipe.sim.result import SimResult
-
 from tinypipe.common.errors import TinypipeError
 from tinypipe.compiler import compile_schedule
 from tinypipe.describe.hardware import HOST, Hardware
@@ -34,6 +31,8 @@ from tinypipe.ir.kinds import Kind
 from tinypipe.ir.schedule import Schedule
 from tinypipe.partition.mobius import same_count_uniform
 from tinypipe.policy import Policy
+from tinypipe.sim.engine import simulate, slow_host_memory
+from tinypipe.sim.result import SimResult
 
 
 def simulate_policy(policy: Policy, model: ModelSpec, hardware: Hardware, trace: ProfileTrace, *,

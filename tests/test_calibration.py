@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import tinypipe.traces as shipped
-
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.trace import trace_for

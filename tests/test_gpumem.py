@@ -22,7 +22,6 @@ import itertools
 from functools import cache
 
 import pytest
-from tinypipe.sim import simulate
 
 from tinypipe.common.units import GIB
 from tinypipe.compiler import compile_schedule, make_plan
@@ -34,6 +33,7 @@ from tinypipe.estimate.cost import gpu_peak_bytes
 from tinypipe.estimate.plan import base_plan
 from tinypipe.partition import milp_memory
 from tinypipe.policy import PRESETS, Policy
+from tinypipe.sim import simulate
 
 MODELS = ("tiny-llama", "pythia-1b", "qwen3-1.7b", "gpt2-xl", "llama-3.1-8b")
 HARDWARE = ("h200x2", "rtx3090x4-pcie3", "rtx4090x1", "rtx4090x8-pcie4")

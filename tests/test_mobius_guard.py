@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from tinypipe.sim import simulate
-from tinypipe.sim.guard import simulate_policy
 
 from tinypipe.compiler import compile_schedule
 from tinypipe.describe.hardware import load_hardware
@@ -12,6 +10,8 @@ from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.trace import trace_for
 from tinypipe.partition.mobius import same_count_uniform
 from tinypipe.policy import load_policy
+from tinypipe.sim import simulate
+from tinypipe.sim.guard import simulate_policy
 
 
 def test_same_count_uniform_partitions() -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinypipe.sim.batch import Task, simulate_policies
-from tinypipe.sim.guard import simulate_policy
-
 from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.trace import trace_for
 from tinypipe.policy import load_policy
+from tinypipe.sim.batch import Task, simulate_policies
+from tinypipe.sim.guard import simulate_policy
 
 
 def _json(res: Any) -> dict[str, Any]:

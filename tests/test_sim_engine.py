@@ -14,8 +14,6 @@ from typing import Any
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from tinypipe.sim import SimResult, simulate
-from tinypipe.sim.durations import link_capacities
 
 from tinypipe.common.errors import CapacityError, InputError, ScheduleError, TinypipeError
 from tinypipe.compiler import compile_schedule
@@ -29,6 +27,8 @@ from tinypipe.estimate.hostmem import COMPACT_OPTIM_FACTOR
 from tinypipe.ir.order import layer_owner
 from tinypipe.ir.schedule import Action, Kind, Mem, Schedule
 from tinypipe.policy import PRESETS
+from tinypipe.sim import SimResult, simulate
+from tinypipe.sim.durations import link_capacities
 
 MS = 1e-3
 

@@ -4,8 +4,6 @@ gradients wait on the GPU for host slots (the compact layout's ring), and only t
 from __future__ import annotations
 
 import pytest
-from tinypipe.sim import simulate
-from tinypipe.sim.guard import gradients_wait_for_host, simulate_policy
 
 from tinypipe.common.units import GIB
 from tinypipe.compiler import compile_schedule
@@ -13,6 +11,8 @@ from tinypipe.describe.hardware import load_hardware
 from tinypipe.describe.hfconfig import load_model
 from tinypipe.describe.trace import trace_for
 from tinypipe.policy import PRESETS, Policy
+from tinypipe.sim import simulate
+from tinypipe.sim.guard import gradients_wait_for_host, simulate_policy
 
 # the search's pick for Llama-3.1-8B on one H200 at 24 GiB (evidence/h200-2026-12-05/winner.json)
 WINNER = Policy(name="searched", packing="uniform", pack_size=3, mapping="cross", swap="layer", prefetch_depth=1,

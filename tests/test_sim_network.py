@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import simpy
+
 from tinypipe.sim.network import Flow, Network, max_min_rates
 
 GB = 1e9

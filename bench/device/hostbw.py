@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+
 from tinypipe.backends.profile.rates import host_copy_gbps, host_mem_gbps
 
 

@@ -11,7 +11,6 @@ from tinypipe.backends.host import fused_host_adamw as fha  # noqa: E402
 from tinypipe.backends.host import moments, planes  # noqa: E402
 from tinypipe.backends.host.layouts import make_host_state  # noqa: E402
 from tinypipe.backends.host.state import AdamWConfig  # noqa: E402
-
 from tinypipe.estimate.hostmem import QUANT_BLOCK_ELEMS  # noqa: E402
 from tinypipe.policy.modes import HostMemory, OptimizerState  # noqa: E402
 

@@ -20,7 +20,6 @@ from tinypipe.backends.host.pinned import (  # noqa: E402
     registered_bytes,
     torch_pinned_peak_bytes,
 )
-
 from tinypipe.common.errors import CapacityError  # noqa: E402
 
 REQUESTS = [((2, 3), torch.int16), ((5,), torch.float32), ((), torch.float64), ((0,), torch.float32),

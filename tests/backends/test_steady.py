@@ -7,7 +7,6 @@ import pytest
 pytest.importorskip("torch")
 
 from tinypipe.backends.launch.steady import steady_iteration, steady_summary  # noqa: E402
-
 from tinypipe.ir.timeline import Record, Timeline  # noqa: E402
 
 

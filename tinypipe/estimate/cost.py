@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from tinypipe.describe.hardware import usable_gpu_bytes
 from tinypipe.estimate import gpumem
 from tinypipe.estimate.plan import Plan
 from tinypipe.policy.modes import ResidentMode
@@ -92,7 +91,7 @@ def estimate(w: Plan, sizes: tuple[int, ...], mapping: tuple[int, ...],
     dma_s = moved / (w.host_dma_gbps * 1e9)
     it = max(max(busy, default=0.0) + fill + tail, opt_total, dma_s)
     peaks = gpu_peak_bytes(w, sizes, mapping, kept=kept)
-    caps = tuple(usable_gpu_bytes(mem, kept_bytes=c.gpu_reserve_bytes) for mem in w.gpu_memory_bytes)
+    caps = w.usable_gpu_bytes
     return Estimate(
         iteration_s=it, busy_s=tuple(busy), fill_s=fill, optimizer_s=opt_total, gpu_peak_bytes=peaks,
         host_peak_bytes=w.host_static_bytes + w.host_dynamic_bytes, gpu_capacity_bytes=caps,

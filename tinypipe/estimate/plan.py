@@ -9,7 +9,7 @@ from itertools import accumulate
 from typing import Any
 
 from tinypipe.common.errors import InputError
-from tinypipe.describe.hardware import Hardware
+from tinypipe.describe.hardware import Hardware, usable_gpu_bytes
 from tinypipe.describe.model import DTYPE_BYTES, ModelSpec
 from tinypipe.describe.trace import ProfileTrace
 from tinypipe.estimate import lora_costs as lora_
@@ -148,6 +148,11 @@ class Plan:
     def layer_time_s(self) -> tuple[float, ...]:
         """Compute time of each layer over one iteration (all microbatches, forward + backward)."""
         return tuple(self.microbatches * (f + b) for f, b in zip(self.fwd_s, self.bwd_s))
+
+    @property
+    def usable_gpu_bytes(self) -> tuple[int, ...]:
+        """The bytes of each GPU the plan may fill: its memory (or `--gpu-mem` cap) less the calibration's reserve."""
+        return tuple(usable_gpu_bytes(mem, kept_bytes=self.cost.gpu_reserve_bytes) for mem in self.gpu_memory_bytes)
 
     def recomputes(self, layer: int) -> bool:
         """Whether BWD of `layer` recomputes its forward (`schedule.recomputes`)."""

@@ -42,7 +42,7 @@ def memory_matrix(w: Plan, mapping: tuple[int, ...]) -> tuple[np.ndarray, list[f
         coef, const = terms.total(mo.terms + gpumem.window_terms(mo, mapping, g_n, w.prefetch_depth, w.swap,
                                                                  kept_last), base)
         rows.append(coef)
-        caps.append((w.gpu_memory_bytes[mo.gpu] - w.cost.gpu_reserve_bytes) / GIB - const)
+        caps.append(w.usable_gpu_bytes[mo.gpu] / GIB - const)
     return (np.array(rows) if rows else np.zeros((0, terms.nc))), caps
 
 

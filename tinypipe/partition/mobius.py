@@ -45,7 +45,7 @@ def mobius_counts(w: Plan, mapper: Mapper | None = None) -> list[int]:
     g, n = w.num_gpus, w.num_layers
     if n <= g:
         return [n]
-    caps = [mem - w.cost.gpu_reserve_bytes for mem in w.gpu_memory_bytes]
+    caps = w.usable_gpu_bytes
     part = Partitioner(w.layer_time_s)
     k0 = n - n % g
     for k in range(g, n + 1, g):

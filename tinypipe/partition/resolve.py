@@ -154,7 +154,7 @@ def residency(policy: Policy, w: Plan, sizes: tuple[int, ...],
     for s, g in enumerate(mapping):
         packs_of.setdefault(g, []).append(s)
     kept = {x for ps in packs_of.values() for x in range(starts[ps[-1]], starts[ps[-1] + 1])}
-    caps = [mem - w.cost.gpu_reserve_bytes for mem in w.gpu_memory_bytes]
+    caps = w.usable_gpu_bytes
     extra: set[int] = set()
     for g, ps in sorted(packs_of.items()):
         candidates = [x for s in reversed(ps[:-1]) for x in range(starts[s + 1] - 1, starts[s] - 1, -1)]
