@@ -32,7 +32,7 @@ def _write(tmp: Path, obj: Any, name: str = "hw.json") -> str:
 
 
 def test_shipped_names() -> None:
-    """The six presets ship and are listed by name."""
+    """The seven presets ship and are listed by name."""
     assert shipped_hardware() == PRESETS
 
 
@@ -58,6 +58,7 @@ def test_preset_table() -> None:
         rows.append((name, len(hw.gpus), hw.gpu(0).model, hw.gpu(0).memory_bytes, hw.host.memory_bytes,
                      hw.host.dma_gbps, hw.host.adam_params_per_s, hw.gpu_p2p))
     assert rows == [
+        ("h100x1", 1, "H100", 80 * 2**30, 128 * 2**30, 99.5, 3.91e9, True),
         ("h200x1", 1, "H200", 150_109_880_320, 135_128_870_912, 99.5, 3.91e9, True),
         ("h200x2", 2, "H200", 150_109_880_320, 270_334_464_000, 143.0, 5.9e9, True),
         ("rtx3090x4-pcie3", 4, "RTX 3090", 24 * 2**30, 192 * 2**30, 24.0, 3.5e9, False),

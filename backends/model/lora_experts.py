@@ -95,12 +95,29 @@ def lowrank_ok(experts: nn.Module, chain: dict[str, LoraParam]) -> bool:
             and not getattr(experts, "has_post_expert_norm", True) and callable(getattr(experts, "_apply_gate", None)))
 
 
-def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
-    """x [S, in] sorted by expert, times weight [E, out, in] transposed per expert group -> [S, out]. `offsets`:
-    the groups' ends (int32, for the GPU's grouped GEMM); `counts`: their sizes (for the loop elsewhere)."""
-    if counts is None:
-        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    parts = [chunk @ weight[e].t() for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
+class _Groups:
+    """The expert groups of rows sorted by expert: their ends (int32, for the GPU's grouped GEMM) and, on first
+    use, their sizes on the host (for the loop over the experts)."""
+
+    def __init__(self, sizes: torch.Tensor) -> None:
+        self.sizes = sizes
+        self.offsets = torch.cumsum(sizes, dim=0, dtype=torch.int32)
+        self._counts: list[int] | None = None
+
+    def counts(self) -> list[int]:
+        if self._counts is None:
+            self._counts = [int(n) for n in self.sizes.tolist()]
+        return self._counts
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    """x [S, in] sorted by expert, times weight [E, out, in] transposed per expert group -> [S, out]: one grouped
+    GEMM on a GPU in bf16 where every row is a multiple of 16 bytes (what `grouped_mm` takes), else a loop over the
+    experts (the CPU; a rank that is not a multiple of 8)."""
+    row_bytes = (x.shape[-1] * x.element_size(), weight.shape[1] * x.element_size())
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm") and all(b % 16 == 0 for b in row_bytes):
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=groups.offsets)
+    parts = [chunk @ weight[e].t() for e, chunk in enumerate(x.split(groups.counts())) if chunk.shape[0]]
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
@@ -111,19 +128,15 @@ def lowrank_experts(experts: nn.Module, chain: dict[str, LoraParam], hidden_stat
     top_k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
     order = torch.argsort(ids, stable=True)
-    sizes = torch.bincount(ids, minlength=count)
-    offsets = torch.cumsum(sizes, dim=0, dtype=torch.int32)
-    grouped = hidden_states.is_cuda and hasattr(F, "grouped_mm")
-    counts = None if grouped else sizes.tolist()
+    groups = _Groups(torch.bincount(ids, minlength=count))
 
     def project(x: torch.Tensor, name: str) -> torch.Tensor:
-        y = _grouped(x, getattr(experts, name), offsets, counts)
+        y = _grouped(x, getattr(experts, name), groups)
         wrapper = chain.get(name)
         if wrapper is None:
             return y
         a, b = wrapper.factors(x.dtype)
-        low = _grouped(_grouped(x, a, offsets, counts), b.contiguous(), offsets, counts)
-        return y + wrapper.scaling * low
+        return y + wrapper.scaling * _grouped(_grouped(x, a, groups), b.contiguous(), groups)
 
     rows = hidden_states[order // top_k]
     out = project(experts._apply_gate(project(rows, "gate_up_proj")), "down_proj")  # type: ignore[operator]
