@@ -4,7 +4,7 @@
 # setup.sh prints this machine's host copy bandwidth first. HW: the hardware preset everything plans with (default:
 # h100x1 on an H100, else h200x1). PARTS (default "block profile lora full") picks:
 # block:   bench/device/moe_block.py, one Qwen3-30B-A3B block by how its experts run and are adapted;
-# profile: `tinypipe profile` of Qwen3-30B-A3B with LoRA r 16, alpha 32 on all linears, 2 x 2048 tokens (the
+# profile: `tinypipe profile --no-optimizer` of Qwen3-30B-A3B, LoRA r 16, alpha 32 on all linears, 2 x 2048 tokens (the
 #          block measured on this GPU, this host's rates in hardware.json) -> $OUT/prof;
 # lora:    Qwen3-30B-A3B LoRA (the router frozen), random init, bf16, seq 2048, 16,384 tokens per step,
 #          --gpu-mem 24GiB, 4 steps (the first 2 warm-up), the `1gpu-lora-30b-a3b` policy, through
@@ -27,7 +27,7 @@ fi
 PLAN=(--hardware "$HW")
 if [[ " $PARTS " == *" profile "* ]]; then
   timeout -k 10 "${PROFILE_TIMEOUT:-200}" tinypipe profile --backend cuda --model qwen3-30b-a3b --seq-len 2048 \
-    --microbatch-size 2 --hardware "$HW" --optimizer-rounds 1 $LORA --out "$OUT/prof" 2>&1 | tail -25
+    --microbatch-size 2 --hardware "$HW" --no-optimizer $LORA --out "$OUT/prof" 2>&1 | tail -25
   echo "profile: exit ${PIPESTATUS[0]} at $(( $(date +%s) - START )) s"
   [ -f "$OUT/prof/hardware.json" ] && PLAN=(--hardware "$OUT/prof/hardware.json" --profile "$OUT/prof")
 fi
