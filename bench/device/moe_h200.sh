@@ -3,7 +3,7 @@
 #                                      $OUT/moe_log.txt, $OUT/1gpu-lora-30b-a3b*.trace.json
 # setup.sh prints this machine's host copy bandwidth first. HW: the hardware preset everything plans with (default:
 # h100x1 on an H100, else h200x1). PARTS (default "block profile lora full") picks:
-# block:   bench/device/moe_block.py, one Qwen3-30B-A3B block by how its experts run and are adapted;
+# block:   bench/device/moe_block.py (BLOCK_ARGS: its options), one Qwen3-30B-A3B block by how its experts run and are adapted;
 # profile: `tinypipe profile --no-optimizer` of Qwen3-30B-A3B, LoRA r 16, alpha 32 on all linears, 2 x 2048 tokens (the
 #          block measured on this GPU, this host's rates in hardware.json) -> $OUT/prof;
 # lora:    Qwen3-30B-A3B LoRA (the router frozen), random init, bf16, seq 2048, 16,384 tokens per step,
@@ -21,7 +21,7 @@ python3 -c "import torch, transformers; p = torch.cuda.get_device_properties(0);
 LORA="--lora 16 --lora-alpha 32 --lora-targets all"
 TIMING="--checkpoint-minutes 0 --keep-checkpoints 0 --no-save"
 if [[ " $PARTS " == *" block "* ]]; then
-  timeout -k 10 "${BLOCK_TIMEOUT:-150}" python3 bench/device/moe_block.py --out "$OUT/moe_block.json"
+  timeout -k 10 "${BLOCK_TIMEOUT:-150}" python3 bench/device/moe_block.py --out "$OUT/moe_block.json" $BLOCK_ARGS
   echo "block: exit $? at $(( $(date +%s) - START )) s"
 fi
 PLAN=(--hardware "$HW")
