@@ -87,12 +87,13 @@ LOWRANK_WEIGHTS = ("gate_up_proj", "down_proj")
 def lowrank_ok(experts: nn.Module, chain: dict[str, LoraParam]) -> bool:
     """Whether `lowrank_experts` computes what `experts` computes: transformers' gated experts, weights [E, out,
     in] (not transposed), gate and up concatenated, no bias, no norm after the experts, and only their two
-    weights adapted."""
+    weights adapted. A flag a transformers version does not set (5.17 has no `has_post_expert_norm`) reads as
+    transformers' default."""
     weights = [getattr(experts, n, None) for n in LOWRANK_WEIGHTS]
     return (all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights) and set(chain) <= set(LOWRANK_WEIGHTS)
-            and getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
-            and not getattr(experts, "is_transposed", True) and not getattr(experts, "has_bias", True)
-            and not getattr(experts, "has_post_expert_norm", True) and callable(getattr(experts, "_apply_gate", None)))
+            and getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)
+            and not getattr(experts, "is_transposed", False) and not getattr(experts, "has_bias", False)
+            and not getattr(experts, "has_post_expert_norm", False) and callable(getattr(experts, "_apply_gate", None)))
 
 
 class _Groups:

@@ -83,6 +83,10 @@ def measure(variant: str, tokens: int, args: argparse.Namespace) -> dict[str, An
     lowrank = lora_experts.lowrank_ok
     if variant == "lora-adapted":
         lora_experts.lowrank_ok = lambda *a: False  # type: ignore[assignment]
+    wrapper = layer.mlp.experts
+    lowrank_taken = variant.startswith("lora") and lora_experts.lowrank_ok(wrapper._target()[0], wrapper.chain())
+    if variant == "lora-lowrank" and not lowrank_taken:
+        raise RuntimeError("lowrank_ok is false for this transformers' experts: the variant would time peft's path")
     seqs = max(1, tokens // 2048)
     x = torch.randn(seqs, tokens // seqs, hidden, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(x.shape[1], device="cuda")[None].expand(seqs, -1)
@@ -111,7 +115,7 @@ def measure(variant: str, tokens: int, args: argparse.Namespace) -> dict[str, An
         first = time.perf_counter() - t0
         row = {"variant": variant, "tokens": tokens, "fwd_ms": 1e3 * timeit(fwd, args.warmup, args.repeat),
                "recompute_bwd_ms": 1e3 * timeit(bwd, args.warmup, args.repeat), "first_s": first,
-               "adapter_params": sum(p.numel() for p in adapters),
+               "adapter_params": sum(p.numel() for p in adapters), "lowrank_path": lowrank_taken,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     finally:
         lora_experts.lowrank_ok = lowrank  # type: ignore[assignment]

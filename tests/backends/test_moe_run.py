@@ -214,3 +214,26 @@ def test_expert_lora_computes_what_the_adapted_weight_computes(family: str) -> N
     adapted = output_and_grads()
     for a, b in zip(grouped, adapted, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_lora_takes_the_grouped_path_where_transformers_leaves_out_the_optional_flags() -> None:
+    """transformers 5.17's experts carry no `has_post_expert_norm` (nor, earlier, `is_concatenated`): missing flags
+    read as transformers' defaults, so the grouped low-rank path is taken; a flag that changes the computation
+    (a norm after the experts, transposed weights) sends the experts to peft's path."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from tinypipe.backends.model import lora_experts
+
+    block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8,
+                                                  num_experts_per_tok=2))
+    lora_experts.inject_expert_lora(block, {"gate_up_proj": 2, "down_proj": 1}, rank=RANK, alpha=ALPHA)
+    experts, chain = block.experts._target()[0], block.experts.chain()
+    for flag in ("has_post_expert_norm", "is_concatenated"):
+        if flag in vars(experts):
+            delattr(experts, flag)
+    assert lora_experts.lowrank_ok(experts, chain)
+    experts.has_post_expert_norm = True
+    assert not lora_experts.lowrank_ok(experts, chain)
+    experts.has_post_expert_norm, experts.is_transposed = False, True
+    assert not lora_experts.lowrank_ok(experts, chain)
