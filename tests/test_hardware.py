@@ -58,7 +58,7 @@ def test_preset_table() -> None:
         rows.append((name, len(hw.gpus), hw.gpu(0).model, hw.gpu(0).memory_bytes, hw.host.memory_bytes,
                      hw.host.dma_gbps, hw.host.adam_params_per_s, hw.gpu_p2p))
     assert rows == [
-        ("h100x1", 1, "H100", 80 * 2**30, 128 * 2**30, 99.5, 3.91e9, True),
+        ("h100x1", 1, "H100", 85_017_493_504, 135_129_059_328, 99.5, 3.91e9, True),
         ("h200x1", 1, "H200", 150_109_880_320, 135_128_870_912, 99.5, 3.91e9, True),
         ("h200x2", 2, "H200", 150_109_880_320, 270_334_464_000, 143.0, 5.9e9, True),
         ("rtx3090x4-pcie3", 4, "RTX 3090", 24 * 2**30, 192 * 2**30, 24.0, 3.5e9, False),
