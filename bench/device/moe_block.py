@@ -80,12 +80,11 @@ def measure(variant: str, tokens: int, args: argparse.Namespace) -> dict[str, An
     for p in layer.parameters():
         p.requires_grad_(variant == "full")
     adapters = with_lora(layer, args.rank, args.alpha) if variant.startswith("lora") else []
-    lowrank = lora_experts.lowrank_ok
-    if variant == "lora-adapted":
-        lora_experts.lowrank_ok = lambda *a: False  # type: ignore[assignment]
     wrapper = layer.mlp.experts
     lowrank_taken = variant.startswith("lora") and lora_experts.lowrank_ok(wrapper._target()[0], wrapper.chain())
-    if variant == "lora-lowrank" and not lowrank_taken:
+    if variant == "lora-adapted":
+        lowrank_taken = False
+    elif variant == "lora-lowrank" and not lowrank_taken:
         raise RuntimeError("lowrank_ok is false for this transformers' experts: the variant would time peft's path")
     seqs = max(1, tokens // 2048)
     x = torch.randn(seqs, tokens // seqs, hidden, device="cuda", dtype=torch.bfloat16)
@@ -107,6 +106,9 @@ def measure(variant: str, tokens: int, args: argparse.Namespace) -> dict[str, An
         for p in trained:
             p.grad = None
 
+    lowrank = lora_experts.lowrank_ok
+    if variant == "lora-adapted":
+        lora_experts.lowrank_ok = lambda *a: False  # type: ignore[assignment]
     try:
         t0 = time.perf_counter()
         fwd()
