@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from blocktime import time_block
 from torch import nn
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -69,21 +68,6 @@ def with_lora(layer: nn.Module, variant: str, rank: int, alpha: float) -> list[n
     return params
 
 
-def timeit(fn: Callable[[], Any], warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
 def measure(variant: str, compiled: bool, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     layer, rope = block(torch.bfloat16)
@@ -103,25 +87,9 @@ def measure(variant: str, compiled: bool, args: argparse.Namespace) -> dict[str,
     ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if variant == "peft-autocast" else \
         (lambda: torch.autocast("cuda", enabled=False))
 
-    def fwd() -> None:
-        with torch.no_grad(), ctx():
-            fn(x)
-
-    def bwd() -> None:
-        xin = x.detach().requires_grad_()
-        with ctx():
-            out = fn(xin)
-        out.backward(dy)
-        for p in [*adapters, *(layer.parameters() if variant == "full" else [])]:
-            p.grad = None
-
-    t0 = time.perf_counter()
-    fwd()
-    bwd()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    row = {"variant": variant, "compiled": compiled, "fwd_ms": 1e3 * timeit(fwd, args.warmup, args.repeat),
-           "recompute_bwd_ms": 1e3 * timeit(bwd, args.warmup, args.repeat), "first_s": first,
+    trained = [*adapters, *(layer.parameters() if variant == "full" else [])]
+    row = {"variant": variant, "compiled": compiled,
+           **time_block(fn, x, dy, trained, warmup=args.warmup, repeat=args.repeat, ctx=ctx),
            "adapter_params": sum(p.numel() for p in adapters)}
     torch.cuda.empty_cache()
     return row

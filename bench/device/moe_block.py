@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from blocktime import time_block
 from torch import nn
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -57,21 +56,6 @@ def with_lora(layer: nn.Module, rank: int, alpha: float) -> list[nn.Parameter]:
     return params
 
 
-def timeit(fn: Callable[[], Any], warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
 def measure(variant: str, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
     from tinypipe.backends.model import lora_experts
 
@@ -97,26 +81,12 @@ def measure(variant: str, tokens: int, args: argparse.Namespace) -> dict[str, An
         out = layer(h, position_embeddings=pe, position_ids=pos)
         return out[0] if isinstance(out, tuple) else out
 
-    def fwd() -> None:
-        with torch.no_grad():
-            run(x)
-
-    def bwd() -> None:
-        run(x.detach().requires_grad_()).backward(dy)
-        for p in trained:
-            p.grad = None
-
     lowrank = lora_experts.lowrank_ok
     if variant == "lora-adapted":
         lora_experts.lowrank_ok = lambda *a: False  # type: ignore[assignment]
     try:
-        t0 = time.perf_counter()
-        fwd()
-        bwd()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        row = {"variant": variant, "tokens": tokens, "fwd_ms": 1e3 * timeit(fwd, args.warmup, args.repeat),
-               "recompute_bwd_ms": 1e3 * timeit(bwd, args.warmup, args.repeat), "first_s": first,
+        row = {"variant": variant, "tokens": tokens,
+               **time_block(run, x, dy, trained, warmup=args.warmup, repeat=args.repeat),
                "adapter_params": sum(p.numel() for p in adapters), "lowrank_path": lowrank_taken,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     finally:
