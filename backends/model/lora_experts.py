@@ -53,9 +53,7 @@ class LoraParam(nn.Module):
         """The adapted weight: W + scaling x B_e A_e per expert (peft's `_LoraFactorsProxy`)."""
         experts, _ = self._target()
         base: torch.Tensor = getattr(experts, self.parameter_name)
-        a_weight, b_weight = cast(nn.Linear, self.lora_A[ADAPTER]).weight, cast(nn.Linear, self.lora_B[ADAPTER]).weight
-        a = a_weight.to(base.dtype).reshape(self.num_experts, self.rank, -1)  # (E, r, in)
-        b = b_weight.to(base.dtype).reshape(-1, self.rank, self.num_experts).permute(2, 0, 1)  # (E, out, r)
+        a, b = self.factors(base.dtype)
         return torch.baddbmm(base, b, a, alpha=self.scaling)
 
     def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +74,9 @@ class LoraParam(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         experts, path = self._target()
-        if lowrank_ok(experts, self.chain()):
-            return lowrank_experts(experts, self.chain(), *args, **kwargs)
+        chain = self.chain()
+        if lowrank_ok(experts, chain):
+            return lowrank_experts(experts, chain, *args, **kwargs)
         return torch.func.functional_call(self.base_layer, {path: self.weight()}, args, kwargs, strict=False)
 
 

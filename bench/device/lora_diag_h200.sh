@@ -6,12 +6,11 @@
 #         `tinypipe replay` says per resource and action kind where the time went, beside the prediction.
 # qwen32: Qwen3-32B shapes, the same LoRA and workload, --gpu-mem ${QWEN_GPU_MEM:-24GiB}, the policy `search`
 #         picks, 3 steps (the first is warm-up): tokens/s, GPU peak, RSS, prediction.
-# HW: the hardware preset both plan with (default: h100x1 on an H100, else h200x1).
+# HW: the hardware preset both plan with (default: the shipped preset of this GPU, setup.sh's GPU_PRESET).
 # Needs the peft and accelerate wheels in .whl/ (pip download --no-deps -d .whl peft accelerate psutil).
 . bench/device/setup.sh
 PARTS=${PARTS:-diag qwen32}
-case "$(python3 -c "import torch; print(torch.cuda.get_device_name(0))")" in
-  *H100*) HW=${HW:-h100x1} ;; *) HW=${HW:-h200x1} ;; esac
+HW=${HW:-$GPU_PRESET}
 D=$OUT/lora_diag; mkdir -p "$D"
 LORA="--lora 16 --lora-alpha 32 --lora-targets all"
 W="--seq-len 2048 --batch-tokens 65536"

@@ -2,20 +2,19 @@
 #   bash bench/device/moe_h200.sh   -> $OUT/moe_block.json, $OUT/prof/ (traces, hardware.json), $OUT/moe_h200.jsonl,
 #                                      $OUT/moe_log.txt, $OUT/1gpu-lora-30b-a3b*.trace.json
 # setup.sh prints this machine's host copy bandwidth first. HW: the hardware preset everything plans with (default:
-# h100x1 on an H100, else h200x1). PARTS (default "block profile lora full") picks:
+# the shipped preset of this GPU, setup.sh's GPU_PRESET). PARTS (default "block profile lora full") picks:
 # block:   bench/device/moe_block.py (BLOCK_ARGS: its options), one Qwen3-30B-A3B block by how its experts run and are adapted;
 # profile: `tinypipe profile --no-optimizer` of Qwen3-30B-A3B, LoRA r 16, alpha 32 on all linears, 2 x 2048 tokens (the
 #          block measured on this GPU, this host's rates in hardware.json) -> $OUT/prof;
 # lora:    Qwen3-30B-A3B LoRA (the router frozen), random init, bf16, seq 2048, 16,384 tokens per step,
-#          --gpu-mem 24GiB, 4 steps (the first 2 warm-up), the `1gpu-lora-30b-a3b` policy, through
+#          --gpu-mem 24GiB, MOE_STEPS steps (default 4; the first 2 warm-up), the `1gpu-lora-30b-a3b` policy, through
 #          bench/cuda_bench.py, planned with the profile when there is one: tokens/s, GPU peak, host RSS, predicted;
 # full:    full fine-tuning of the same model: what `tinypipe run` says before it trains (on a 125 GiB host the
 #          parameters and optimizer state do not fit, which it says with the bytes).
 START=$(date +%s)
 . bench/device/setup.sh
 PARTS=${PARTS:-block profile lora full}
-GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name(0))")
-case "$GPU" in *H100*) HW=${HW:-h100x1} ;; *) HW=${HW:-h200x1} ;; esac
+HW=${HW:-$GPU_PRESET}
 python3 -c "import torch, transformers; p = torch.cuda.get_device_properties(0); print('gpu', p.name, p.total_memory, \
 'B; transformers', transformers.__version__)"; grep MemTotal /proc/meminfo; echo "hardware preset $HW"
 LORA="--lora 16 --lora-alpha 32 --lora-targets all"
@@ -33,7 +32,7 @@ if [[ " $PARTS " == *" profile "* ]]; then
 fi
 if [[ " $PARTS " == *" lora "* ]]; then
   timeout -k 10 "${MOE_TIMEOUT:-230}" python3 bench/cuda_bench.py --out "$OUT/moe_h200.jsonl" --cases 1gpu-lora-30b-a3b \
-    --model qwen3-30b-a3b --steps 4 --batch-tokens 16384 --trace-dir "$OUT" --extra $LORA $TIMING "${PLAN[@]}" \
+    --model qwen3-30b-a3b --steps "${MOE_STEPS:-4}" --batch-tokens 16384 --trace-dir "$OUT" --extra $LORA $TIMING "${PLAN[@]}" \
     >"$OUT/moe_log.txt" 2>&1
   echo "qwen3-30b-a3b LoRA: exit $? at $(( $(date +%s) - START )) s"; grep -v "^training \[" "$OUT/moe_log.txt" | tail -6
 fi

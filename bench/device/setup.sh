@@ -15,4 +15,6 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TINYPIPE_STACKS_AFTER_S=${TINYPIPE_STACKS_AFTER_S:-240}
 set +e
 python3 -c "import torch, tinypipe, simpy; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
+# the shipped hardware preset of this GPU, by `run`'s own rule (scripts plan with ${HW:-$GPU_PRESET})
+export GPU_PRESET=$(python3 -c "from tinypipe.backends.launch.devices import cuda_hardware; print(cuda_hardware(1, None).name)" 2>/dev/null || echo h200x1)
 python3 bench/device/hostbw.py "$OUT/hostbw.json"  # this machine's host copy bandwidth: compare only within one machine

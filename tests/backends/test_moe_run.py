@@ -208,7 +208,7 @@ def test_expert_lora_computes_what_the_adapted_weight_computes(family: str) -> N
         return [out, *torch.autograd.grad(out.square().sum(), trained)]
 
     grouped = output_and_grads()
-    experts, path = wrapper._target()
+    _, path = wrapper._target()
     wrapper.forward = lambda *a, **k: torch.func.functional_call(  # type: ignore[method-assign]
         wrapper.base_layer, {path: wrapper.weight()}, a, k, strict=False)
     adapted = output_and_grads()
